@@ -1,0 +1,138 @@
+"""The experiment configuration: one YAML file (draccus) describes a whole run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from marin_rl.broadcast.broadcaster import BroadcastConfig
+from marin_rl.envs.base import SamplingParams
+from marin_rl.inference.config import InferenceConfig
+from marin_rl.learner.learner import LearnerConfig
+from marin_rl.learner.model import ModelConfig
+from marin_rl.replay.batcher import BatcherConfig
+from marin_rl.replay.buffer import ReplayConfig
+from marin_rl.tokenizer import TokenizerConfig
+
+
+@dataclass
+class EnvConfig:
+    """One environment type and how it is run."""
+
+    name: str = "addition"
+    """Name used in metrics and in `batcher` shares; unique per run."""
+    env_class: str = "marin_rl.envs.arithmetic:AdditionEnvironment"
+    """'module:Class' of an `Environment` subclass."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the environment's constructor."""
+    replicas: int = 1
+    """Env actors of this type."""
+    concurrency: int = 8
+    """Groups each replica generates at once."""
+    group_size: int = 8
+    """Episodes per problem in a group (advantages are computed within it)."""
+    fraction: float | None = None
+    """Share of each batch's token budget; None splits what the others leave equally."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling parameters of the policy in this environment."""
+    eval_samples_per_problem: int = 4
+    """Samples per held-out problem in evaluation (mean reward and pass@k are reported)."""
+    num_eval_problems: int | None = None
+    """Evaluate on the first this many held-out problems (None: all)."""
+
+
+@dataclass
+class OrchestratorConfig:
+    """The driver loop."""
+
+    ray_address: str | None = None
+    """Address of an existing Ray cluster; None starts a local one."""
+    num_cpus: int | None = None
+    """CPUs for the local Ray cluster (None: all of this machine's)."""
+    num_steps: int = 100
+    """Learner steps (= policy versions) to train for."""
+    max_staleness: int = 1
+    """η: no new episode starts once generation would run more than η versions ahead of the learner."""
+    eval_every: int = 25
+    """Evaluate on held-out problems every this many steps (and always at the start and the end)."""
+    batch_timeout_s: float = 600.0
+    """Give up if no batch can be formed for this long (it says which env it waits for)."""
+    seed: int = 0
+    """Seed for problem order."""
+
+
+@dataclass
+class TrackingConfig:
+    """Where metrics go: always `output_dir/metrics.jsonl`, plus Weights & Biases when enabled."""
+
+    wandb_mode: str = "disabled"
+    """'disabled', 'offline' (local files, no account) or 'online'."""
+    wandb_project: str = "marin_rl"
+    """W&B project."""
+    run_name: str | None = None
+    """Run name (defaults to the output directory's name)."""
+    console_every: int = 1
+    """Print a console line every this many steps."""
+
+
+@dataclass
+class RunConfig:
+    """A whole RL experiment."""
+
+    output_dir: str = "runs/quickstart"
+    """Directory (local or gs://) for metrics, the summary, the reward plot and rollouts."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer."""
+    envs: list[EnvConfig] = field(default_factory=lambda: [EnvConfig()])
+    """Environments to train on."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Inference servers."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Replay buffers."""
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    """Batch assembly."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Optimizer, loss and warm start."""
+    broadcast: BroadcastConfig = field(default_factory=BroadcastConfig)
+    """Weight broadcast."""
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    """The driver loop."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Metrics."""
+
+    def validate(self) -> None:
+        """Cross-field checks that a single dataclass cannot do; raises ValueError naming the fields."""
+        names = [e.name for e in self.envs]
+        if not names:
+            raise ValueError("envs: at least one environment is required")
+        if len(set(names)) != len(names):
+            raise ValueError(f"envs: names must be unique, got {names}")
+        temps = {e.sampling.temperature for e in self.envs}
+        if len(temps) != 1:
+            raise ValueError(f"envs[*].sampling.temperature must agree (the learner uses one), got {sorted(temps)}")
+        fixed = sum(e.fraction for e in self.envs if e.fraction is not None)
+        if fixed > 1 + 1e-6:
+            raise ValueError(f"envs[*].fraction sum to {fixed} > 1")
+        for e in self.envs:
+            if e.replicas < 1 or e.concurrency < 1 or e.group_size < 1:
+                raise ValueError(f"envs[{e.name}]: replicas, concurrency and group_size must be >= 1")
+            if e.group_size < self.replay.min_group_size:
+                raise ValueError(
+                    f"envs[{e.name}].group_size={e.group_size} < replay.min_group_size={self.replay.min_group_size}: "
+                    "every group would be rejected"
+                )
+        if self.tracking.wandb_mode not in ("disabled", "offline", "online"):
+            raise ValueError("tracking.wandb_mode must be 'disabled', 'offline' or 'online'")
+        if self.inference.kv_cache_dtype not in ("float32", "bfloat16"):
+            raise ValueError("inference.kv_cache_dtype must be 'float32' or 'bfloat16'")
+        if self.batcher.max_seq_len > self.inference.max_seq_len:
+            raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
+
+    def env_fractions(self) -> dict[str, float]:
+        """Each environment's share of a batch (unset shares split the remainder equally)."""
+        fixed = {e.name: e.fraction for e in self.envs if e.fraction is not None}
+        free = [e.name for e in self.envs if e.fraction is None]
+        rest = max(0.0, 1.0 - sum(fixed.values()))
+        return {**fixed, **{n: rest / len(free) for n in free}}

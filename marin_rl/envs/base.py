@@ -1,0 +1,163 @@
+"""The environment API: problems, a verifier, and an async episode function that talks to the policy."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from marin_rl.inference.client import PolicyClient, Sample
+from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
+
+
+@dataclass
+class Problem:
+    """One task instance."""
+
+    id: str
+    """Stable identifier, unique within the environment."""
+    prompt: str
+    """Text shown to the policy."""
+    answer: str
+    """Reference answer used by the verifier (and as the warm-start completion)."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """Extra, environment-specific data."""
+
+
+@dataclass
+class SamplingParams:
+    """How the policy samples in an environment."""
+
+    temperature: float = 1.0
+    """Sampling temperature (the learner uses the same one to compute logprobs)."""
+    max_tokens: int = 16
+    """Limit on generated tokens per policy turn."""
+
+
+class Environment(abc.ABC):
+    """A task: training and held-out problems, and an episode that turns a problem into a scored `Rollout`.
+
+    Subclasses take the tokenizer and their own keyword arguments (from the env's `args` in the config).
+    """
+
+    name: str = "env"
+
+    def __init__(self, tokenizer, *, name: str | None = None, seed: int = 0):
+        self.tokenizer = tokenizer
+        self.seed = seed
+        if name is not None:
+            self.name = name
+
+    @abc.abstractmethod
+    def train_problems(self) -> list[Problem]:
+        """Problems to train on."""
+
+    @abc.abstractmethod
+    def eval_problems(self) -> list[Problem]:
+        """Held-out problems (disjoint from the training ones)."""
+
+    @abc.abstractmethod
+    async def run_episode(self, policy: PolicyClient, problem: Problem, sampling: SamplingParams) -> Rollout:
+        """Play one episode of `problem` with `policy` and return the scored rollout."""
+
+    def reference_completion(self, problem: Problem) -> str | None:
+        """A correct completion for supervised warm start, or None if the env has none."""
+        return None
+
+    async def run_group(
+        self, policy: PolicyClient, problem: Problem, group_size: int, sampling: SamplingParams
+    ) -> RolloutGroup:
+        """`group_size` concurrent episodes of one problem."""
+        rollouts = await asyncio.gather(*(self.run_episode(policy, problem, sampling) for _ in range(group_size)))
+        return RolloutGroup(environment=self.name, problem_id=problem.id, rollouts=list(rollouts))
+
+
+class SingleTurnEnvironment(Environment):
+    """Prompt → one sampled completion → verifier. Subclasses implement `problems` and `score`."""
+
+    reward_weights: dict[str, float] = {"correct": 1.0}
+
+    def encode_prompt(self, problem: Problem) -> list[int]:
+        """Token ids of the prompt (no special tokens added)."""
+        return self.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+
+    @abc.abstractmethod
+    def score(self, problem: Problem, completion: str) -> dict[str, float]:
+        """Named rewards of a completion; combined with `reward_weights` into the turn's reward."""
+
+    async def run_episode(self, policy: PolicyClient, problem: Problem, sampling: SamplingParams) -> Rollout:
+        [rollout] = await self._sample_rollouts(policy, problem, 1, sampling)
+        return rollout
+
+    async def run_group(
+        self, policy: PolicyClient, problem: Problem, group_size: int, sampling: SamplingParams
+    ) -> RolloutGroup:
+        """All `group_size` completions in one request (`n=group_size`)."""
+        rollouts = await self._sample_rollouts(policy, problem, group_size, sampling)
+        return RolloutGroup(environment=self.name, problem_id=problem.id, rollouts=rollouts)
+
+    async def _sample_rollouts(
+        self, policy: PolicyClient, problem: Problem, n: int, sampling: SamplingParams
+    ) -> list[Rollout]:
+        prompt_ids = self.encode_prompt(problem)
+        eos = self.tokenizer.eos_token_id
+        samples = await policy.sample(
+            prompt_ids,
+            n=n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            stop_token_ids=[eos] if eos is not None else None,
+        )
+        rollouts = []
+        for sample in samples:
+            completion = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            rewards = self.score(problem, completion)
+            reward = sum(self.reward_weights.get(k, 0.0) * v for k, v in rewards.items())
+            turns = [
+                Turn(role="user", message=problem.prompt, token_ids=list(prompt_ids)),
+                policy_turn(sample, completion, sampling, reward=reward, rewards=rewards),
+            ]
+            rollouts.append(
+                Rollout(environment=self.name, problem_id=problem.id, turns=turns, metadata={"answer": problem.answer})
+            )
+        return rollouts
+
+
+def policy_turn(
+    sample: Sample, text: str, sampling: SamplingParams, *, reward: float = 0.0, rewards: dict | None = None
+) -> Turn:
+    """An assistant turn from a policy sample, with its logprobs and inference metadata."""
+    return Turn(
+        role="assistant",
+        message=text,
+        token_ids=list(sample.token_ids),
+        logprobs=list(sample.logprobs),
+        reward=float(reward),
+        rewards=dict(rewards or {}),
+        inference_metadata=InferenceMetadata(
+            server=sample.server,
+            temperature=sampling.temperature,
+            max_tokens=sampling.max_tokens,
+            version_start=sample.version_start,
+            version_end=sample.version_end,
+            finish_reason=sample.finish_reason,
+            latency_s=sample.latency_s,
+        ),
+        timestamp=time.time(),
+    )
+
+
+def load_environment_class(path: str) -> type[Environment]:
+    """Resolve 'package.module:ClassName' (or 'package.module.ClassName') to an Environment subclass."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        cls = getattr(module, attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"environment class {path!r} cannot be imported: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"{path!r} is not an Environment subclass")
+    return cls

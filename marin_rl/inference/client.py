@@ -1,0 +1,138 @@
+"""Policy client: samples completions from OpenAI-compatible servers with exact token ids and versions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+from openai import AsyncOpenAI
+
+
+@dataclass
+class Sample:
+    """One sampled completion, token-exact."""
+
+    token_ids: list[int]
+    """Sampled token ids (the stop token included when one was sampled)."""
+    logprobs: list[float]
+    """Sampler's log-probability of each sampled token."""
+    text: str
+    """Decoded completion text (special tokens skipped)."""
+    finish_reason: str
+    """'stop' or 'length'."""
+    version_start: int
+    """Policy version of the weights when generation started."""
+    version_end: int
+    """Policy version of the weights when generation finished."""
+    server: str
+    """Address of the server that produced it."""
+    latency_s: float
+    """Wall time of the request."""
+
+
+class PolicyClient:
+    """Sends completion requests to one of several servers (least outstanding requests first).
+
+    Prompts are sent as token ids and tokens come back as ids (`return_tokens_as_token_ids`, as in vLLM),
+    so what the learner trains on is exactly what was sampled.
+    """
+
+    def __init__(
+        self, servers: list[str], *, model: str = "policy", timeout_s: float = 600.0, max_concurrent_requests: int = 32
+    ):
+        if not servers:
+            raise ValueError("PolicyClient needs at least one server address")
+        self.servers = list(servers)
+        self.model = model
+        self._clients = {
+            s: AsyncOpenAI(
+                base_url=f"http://{s}/v1",
+                api_key="unused",
+                timeout=timeout_s,
+                max_retries=2,
+                http_client=httpx.AsyncClient(
+                    timeout=timeout_s,
+                    limits=httpx.Limits(
+                        max_connections=max_concurrent_requests, max_keepalive_connections=max_concurrent_requests
+                    ),
+                ),
+            )
+            for s in self.servers
+        }
+        self._outstanding = dict.fromkeys(self.servers, 0)
+        # httpx's connection pool does work quadratic in the number of waiting requests; queue them here instead.
+        self._slots = {s: asyncio.Semaphore(max_concurrent_requests) for s in self.servers}
+
+    def _pick_server(self) -> str:
+        return min(self.servers, key=lambda s: self._outstanding[s])
+
+    async def sample(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int,
+        temperature: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """Sample `n` completions of `prompt_ids` in one request to the least-loaded server."""
+        server = self._pick_server()
+        self._outstanding[server] += n
+        start = time.time()
+        try:
+            async with self._slots[server]:
+                resp = await self._create(server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids)
+        finally:
+            self._outstanding[server] -= n
+        latency = time.time() - start
+        return self._parse(resp, n, server, latency)
+
+    async def _create(self, server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids):
+        return await self._clients[server].completions.create(
+            model=self.model,
+            prompt=list(prompt_ids),
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            logprobs=0,
+            stop=stop or None,
+            seed=seed,
+            extra_body={"return_tokens_as_token_ids": True, "stop_token_ids": list(stop_token_ids or [])},
+        )
+
+    @staticmethod
+    def _parse(resp, n: int, server: str, latency: float) -> list[Sample]:
+        if len(resp.choices) != n:
+            raise RuntimeError(f"server {server} returned {len(resp.choices)} choices for n={n}")
+        samples = []
+        for choice in sorted(resp.choices, key=lambda c: c.index):
+            if choice.logprobs is None or choice.logprobs.token_logprobs is None:
+                raise RuntimeError(f"server {server} returned no logprobs; it must support `logprobs`")
+            extra = choice.model_extra or {}
+            samples.append(
+                Sample(
+                    token_ids=[_parse_token_id(t) for t in choice.logprobs.tokens],
+                    logprobs=[float(x) for x in choice.logprobs.token_logprobs],
+                    text=choice.text,
+                    finish_reason=choice.finish_reason or "stop",
+                    version_start=int(extra.get("policy_version_start", -1)),
+                    version_end=int(extra.get("policy_version_end", -1)),
+                    server=server,
+                    latency_s=latency,
+                )
+            )
+        return samples
+
+    async def aclose(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+
+
+def _parse_token_id(token: str) -> int:
+    if not token.startswith("token_id:"):
+        raise ValueError(f"server returned token {token!r} instead of 'token_id:N'; it must honour token ids")
+    return int(token.split(":", 1)[1])

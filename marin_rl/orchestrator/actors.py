@@ -1,0 +1,172 @@
+"""Ray actors: the learner, the inference servers and the environment workers.
+
+Each wraps a plain class that tests use in-process. Rollouts leave env actors as JSON-compatible dicts
+(`RolloutGroup.to_dict`), which the replay buffer validates on the way in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+
+import numpy as np
+import ray
+
+from marin_rl.broadcast.broadcaster import WeightUpdate, make_transport
+from marin_rl.config import EnvConfig, RunConfig
+from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
+from marin_rl.inference.client import PolicyClient
+from marin_rl.learner.learner import Learner
+from marin_rl.learner.model import build_model
+from marin_rl.tokenizer import load_tokenizer
+from marin_rl.types import PackedBatch
+
+
+def configure_logging() -> None:
+    """Quiet third-party loggers inside actors; keep ours at INFO."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in ("levanter", "jax", "absl", "httpx", "uvicorn", "openai", "urllib3", "ray"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("levanter.inference.openai").setLevel(logging.CRITICAL)
+
+
+def make_environment(env_config: EnvConfig, tokenizer, seed: int) -> Environment:
+    """Instantiate an environment from its config."""
+    cls = load_environment_class(env_config.env_class)
+    try:
+        return cls(tokenizer, name=env_config.name, seed=seed, **env_config.args)
+    except TypeError as e:
+        raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
+
+
+@ray.remote(num_cpus=0)
+class LearnerActor:
+    """Owns the policy's parameters and optimizer; publishes weights after steps."""
+
+    def __init__(self, config: RunConfig, vocab_size: int):
+        configure_logging()
+        self.config = config
+        self.learner = Learner(
+            config.model, config.learner, vocab_size, temperature=config.envs[0].sampling.temperature
+        )
+        self.transport = make_transport(config.broadcast.transport)
+
+    def num_params(self) -> int:
+        return self.learner.num_params
+
+    def warm_start(self, examples: list[tuple[list[int], list[int]]]) -> dict:
+        return self.learner.warm_start(examples, self.config.batcher.max_seq_len, seed=self.config.orchestrator.seed)
+
+    def train_step(self, batch: PackedBatch) -> dict[str, float]:
+        return self.learner.train_step(batch)
+
+    def publish(self) -> WeightUpdate:
+        return self.transport.publish(self.learner.version, self.learner.weights())
+
+    def version(self) -> int:
+        return self.learner.version
+
+
+@ray.remote(num_cpus=0)
+class InferenceServerActor:
+    """An embedded Levanter inference server; weights arrive through `apply_update`."""
+
+    def __init__(self, config: RunConfig, name: str):
+        configure_logging()
+        from marin_rl.inference.levanter_server import LevanterInferenceServer
+
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        model = build_model(config.model, len(self.tokenizer))  # placeholder weights until the first update
+        self.server = LevanterInferenceServer(model, self.tokenizer, config.inference, name=name)
+        self.transport = make_transport(config.broadcast.transport)
+        self.address = self.server.start()
+
+    def get_address(self) -> str:
+        return self.address
+
+    def apply_update(self, update: WeightUpdate) -> dict:
+        start = time.time()
+        leaves = self.transport.fetch(update)
+        fetched = time.time() - start
+        applied = self.server.apply_weights(update.version, leaves)
+        return {"version": update.version, "fetch_s": fetched, "apply_s": applied, "bytes": update.num_bytes}
+
+    def stats(self) -> dict:
+        return self.server.stats()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote(num_cpus=0)
+class EnvActor:
+    """Runs episodes of one environment against the inference servers (many groups concurrently)."""
+
+    def __init__(self, config: RunConfig, env_index: int, replica: int, servers: list[str]):
+        configure_logging()
+        self.env_config = config.envs[env_index]
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.env = make_environment(self.env_config, self.tokenizer, seed=config.orchestrator.seed)
+        self.servers = servers
+        self.client: PolicyClient | None = None
+        self.timeout = config.inference.request_timeout_s
+        # Each replica walks its own seeded permutation of the training problems, epoch after epoch.
+        self._rng = random.Random(config.orchestrator.seed * 1000 + env_index * 100 + replica)
+        self._order: list[int] = []
+        self.problems = self.env.train_problems()
+        if not self.problems:
+            raise ValueError(f"environment {self.env_config.name} has no training problems")
+
+    def _policy(self) -> PolicyClient:
+        if self.client is None:  # created inside the actor's event loop
+            self.client = PolicyClient(self.servers, timeout_s=self.timeout)
+        return self.client
+
+    def _next_problem(self):
+        if not self._order:
+            self._order = list(range(len(self.problems)))
+            self._rng.shuffle(self._order)
+        return self.problems[self._order.pop()]
+
+    async def run_group(self) -> dict:
+        """Sample one group of `group_size` episodes; returns it as a dict."""
+        problem = self._next_problem()
+        group = await self.env.run_group(self._policy(), problem, self.env_config.group_size, self.env_config.sampling)
+        return group.to_dict()
+
+    def warm_start_examples(self) -> list[tuple[list[int], list[int]]]:
+        """(prompt_ids, completion_ids + EOS) pairs from the environment's reference completions."""
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for p in self.problems:
+            completion = self.env.reference_completion(p)
+            if completion is None:
+                continue
+            ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
+            out.append((self.env.encode_prompt(p), ids + ([eos] if eos is not None else [])))
+        return out
+
+    async def evaluate(self) -> dict[str, float]:
+        """Mean reward, pass@1 and pass@k on held-out problems (k = eval_samples_per_problem)."""
+        cfg = self.env_config
+        problems = self.env.eval_problems()[: cfg.num_eval_problems]
+        k = cfg.eval_samples_per_problem
+        groups = await asyncio.gather(*(self.env.run_group(self._policy(), p, k, cfg.sampling) for p in problems))
+        rewards = np.array([[r.reward for r in g.rollouts] for g in groups])
+        greedy = SamplingParams(temperature=0.0, max_tokens=cfg.sampling.max_tokens)
+        greedy_groups = await asyncio.gather(*(self.env.run_group(self._policy(), p, 1, greedy) for p in problems))
+        greedy_rewards = np.array([g.rollouts[0].reward for g in greedy_groups])
+        name = cfg.name
+        return {
+            f"eval/{name}/reward": float(rewards.mean()),
+            f"eval/{name}/pass@1": float((rewards > 0).mean()),
+            f"eval/{name}/pass@{k}": float((rewards > 0).any(axis=1).mean()),
+            f"eval/{name}/greedy_reward": float(greedy_rewards.mean()),
+            f"eval/{name}/problems": len(problems),
+        }
+
+    def pid(self) -> int:
+        return os.getpid()

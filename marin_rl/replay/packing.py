@@ -1,0 +1,109 @@
+"""Packing whole sequences into fixed-size rows (several per row, separated by segment ids)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from marin_rl.types import PackedBatch, Rollout
+
+
+@dataclass
+class Sequence:
+    """One sequence to pack: a rollout's tokens with per-token training fields."""
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @staticmethod
+    def from_rollout(rollout: Rollout, advantage: float) -> Sequence:
+        """The rollout's token sequence; the advantage is spread over its sampled tokens."""
+        mask = rollout.loss_mask()
+        return Sequence(
+            token_ids=np.asarray(rollout.token_ids, dtype=np.int32),
+            loss_mask=mask,
+            advantages=np.where(mask, np.float32(advantage), np.float32(0.0)),
+            logprobs=rollout.sampler_logprobs(),
+            versions=rollout.token_versions(),
+        )
+
+    @staticmethod
+    def supervised(prompt_ids: list[int], completion_ids: list[int]) -> Sequence:
+        """A prompt/completion pair for supervised training (loss on the completion)."""
+        n_p, n_c = len(prompt_ids), len(completion_ids)
+        return Sequence(
+            token_ids=np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int32),
+            loss_mask=np.r_[np.zeros(n_p, bool), np.ones(n_c, bool)],
+            advantages=np.zeros(n_p + n_c, np.float32),
+            logprobs=np.zeros(n_p + n_c, np.float32),
+            versions=np.full(n_p + n_c, -1, np.int32),
+        )
+
+
+def first_fit_decreasing(lengths: list[int], num_rows: int, row_len: int) -> list[int | None]:
+    """Row assigned to each sequence (None if it fits nowhere), longest sequences placed first."""
+    free = [row_len] * num_rows
+    assignment: list[int | None] = [None] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        for r in range(num_rows):
+            if free[r] >= n:
+                free[r] -= n
+                assignment[i] = r
+                break
+    return assignment
+
+
+def pack(
+    sequences: list[Sequence], num_rows: int, row_len: int, assignment: list[int | None] | None = None
+) -> tuple[PackedBatch, list[int]]:
+    """Pack sequences into a `(num_rows, row_len)` batch, by first-fit-decreasing unless `assignment` gives rows.
+
+    Returns the batch and the indices of the sequences that were placed (in input order); the others did not
+    fit. Segment ids number the sequences within each row from 0; padding has segment id -1 and no loss.
+    """
+    if assignment is None:
+        assignment = first_fit_decreasing([len(s) for s in sequences], num_rows, row_len)
+    input_ids = np.zeros((num_rows, row_len), np.int32)
+    position_ids = np.zeros((num_rows, row_len), np.int32)
+    segment_ids = np.full((num_rows, row_len), -1, np.int32)
+    loss_mask = np.zeros((num_rows, row_len), bool)
+    advantages = np.zeros((num_rows, row_len), np.float32)
+    logprobs = np.zeros((num_rows, row_len), np.float32)
+    versions = np.full((num_rows, row_len), -1, np.int32)
+    fill = [0] * num_rows
+    nseg = [0] * num_rows
+    placed = []
+    for i, (seq, row) in enumerate(zip(sequences, assignment, strict=True)):
+        if row is None:
+            continue
+        a, b = fill[row], fill[row] + len(seq)
+        if b > row_len:
+            raise ValueError(f"row {row} overflows: sequence {i} needs {len(seq)} tokens, {row_len - a} left")
+        input_ids[row, a:b] = seq.token_ids
+        position_ids[row, a:b] = np.arange(len(seq))
+        segment_ids[row, a:b] = nseg[row]
+        loss_mask[row, a:b] = seq.loss_mask
+        advantages[row, a:b] = seq.advantages
+        logprobs[row, a:b] = seq.logprobs
+        versions[row, a:b] = seq.versions
+        fill[row] = b
+        nseg[row] += 1
+        placed.append(i)
+    batch = PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        segment_ids=segment_ids,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        policy_logprobs=logprobs,
+        version=versions,
+    )
+    return batch, placed

@@ -1,0 +1,75 @@
+"""Tokenizers: load a Hugging Face tokenizer from a local or `gs://` path, or build a character-level one.
+
+The character tokenizer needs no network: every printable ASCII character is one token, plus the special
+tokens. It is saved in the standard HF format so the inference server and `transformers` load it like any other.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import tempfile
+from dataclasses import dataclass
+
+import fsspec
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@dataclass
+class TokenizerConfig:
+    """Which tokenizer to use."""
+
+    path: str | None = None
+    """Local or `gs://` directory of a Hugging Face tokenizer. None builds the character-level tokenizer."""
+    vocab_multiple: int = 64
+    """The character tokenizer's vocabulary is padded to a multiple of this (friendlier matmul shapes)."""
+
+
+def build_char_tokenizer(vocab_multiple: int = 64) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII, with <pad>, <bos>, <eos>, <unk> and role markers."""
+    specials = [PAD, BOS, EOS, UNK, "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    n = len(vocab)
+    padded = -(-n // vocab_multiple) * vocab_multiple
+    for i in range(n, padded):
+        vocab[f"<unused{i - n}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Special tokens are matched first by the added-token trie; everything else splits into single characters.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=specials[4:],
+        model_max_length=1 << 20,
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def load_tokenizer(config: TokenizerConfig) -> PreTrainedTokenizerBase:
+    """Load the configured tokenizer (copying a remote directory to a local temp dir first)."""
+    if config.path is None:
+        return build_char_tokenizer(config.vocab_multiple)
+    path = config.path
+    if "://" in path and not path.startswith("file://"):
+        local = tempfile.mkdtemp(prefix="marin_rl_tok_")
+        fs, root = fsspec.core.url_to_fs(path)
+        for f in fs.ls(root, detail=False):
+            fs.get(f, os.path.join(local, os.path.basename(f)))
+        path = local
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise ValueError(f"tokenizer.path={config.path!r} is not a Hugging Face tokenizer directory: {e}") from e

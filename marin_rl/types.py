@@ -1,0 +1,321 @@
+"""Core data types that flow through the RL loop.
+
+Rollouts cross process boundaries (env actor -> replay buffer) and go to disk as plain JSON-compatible
+dicts (`to_dict` / `from_dict`), never as pickles: `from_dict` validates what it reads and names what is
+wrong. The training batch, `RlExample`, is an equinox module of haliax named arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import equinox as eqx
+import haliax as hax
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RolloutFormatError(ValueError):
+    """A rollout or group read from another process or from disk does not match the schema."""
+
+
+@dataclass
+class InferenceMetadata:
+    """How a policy turn was produced: by which server, with which sampling parameters and weights."""
+
+    server: str
+    """Address (or name) of the inference server that sampled the turn."""
+    model: str = ""
+    """Model name reported by the server."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner scales logits by 1/temperature to match."""
+    max_tokens: int = 0
+    """Generation limit that was requested."""
+    version_start: int = -1
+    """Policy version (learner step) of the weights when generation of the turn started."""
+    version_end: int = -1
+    """Policy version of the weights when generation of the turn finished."""
+    finish_reason: str = "stop"
+    """'stop' (a stop token was sampled) or 'length' (hit `max_tokens`)."""
+    latency_s: float = 0.0
+    """Wall time of the request."""
+
+
+@dataclass
+class Turn:
+    """One message of a conversation, with the exact token ids that the model saw or produced."""
+
+    role: str
+    """'system', 'user', 'assistant' or 'tool'."""
+    message: str
+    """Decoded text of the turn."""
+    token_ids: list[int]
+    """Token ids of the turn, exactly as sent to or sampled from the server."""
+    logprobs: list[float] | None = None
+    """Sampler's log-probability of each token; present exactly for policy-sampled turns."""
+    reward: float = 0.0
+    """Scalar reward of this turn (the weighted sum of `rewards` when those are given)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Named reward components, e.g. {'correct': 1.0}."""
+    inference_metadata: InferenceMetadata | None = None
+    """Present for policy-sampled turns."""
+    timestamp: float = field(default_factory=time.time)
+    """Unix time the turn was created."""
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether the policy sampled this turn (and so it is trained on)."""
+        return self.logprobs is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Turn:
+        meta = d.get("inference_metadata")
+        return Turn(
+            role=d["role"],
+            message=d["message"],
+            token_ids=[int(t) for t in d["token_ids"]],
+            logprobs=None if d.get("logprobs") is None else [float(x) for x in d["logprobs"]],
+            reward=float(d.get("reward", 0.0)),
+            rewards={str(k): float(v) for k, v in (d.get("rewards") or {}).items()},
+            inference_metadata=None if meta is None else InferenceMetadata(**meta),
+            timestamp=float(d.get("timestamp", 0.0)),
+        )
+
+
+@dataclass
+class Rollout:
+    """One episode: the sequence of turns, ending with the policy's last turn or the environment's."""
+
+    environment: str
+    """Name of the environment that produced the rollout."""
+    problem_id: str
+    """Identifier of the problem within the environment."""
+    turns: list[Turn]
+    """Turns in order: prompt turns, sampled turns, tool/user turns, ..."""
+    rollout_uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Globally unique id of this rollout."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form, JSON-compatible information (e.g. the parsed answer, 'truncated')."""
+
+    # ---- token-level views used by the batcher -------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        """All token ids of the conversation, concatenated."""
+        return [t for turn in self.turns for t in turn.token_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(turn.token_ids) for turn in self.turns)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(len(turn.token_ids) for turn in self.turns if turn.is_sampled)
+
+    def loss_mask(self) -> np.ndarray:
+        """True exactly on tokens that the policy sampled."""
+        return np.concatenate([np.full(len(t.token_ids), t.is_sampled, dtype=bool) for t in self.turns])
+
+    def sampler_logprobs(self) -> np.ndarray:
+        """Sampler logprob per token (0 on tokens that were not sampled)."""
+        parts = [
+            np.asarray(t.logprobs, dtype=np.float32) if t.is_sampled else np.zeros(len(t.token_ids), np.float32)
+            for t in self.turns
+        ]
+        return np.concatenate(parts)
+
+    def token_versions(self) -> np.ndarray:
+        """Policy version that sampled each token (-1 on tokens that were not sampled).
+
+        A turn generated across a weight update is attributed to its oldest version (`version_start`),
+        which is the conservative choice for staleness.
+        """
+        parts = []
+        for t in self.turns:
+            v = t.inference_metadata.version_start if (t.is_sampled and t.inference_metadata) else -1
+            parts.append(np.full(len(t.token_ids), v, dtype=np.int32))
+        return np.concatenate(parts)
+
+    @property
+    def reward(self) -> float:
+        """Total reward of the episode (sum over turns)."""
+        return float(sum(t.reward for t in self.turns))
+
+    @property
+    def oldest_version(self) -> int:
+        """Oldest policy version among the sampled turns (-1 if none was sampled)."""
+        vs = [t.inference_metadata.version_start for t in self.turns if t.is_sampled and t.inference_metadata]
+        return min(vs) if vs else -1
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the episode was cut off (length limit on a turn, or the env's turn/token limits)."""
+        if self.metadata.get("truncated"):
+            return True
+        return any(
+            t.inference_metadata is not None and t.inference_metadata.finish_reason == "length" for t in self.turns
+        )
+
+    # ---- serialization ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "environment": self.environment,
+            "problem_id": self.problem_id,
+            "rollout_uid": self.rollout_uid,
+            "turns": [t.to_dict() for t in self.turns],
+            "metadata": dict(self.metadata),
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Rollout:
+        try:
+            rollout = Rollout(
+                environment=str(d["environment"]),
+                problem_id=str(d["problem_id"]),
+                rollout_uid=str(d["rollout_uid"]),
+                turns=[Turn.from_dict(t) for t in d["turns"]],
+                metadata=dict(d.get("metadata") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise RolloutFormatError(f"malformed rollout: {type(e).__name__}: {e}") from e
+        rollout.validate()
+        return rollout
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `RolloutFormatError` naming the first inconsistency found."""
+        if not self.turns:
+            raise RolloutFormatError(f"rollout {self.rollout_uid} has no turns")
+        if not any(t.is_sampled for t in self.turns):
+            raise RolloutFormatError(f"rollout {self.rollout_uid} has no policy-sampled turn")
+        for i, t in enumerate(self.turns):
+            where = f"rollout {self.rollout_uid} turn {i}"
+            if t.role not in ROLES:
+                raise RolloutFormatError(f"{where}: unknown role {t.role!r}")
+            if t.is_sampled:
+                if len(t.logprobs) != len(t.token_ids):
+                    raise RolloutFormatError(
+                        f"{where}: {len(t.logprobs)} logprobs for {len(t.token_ids)} sampled tokens"
+                    )
+                if not all(math.isfinite(x) and x <= 1e-6 for x in t.logprobs):
+                    raise RolloutFormatError(f"{where}: logprobs must be finite and <= 0")
+                if t.inference_metadata is None:
+                    raise RolloutFormatError(f"{where}: sampled turn without inference metadata")
+            if not math.isfinite(t.reward):
+                raise RolloutFormatError(f"{where}: non-finite reward {t.reward}")
+            if vocab_size is not None and any(not (0 <= x < vocab_size) for x in t.token_ids):
+                raise RolloutFormatError(f"{where}: token id outside vocabulary of size {vocab_size}")
+        if self.turns[0].is_sampled:
+            raise RolloutFormatError(f"rollout {self.rollout_uid}: the first turn must be a prompt, not a sampled turn")
+
+
+@dataclass
+class RolloutGroup:
+    """Rollouts of one problem sampled together; advantages are computed within a group."""
+
+    environment: str
+    """Environment of every rollout in the group."""
+    problem_id: str
+    """Problem shared by every rollout in the group."""
+    rollouts: list[Rollout]
+    """The group's rollouts."""
+    group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Unique id of the group."""
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.asarray([r.reward for r in self.rollouts], dtype=np.float64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "environment": self.environment,
+            "problem_id": self.problem_id,
+            "group_id": self.group_id,
+            "rollouts": [r.to_dict() for r in self.rollouts],
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> RolloutGroup:
+        try:
+            group = RolloutGroup(
+                environment=str(d["environment"]),
+                problem_id=str(d["problem_id"]),
+                group_id=str(d["group_id"]),
+                rollouts=[Rollout.from_dict(r) for r in d["rollouts"]],
+            )
+        except (KeyError, TypeError) as e:
+            raise RolloutFormatError(f"malformed rollout group: {type(e).__name__}: {e}") from e
+        for r in group.rollouts:
+            if r.environment != group.environment or r.problem_id != group.problem_id:
+                raise RolloutFormatError(
+                    f"group {group.group_id} mixes ({r.environment}, {r.problem_id}) into "
+                    f"({group.environment}, {group.problem_id})"
+                )
+        return group
+
+
+@dataclass
+class PackedBatch:
+    """Host-side (NumPy) packed training batch; `RlExample.from_packed` puts it on devices.
+
+    Every array has shape `(rows, max_seq_len)`. Token t of a row is predicted from tokens `< t` of the same
+    segment. `segment_ids` is -1 on padding.
+    """
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    segment_ids: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    policy_logprobs: np.ndarray
+    version: np.ndarray
+    """Policy version that sampled each token; -1 where the policy did not sample."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+class RlExample(eqx.Module):
+    """A packed training batch of named arrays over `(batch, position)`.
+
+    `policy_logprobs[b, t]` is the sampler's log-probability of `input_ids[b, t]`; `loss_mask` is true only on
+    tokens that the policy sampled. Several rollouts share a row, separated by `segment_ids`.
+    """
+
+    input_ids: hax.NamedArray
+    position_ids: hax.NamedArray
+    segment_ids: hax.NamedArray
+    loss_mask: hax.NamedArray
+    advantages: hax.NamedArray
+    policy_logprobs: hax.NamedArray
+    version: hax.NamedArray
+    reference_logprobs: hax.NamedArray | None = None
+    proximal_logprobs: hax.NamedArray | None = None
+
+    @staticmethod
+    def from_packed(batch: PackedBatch, Batch: hax.Axis, Pos: hax.Axis) -> RlExample:
+        """Wrap a host batch as named arrays (no device placement policy; the caller shards)."""
+
+        def named(x, dtype):
+            return hax.named(np.asarray(x, dtype=dtype), (Batch, Pos))
+
+        return RlExample(
+            input_ids=named(batch.input_ids, np.int32),
+            position_ids=named(batch.position_ids, np.int32),
+            segment_ids=named(batch.segment_ids, np.int32),
+            loss_mask=named(batch.loss_mask, np.bool_),
+            advantages=named(batch.advantages, np.float32),
+            policy_logprobs=named(batch.policy_logprobs, np.float32),
+            version=named(batch.version, np.int32),
+        )

@@ -3,8 +3,8 @@
 Loop (one driver thread, everything else in actors):
   env actors generate groups → replay buffers (validate, advantages, staleness) → batcher (token budget, packing)
   → learner step (new version) → weights published to the servers every `broadcast.sync_every` steps.
-Staleness is bounded AReaL-style: a new group starts only while the rollouts in flight or waiting in buffers
-would be consumed within `max_staleness + 1` batches; `replay.max_age` drops whatever still gets too old.
+Staleness is bounded AReaL-style: with version v served, a new group starts only while at most (v + η + 1)
+batches' worth of rollouts have been started; `replay.max_age` drops whatever still gets too old.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class _EnvPool:
         self.inflight: dict[ray.ObjectRef, int] = {}  # ref -> replica
         self.budget_share = budget_share  # tokens per batch
         self.mean_rollout_tokens = float(self.env.sampling.max_tokens + 16)  # refined from data
+        self.rollouts_started = 0
+        self.consumed_per_batch: float | None = None
         self.restarts = 0
 
     def _spawn(self, replica: int):
@@ -52,23 +54,39 @@ class _EnvPool:
         )
 
     def rollouts_per_batch(self) -> float:
+        """Rollouts a batch takes from this env: measured once batches exist, else estimated from lengths."""
+        if self.consumed_per_batch is not None:
+            return max(1.0, self.consumed_per_batch)
         return max(1.0, self.budget_share / self.mean_rollout_tokens)
+
+    def observe_batch(self, rollouts_used: int) -> None:
+        if self.consumed_per_batch is None:
+            self.consumed_per_batch = float(rollouts_used)
+        else:
+            self.consumed_per_batch = 0.8 * self.consumed_per_batch + 0.2 * rollouts_used
 
     def observe(self, group: dict) -> None:
         sizes = [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]
         if sizes:
             self.mean_rollout_tokens = 0.9 * self.mean_rollout_tokens + 0.1 * float(np.mean(sizes))
 
-    def launch(self, buffered_rollouts: int, max_staleness: int) -> int:
-        """Start groups while the gate allows; returns how many were started."""
+    def launch(self, served_version: int, max_staleness: int, starved: bool) -> int:
+        """Start groups while the staleness gate allows; returns how many were started.
+
+        AReaL's rule: with weights of version v being served, at most (v + η + 1) batches' worth of rollouts may
+        have been started in total, so a rollout is trained at most η versions after the one that sampled it
+        (when batches consume data in order). `starved` (the batcher waits for this env and nothing is in flight)
+        lets one group start regardless, so an underestimate of the batch size cannot stall the run.
+        """
         started = 0
-        capacity = (max_staleness + 1) * self.rollouts_per_batch()
+        allowed = (served_version + max_staleness + 1) * self.rollouts_per_batch()
         for replica, actor in enumerate(self.actors):
             while sum(1 for r in self.inflight.values() if r == replica) < self.env.concurrency:
-                outstanding = (len(self.inflight) + 1) * self.env.group_size + buffered_rollouts
-                if outstanding > capacity and (self.inflight or buffered_rollouts):
+                within = self.rollouts_started + self.env.group_size <= allowed
+                if not within and not (starved and not self.inflight):
                     return started
                 self.inflight[actor.run_group.remote()] = replica
+                self.rollouts_started += self.env.group_size
                 started += 1
         return started
 
@@ -117,7 +135,10 @@ class Orchestrator:
         budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
         fractions = cfg.env_fractions()
         self.pools = {e.name: _EnvPool(cfg, i, addresses, fractions[e.name] * budget) for i, e in enumerate(cfg.envs)}
-        self.buffers = {n: ReplayBuffer(n, cfg.replay, self.vocab_size) for n in self.env_names}
+        self.buffers = {
+            n: ReplayBuffer(n, cfg.replay, self.vocab_size, rollout_dir=os.path.join(self.output_dir, "rollouts", n))
+            for n in self.env_names
+        }
         self.batcher = Batcher(cfg.batcher, self.buffers, fractions)
         logger.info("policy: %s parameters", f"{ray.get(self.learner.num_params.remote()):,}")
 
@@ -217,6 +238,7 @@ class Orchestrator:
         cfg = self.config
         ocfg = cfg.orchestrator
         step = 0
+        served_version = 0  # the version the servers have (published before the loop starts)
         learner_ref = None
         waiting_since = time.time()
         last_log = time.time()
@@ -227,7 +249,7 @@ class Orchestrator:
         pending_metrics: dict[str, float] = {}
         while step < ocfg.num_steps:
             for name, pool in self.pools.items():
-                pool.launch(len(self.buffers[name]), ocfg.max_staleness)
+                pool.launch(served_version, ocfg.max_staleness, starved=name in self.batcher.waiting_for)
             refs = [r for p in self.pools.values() for r in p.inflight]
             if learner_ref is not None:
                 refs.append(learner_ref)
@@ -260,6 +282,7 @@ class Orchestrator:
                 metrics["learner/version"] = step
                 if step % cfg.broadcast.sync_every == 0 or step == ocfg.num_steps:
                     metrics.update(self._broadcast())
+                    served_version = step
                 if step % ocfg.eval_every == 0 or step == ocfg.num_steps:
                     last_eval = self._evaluate()
                     metrics.update(last_eval)
@@ -268,8 +291,7 @@ class Orchestrator:
                 metrics["time/elapsed_s"] = now
                 gen_tokens_window = 0
                 last_log = now
-                for buf in self.buffers.values():
-                    metrics.update(buf.metrics(step))
+                # `replays/...` metrics are published by the batcher with each batch (in `pending_metrics`).
                 metrics.update(pending_metrics)
                 total_trained_tokens += int(metrics.get("batches/trained_tokens", 0))
                 tracker.log(metrics, step=step)
@@ -280,6 +302,8 @@ class Orchestrator:
                 made = self.batcher.try_make_batch(step)
                 if made is not None:
                     batch, pending_metrics = made
+                    for name, pool in self.pools.items():
+                        pool.observe_batch(int(pending_metrics.get(f"batches/{name}/rollouts_used", 0)))
                     learner_ref = self.learner.train_step.remote(batch)
                     waiting_since = time.time()
                 elif time.time() - waiting_since > ocfg.batch_timeout_s:

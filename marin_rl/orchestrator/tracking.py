@@ -31,7 +31,7 @@ class JsonlTracker(Tracker):
         self.path = path
         fs, p = fsspec.core.url_to_fs(path)
         fs.makedirs(os.path.dirname(p), exist_ok=True)
-        self._file = fsspec.open(path, "a").open()
+        self._file = fsspec.open(path, "w").open()
         self.history: list[dict[str, Any]] = []
 
     def log_hyperparameters(self, hparams: dict[str, Any]):

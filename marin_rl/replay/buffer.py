@@ -1,16 +1,28 @@
-"""Per-environment replay buffer: validates groups, computes advantages, drops stale rollouts, reports metrics."""
+"""Per-environment replay buffer: validates groups, computes advantages, drops stale rollouts, persists and reports.
+
+Life of a group: `add` validates it (`check_group`; a rejection is logged and counted under
+`replays/{env}/rejected/{reason}`), applies the group filters (`min_group_size`, optional zero-variance filter),
+recombines named rewards when `reward_weights` is set, computes advantages with the configured estimator, appends
+the rollouts to Parquet (when the buffer has a `rollout_dir`) and queues them. Rollouts leave the buffer by being
+used `max_reuse` times, by growing older than `max_age` learner steps (checked on arrival and while they wait),
+or by eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted in the metrics.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from marin_rl.replay.advantages import get_estimator
-from marin_rl.types import Rollout, RolloutFormatError, RolloutGroup
+from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages, combine_rewards
+from marin_rl.replay.packing import Sequence
+from marin_rl.replay.store import RolloutWriter, rollout_to_row
+from marin_rl.types import ROLES, Rollout, RolloutFormatError, RolloutGroup
 
 logger = logging.getLogger(__name__)
 
@@ -24,18 +36,109 @@ class ReplayConfig:
     max_age: int = 4
     """A rollout whose oldest sampled token is more than this many learner steps old is discarded."""
     capacity: int = 65536
-    """Most rollouts held per buffer; past it the oldest are evicted first."""
+    """Most rollouts held per buffer; past it the oldest arrivals are evicted first (and counted)."""
     max_reuse: int = 1
     """How many batches a rollout may appear in."""
     advantage_estimator: str = "rloo"
-    """'rloo', 'grpo' or 'dr_grpo' (see marin_rl.replay.advantages)."""
+    """'rloo', 'grpo', 'dr_grpo' or 'reinforce' (running baseline); see marin_rl.replay.advantages."""
+    grpo_normalize_std: bool = True
+    """GRPO only: divide the mean-centred rewards by the group's std (False gives Dr.GRPO's advantages)."""
+    reinforce_baseline_decay: float = 0.9
+    """REINFORCE only: the baseline is an exponential moving average of group mean rewards with this decay."""
     drop_zero_variance_groups: bool = False
     """Reject groups whose rewards are all equal (they carry no learning signal under group baselines)."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """If non-empty, each turn's reward is recomputed as Σ weight·named reward (names without a weight count 0);
+    empty keeps the reward the environment sent."""
+    persist_flush_rows: int = 1024
+    """Rollouts are written to Parquet in files of at most this many rows (when a rollout directory is set)."""
+    persist_flush_interval_s: float = 30.0
+    """...or at least this often while rollouts arrive (and when metrics are published, and at exit)."""
 
     def __post_init__(self):
-        get_estimator(self.advantage_estimator)  # fail early on a typo
+        if self.advantage_estimator not in ESTIMATOR_NAMES:
+            raise ValueError(
+                f"replay.advantage_estimator: unknown advantage estimator {self.advantage_estimator!r}; "
+                f"choose one of {sorted(ESTIMATOR_NAMES)}"
+            )
         if self.min_group_size < 1 or self.max_age < 0 or self.capacity < 1 or self.max_reuse < 1:
             raise ValueError("replay: min_group_size, capacity, max_reuse must be >= 1 and max_age >= 0")
+        if not 0.0 <= self.reinforce_baseline_decay < 1.0:
+            raise ValueError("replay.reinforce_baseline_decay must be in [0, 1)")
+        if any(not math.isfinite(w) for w in self.reward_weights.values()):
+            raise ValueError(f"replay.reward_weights must be finite, got {self.reward_weights}")
+        if self.persist_flush_rows < 1:
+            raise ValueError("replay.persist_flush_rows must be >= 1")
+
+
+class GroupRejected(RolloutFormatError):
+    """A group failed validation; `reason` is the short code counted in `replays/{env}/rejected/{reason}`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def check_group(group: RolloutGroup, env_name: str, vocab_size: int | None) -> None:
+    """Raise `GroupRejected` naming the first problem of `group` for the buffer of `env_name`.
+
+    Checks: known environment, non-empty group of one problem with unique rollout ids, known roles, a prompt
+    first and at least one sampled turn per rollout, integer token ids inside the vocabulary, exactly one finite
+    logprob (<= 0) per sampled token, inference metadata on sampled turns, finite rewards (named ones too).
+    """
+    if group.environment != env_name:
+        raise GroupRejected("unknown_environment", f"group of env {group.environment!r} sent to buffer {env_name!r}")
+    if not group.rollouts:
+        raise GroupRejected("empty_group", f"group {group.group_id} has no rollouts")
+    uids = [r.rollout_uid for r in group.rollouts]
+    if len(set(uids)) != len(uids):
+        raise GroupRejected("inconsistent_group", f"group {group.group_id} repeats a rollout_uid")
+    for r in group.rollouts:
+        if r.environment != group.environment or r.problem_id != group.problem_id:
+            raise GroupRejected(
+                "inconsistent_group",
+                f"rollout {r.rollout_uid} is ({r.environment}, {r.problem_id}) in group "
+                f"({group.environment}, {group.problem_id})",
+            )
+        if not r.turns:
+            raise GroupRejected("malformed", f"rollout {r.rollout_uid} has no turns")
+        if r.turns[0].is_sampled:
+            raise GroupRejected("malformed", f"rollout {r.rollout_uid}: the first turn must be a prompt")
+        if not any(t.is_sampled for t in r.turns):
+            raise GroupRejected("no_sampled_tokens", f"rollout {r.rollout_uid} has no policy-sampled turn")
+        for i, t in enumerate(r.turns):
+            where = f"rollout {r.rollout_uid} turn {i}"
+            if t.role not in ROLES:
+                raise GroupRejected("malformed", f"{where}: unknown role {t.role!r}")
+            ids = np.asarray(t.token_ids)
+            if ids.size and ids.dtype.kind not in "iu":
+                raise GroupRejected("malformed", f"{where}: token ids must be integers, got dtype {ids.dtype}")
+            if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+                raise GroupRejected(
+                    "token_out_of_vocab",
+                    f"{where}: token ids span [{ids.min()}, {ids.max()}], vocabulary has {vocab_size}",
+                )
+            if not math.isfinite(t.reward) or any(not math.isfinite(v) for v in t.rewards.values()):
+                raise GroupRejected("nonfinite_reward", f"{where}: reward {t.reward}, named rewards {t.rewards}")
+            if t.is_sampled:
+                if len(t.logprobs) != len(t.token_ids):
+                    raise GroupRejected(
+                        "logprob_count", f"{where}: {len(t.logprobs)} logprobs for {len(t.token_ids)} sampled tokens"
+                    )
+                lp = np.asarray(t.logprobs, dtype=np.float64)
+                if lp.size and not (np.isfinite(lp).all() and lp.max() <= 1e-6):
+                    raise GroupRejected("bad_logprob", f"{where}: logprobs must be finite and <= 0")
+                if t.inference_metadata is None:
+                    raise GroupRejected("missing_metadata", f"{where}: sampled turn without inference metadata")
+                if t.inference_metadata.version_start < 0:
+                    raise GroupRejected(
+                        "missing_metadata", f"{where}: sampled turn without a policy version (version_start < 0)"
+                    )
+        try:  # the schema's own checks, as a backstop
+            r.validate(vocab_size)
+        except RolloutFormatError as e:
+            raise GroupRejected("invalid", str(e)) from e
 
 
 @dataclass
@@ -43,26 +146,66 @@ class ReplayItem:
     """A rollout waiting in the buffer, with its advantage."""
 
     rollout: Rollout
+    """The rollout (token ids, logprobs, versions)."""
     advantage: float
+    """Advantage of the rollout within its group."""
     group_id: str
+    """Group it was sampled in."""
     added_at: float
+    """Unix time it was accepted."""
     num_tokens: int
+    """Tokens it occupies in a batch (after truncation, when `max_len` is set)."""
     oldest_version: int
+    """Oldest policy version among its sampled tokens."""
     uses: int = 0
+    """Batches it has appeared in."""
+    max_len: int | None = None
+    """Set by the batcher's truncate-and-mark policy: only the first `max_len` tokens are trained on."""
+
+    def sequence(self) -> Sequence:
+        """The tokens and per-token training fields that go into a batch."""
+        seq = Sequence.from_rollout(self.rollout, self.advantage)
+        return seq if self.max_len is None else seq.truncated(self.max_len)
 
 
 class ReplayBuffer:
-    """Holds one environment's scored rollouts until the batcher takes them."""
+    """Holds one environment's scored rollouts until the batcher takes them.
 
-    def __init__(self, env_name: str, config: ReplayConfig, vocab_size: int | None = None):
+    `rollout_dir` (local path or fsspec URL) turns on persistence: every accepted rollout is appended to Parquet
+    files there (see `marin_rl.replay.store`).
+    """
+
+    def __init__(
+        self,
+        env_name: str,
+        config: ReplayConfig,
+        vocab_size: int | None = None,
+        rollout_dir: str | None = None,
+    ):
         self.env_name = env_name
         self.config = config
         self.vocab_size = vocab_size
-        self.estimator = get_estimator(config.advantage_estimator)
-        self.items: list[ReplayItem] = []  # oldest first
+        self.advantages = GroupAdvantages(
+            config.advantage_estimator,
+            grpo_normalize_std=config.grpo_normalize_std,
+            baseline_decay=config.reinforce_baseline_decay,
+        )
+        self.items: list[ReplayItem] = []  # oldest arrival first
+        self.learner_version: int | None = None  # latest version seen (drop_stale / metrics)
         self.rejected: Counter[str] = Counter()
+        self.accepted_groups = 0
         self.discarded_stale = 0
         self.evicted = 0
+        self.dropped = Counter()  # by the batcher, by reason (e.g. too_long)
+        self.writer: RolloutWriter | None = None
+        if rollout_dir is not None:
+            self.writer = RolloutWriter(
+                rollout_dir, flush_rows=config.persist_flush_rows, flush_interval_s=config.persist_flush_interval_s
+            )
+            weakref.finalize(self, self.writer.close)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self._new_rollouts = 0
         self._new_tokens = 0
         self._new_generated = 0
@@ -72,24 +215,54 @@ class ReplayBuffer:
 
     # ---- intake -------------------------------------------------------------------------------------
     def add(self, group: RolloutGroup | dict) -> bool:
-        """Validate and score a group; returns whether it was accepted (rejections are logged and counted)."""
+        """Validate, score, persist and queue a group; returns whether it was accepted.
+
+        Rejections are logged with their reason and counted; rollouts already older than `max_age` (relative to
+        the latest learner version this buffer has seen) are accepted and persisted but discarded (and counted).
+        """
         try:
             if isinstance(group, dict):
-                group = RolloutGroup.from_dict(group)
-            if group.environment != self.env_name:
-                raise RolloutFormatError(f"group of env {group.environment!r} sent to buffer {self.env_name!r}")
-            for r in group.rollouts:
-                r.validate(self.vocab_size)
-        except RolloutFormatError as e:
-            return self._reject("invalid", str(e))
+                try:
+                    group = RolloutGroup.from_dict(group)
+                except RolloutFormatError as e:
+                    raise GroupRejected("malformed", str(e)) from e
+            check_group(group, self.env_name, self.vocab_size)
+        except GroupRejected as e:
+            return self._reject(e.reason, e.detail)
         if len(group.rollouts) < self.config.min_group_size:
             return self._reject("group_too_small", f"{len(group.rollouts)} < {self.config.min_group_size}")
+        if self.config.reward_weights:
+            for r in group.rollouts:
+                for t in r.turns:
+                    if t.rewards:
+                        t.reward = combine_rewards(t.rewards, self.config.reward_weights)
         rewards = group.rewards
         if self.config.drop_zero_variance_groups and np.all(rewards == rewards[0]):
             return self._reject("zero_variance", f"all rewards {rewards[0]}")
-        advantages = self.estimator(rewards)
+        advantages = self.advantages(rewards)
         now = time.time()
+        self.accepted_groups += 1
+        if self.writer is not None:
+            self.writer.append(
+                [
+                    rollout_to_row(r, group.group_id, float(a), now)
+                    for r, a in zip(group.rollouts, advantages, strict=True)
+                ]
+            )
+        limit = None if self.learner_version is None else self.learner_version - self.config.max_age
+        stale = 0
         for r, a in zip(group.rollouts, advantages, strict=True):
+            self._new_rollouts += 1
+            self._new_tokens += r.num_tokens
+            self._new_generated += r.num_sampled_tokens
+            self._new_rewards.append(r.reward)
+            self._new_truncated += int(r.truncated)
+            for turn in r.turns:
+                for name, value in turn.rewards.items():
+                    self._new_named.setdefault(name, []).append(value)
+            if limit is not None and r.oldest_version < limit:
+                stale += 1
+                continue
             self.items.append(
                 ReplayItem(
                     rollout=r,
@@ -100,18 +273,22 @@ class ReplayBuffer:
                     oldest_version=r.oldest_version,
                 )
             )
-            self._new_rollouts += 1
-            self._new_tokens += r.num_tokens
-            self._new_generated += r.num_sampled_tokens
-            self._new_rewards.append(r.reward)
-            self._new_truncated += int(r.truncated)
-            for turn in r.turns:
-                for name, value in turn.rewards.items():
-                    self._new_named.setdefault(name, []).append(value)
+        if stale:
+            self.discarded_stale += stale
+            logger.info(
+                "replay[%s]: %d rollouts arrived older than max_age=%d (learner at %s); discarded",
+                self.env_name,
+                stale,
+                self.config.max_age,
+                self.learner_version,
+            )
         overflow = len(self.items) - self.config.capacity
         if overflow > 0:
             del self.items[:overflow]
             self.evicted += overflow
+            logger.info(
+                "replay[%s]: over capacity %d, evicted the %d oldest", self.env_name, self.config.capacity, overflow
+            )
         return True
 
     def _reject(self, reason: str, detail: str) -> bool:
@@ -122,51 +299,77 @@ class ReplayBuffer:
     # ---- staleness and selection ----------------------------------------------------------------------
     def drop_stale(self, learner_version: int) -> int:
         """Discard rollouts older than `max_age` learner steps; returns how many were dropped."""
+        self.learner_version = learner_version
         limit = learner_version - self.config.max_age
         keep = [it for it in self.items if it.oldest_version >= limit]
         dropped = len(self.items) - len(keep)
-        self.items = keep
-        self.discarded_stale += dropped
+        if dropped:
+            self.items = keep
+            self.discarded_stale += dropped
+            logger.info("replay[%s]: discarded %d rollouts older than max_age", self.env_name, dropped)
         return dropped
 
     def newest_first(self) -> list[ReplayItem]:
+        """The waiting rollouts, most recent arrival first."""
         return list(reversed(self.items))
 
     def consume(self, used: list[ReplayItem]) -> None:
         """Count a use of each item; items that reached `max_reuse` leave the buffer."""
         for it in used:
             it.uses += 1
-        self.items = [it for it in self.items if it.uses < self.config.max_reuse]
+        if used:
+            self.items = [it for it in self.items if it.uses < self.config.max_reuse]
 
-    def discard(self, items: list[ReplayItem]) -> None:
-        """Remove items without using them."""
+    def discard(self, items: list[ReplayItem], reason: str | None = None) -> None:
+        """Remove items without using them (counted under `dropped/{reason}` when a reason is given)."""
         ids = {id(it) for it in items}
         self.items = [it for it in self.items if id(it) not in ids]
+        if reason is not None:
+            self.dropped[reason] += len(items)
+
+    def flush(self) -> None:
+        """Write rollouts queued for persistence."""
+        if self.writer is not None:
+            self.writer.flush()
 
     @property
     def num_tokens(self) -> int:
+        """Tokens waiting in the buffer (as they would occupy a batch)."""
         return sum(it.num_tokens for it in self.items)
 
     def __len__(self) -> int:
         return len(self.items)
 
     # ---- metrics ----------------------------------------------------------------------------------------
-    def metrics(self, learner_version: int) -> dict[str, float]:
-        """`replays/{env}/...` metrics; the `new_*` and reward figures cover groups added since the last call."""
+    def metrics(self, learner_version: int, used_in_batch: int | None = None) -> dict[str, float]:
+        """`replays/{env}/...` metrics; the `new_*` and reward figures cover groups added since the last call.
+
+        `used_in_batch` (given by the batcher, before it consumes) yields `frac_used_in_batch`: the fraction of the
+        rollouts waiting in the buffer that went into the batch. Also flushes pending Parquet rows.
+        """
+        self.learner_version = learner_version
         p = f"replays/{self.env_name}"
         on_policy = sum(1 for it in self.items if it.oldest_version >= learner_version)
-        out = {
+        out: dict[str, float] = {
             f"{p}/rollouts_in_buffer": len(self.items),
             f"{p}/tokens_in_buffer": self.num_tokens,
             f"{p}/frac_on_policy": on_policy / len(self.items) if self.items else 0.0,
             f"{p}/new_rollouts": self._new_rollouts,
             f"{p}/new_tokens": self._new_tokens,
             f"{p}/new_generated_tokens": self._new_generated,
+            f"{p}/accepted_groups": self.accepted_groups,
             f"{p}/discarded_stale": self.discarded_stale,
             f"{p}/evicted": self.evicted,
+            f"{p}/rejected": sum(self.rejected.values()),
         }
+        if used_in_batch is not None:
+            out[f"{p}/frac_used_in_batch"] = used_in_batch / len(self.items) if self.items else 0.0
         for reason, n in self.rejected.items():
             out[f"{p}/rejected/{reason}"] = n
+        for reason, n in self.dropped.items():
+            out[f"{p}/dropped/{reason}"] = n
+        if self.advantages.name == "reinforce":
+            out[f"{p}/reinforce_baseline"] = self.advantages.baseline
         if self._new_rewards:
             r = np.asarray(self._new_rewards)
             out[f"{p}/reward/mean"] = float(r.mean())
@@ -175,7 +378,6 @@ class ReplayBuffer:
             for name, vals in self._new_named.items():
                 out[f"{p}/rewards/{name}/mean"] = float(np.mean(vals))
                 out[f"{p}/rewards/{name}/std"] = float(np.std(vals))
-        self._new_rollouts = self._new_tokens = self._new_generated = self._new_truncated = 0
-        self._new_rewards = []
-        self._new_named = {}
+        self._reset_window()
+        self.flush()
         return out

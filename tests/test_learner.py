@@ -1,19 +1,28 @@
 """The learner: versions, the on-policy ratio, and that its updates move probability the right way."""
 
+import equinox as eqx
+import haliax as hax
+import jax
 import numpy as np
+import optax
+import pytest
 
 from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig, WarmStartConfig
-from marin_rl.learner.model import ModelConfig, tiny_llama
+from marin_rl.learner.losses import LossConfig
+from marin_rl.learner.model import ModelConfig, packed_attention_mask, tiny_llama
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 
 
-def _learner(lr=1e-3, warm_steps=0):
+def _learner(lr=1e-3, warm_steps=0, temperature=1.0, loss=None, **learner_kwargs):
     tok = build_char_tokenizer()
     cfg = LearnerConfig(
-        optimizer=OptimizerConfig(learning_rate=lr), warm_start=WarmStartConfig(steps=warm_steps, batch_rows=8)
+        optimizer=OptimizerConfig(learning_rate=lr),
+        warm_start=WarmStartConfig(steps=warm_steps, batch_rows=8),
+        loss=loss or LossConfig(),
+        **learner_kwargs,
     )
-    return tok, Learner(ModelConfig(architecture=tiny_llama()), cfg, len(tok))
+    return tok, Learner(ModelConfig(architecture=tiny_llama()), cfg, len(tok), temperature=temperature)
 
 
 def _rl_batch(learner, tok, good: str, bad: str):
@@ -77,3 +86,118 @@ def test_weights_round_trip_shapes():
     leaves = learner.weights()
     assert sum(x.size for x in leaves) == learner.num_params
     assert all(isinstance(x, np.ndarray) for x in leaves)
+
+
+def _full_batch(learner, tok, noise=0.0, seed=0):
+    """Four rows that all hold sampled tokens; sampler logprobs = learner's, optionally perturbed (a mismatch)."""
+    rng = np.random.default_rng(seed)
+    prompt = tok("q:")["input_ids"]
+    seqs = []
+    for i in range(8):
+        s = Sequence.supervised(prompt, tok(["yes please", "no thanks"][i % 2])["input_ids"])
+        s.advantages = np.where(s.loss_mask, rng.normal(), 0.0).astype(np.float32)
+        s.versions = np.where(s.loss_mask, learner.version, -1).astype(np.int32)
+        seqs.append(s)
+    batch, _ = pack(seqs, 4, 24)
+    assert batch.loss_mask.any(axis=1).all()
+    lp = learner.logprobs(batch) + noise * rng.normal(size=batch.loss_mask.shape)
+    batch.policy_logprobs = np.where(batch.loss_mask, np.minimum(lp, 0.0), 0.0).astype(np.float32)
+    return batch
+
+
+def _use_sgd(learner):
+    """Plain SGD with step 1: one step moves the parameters by exactly minus the gradient."""
+    learner.optimizer = optax.sgd(1.0)
+    learner.opt_state = learner.optimizer.init(eqx.filter(learner.model, eqx.is_inexact_array))
+
+
+def test_logprobs_honour_the_sampling_temperature():
+    tok, learner = _learner(temperature=0.7)
+    batch = _rl_batch(learner, tok, "yes", "no")
+    Batch, Pos = hax.Axis("batch", batch.num_rows), hax.Axis("position", batch.seq_len)
+    ids = hax.named(batch.input_ids.astype(np.int32), (Batch, Pos))
+    seg = hax.named(batch.segment_ids.astype(np.int32), (Batch, Pos))
+    pos = hax.named(batch.position_ids.astype(np.int32), (Batch, Pos))
+    logits = learner.model(ids, attn_mask=packed_attention_mask(seg), pos_ids=pos)
+    logits = np.asarray(logits.rearrange((Batch, Pos, learner.model.Vocab)).array, np.float64) / 0.7
+    log_softmax = logits - logits.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    expected = np.zeros(batch.input_ids.shape)
+    for b in range(batch.num_rows):
+        for t in range(1, batch.seq_len):
+            expected[b, t] = log_softmax[b, t - 1, batch.input_ids[b, t]]
+    np.testing.assert_allclose(learner.logprobs(batch), expected, atol=2e-5)
+
+
+def test_no_reference_model_without_kl_penalty():
+    tok, learner = _learner(warm_steps=2)
+    learner.warm_start([(tok("q:")["input_ids"], tok("yes")["input_ids"])] * 4, 32)
+    assert learner.freeze_reference() is False
+    metrics = learner.train_step(_rl_batch(learner, tok, "yes", "no"))
+    assert learner.reference_model is None
+    assert "learner/kl_reference" not in metrics
+
+
+def test_kl_penalty_uses_a_frozen_copy_of_the_initial_policy():
+    tok, learner = _learner(lr=3e-3, loss=LossConfig(kl_coef=0.1, kl_estimator="k3"))
+    initial = learner.weights()
+    metrics = learner.train_step(_full_batch(learner, tok))
+    assert learner.reference_model is not None
+    assert abs(metrics["learner/kl_reference"]) < 1e-6, "policy == reference on the first step"
+    for _ in range(3):
+        metrics = learner.train_step(_full_batch(learner, tok))
+    assert metrics["learner/kl_reference"] > 1e-4
+    frozen = [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(learner.reference_model, eqx.is_array))]
+    assert all(np.array_equal(a, b) for a, b in zip(frozen, initial, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(learner.weights(), initial, strict=True))
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        LossConfig(),  # decoupled: kept tokens depend on the proximal logprobs
+        LossConfig(objective="ppo", tis_cap=1.5, aggregation="sequence_mean", kl_coef=0.5, kl_estimator="k2"),
+        LossConfig(objective="ppo", aggregation="fixed_budget", max_response_tokens=16),
+    ],
+)
+def test_microbatch_accumulation_equals_the_full_batch_step(loss):
+    tok, full = _learner(loss=loss)
+    _, accumulated = _learner(loss=loss, microbatches=4)
+    _use_sgd(full)
+    _use_sgd(accumulated)
+    batch = _full_batch(full, tok, noise=0.5)
+    if loss.kl_coef > 0:  # a reference that differs from the policy, so that the KL term has a gradient
+        for learner in (full, accumulated):
+            learner.freeze_reference()
+            params = eqx.filter(learner.model, eqx.is_inexact_array)
+            learner.model = eqx.apply_updates(learner.model, jax.tree_util.tree_map(lambda x: -0.01 * x, params))
+    m_full, m_acc = full.train_step(batch), accumulated.train_step(batch)
+    for a, b in zip(full.weights(), accumulated.weights(), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    for key in ("loss", "pg_loss", "grad_norm", "ratio/mean", "ratio/max", "entropy", "kl_behaviour", "masked_frac"):
+        np.testing.assert_allclose(m_acc[f"learner/{key}"], m_full[f"learner/{key}"], rtol=1e-4, atol=1e-6)
+    assert m_full["learner/grad_norm"] > 0
+
+
+def test_rows_must_split_into_minibatches_and_microbatches():
+    tok, learner = _learner(microbatches=3)
+    with pytest.raises(ValueError, match="microbatches=3"):
+        learner.train_step(_rl_batch(learner, tok, "yes", "no"))
+    with pytest.raises(ValueError, match="minibatches"):
+        LearnerConfig(minibatches=0)
+
+
+def test_minibatches_and_epochs_make_several_optimizer_steps_in_one_version():
+    tok, learner = _learner(minibatches=2, epochs=2)
+    metrics = learner.train_step(_full_batch(learner, tok))
+    assert learner.version == 1
+    assert metrics["learner/optimizer_steps"] == 4 and learner.optimizer_steps == 4
+    steps = learner.step_metrics
+    assert len(steps) == 4
+    # The proximal logprobs are the weights before the batch's first step: exactly the first minibatch's.
+    assert steps[0]["learner/ratio/min"] == 1.0 and steps[0]["learner/ratio/max"] == 1.0
+    assert steps[1]["learner/ratio/max"] != 1.0 and steps[2]["learner/ratio/max"] != 1.0
+    assert all(np.isfinite(s["learner/loss"]) for s in steps)
+    assert metrics["learner/trained_tokens"] == sum(s["learner/trained_tokens"] for s in steps[:2])
+    metrics = learner.train_step(_full_batch(learner, tok))
+    assert learner.version == 2 and metrics["learner/optimizer_steps"] == 8

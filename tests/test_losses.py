@@ -6,13 +6,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.learner.losses import LossConfig, aggregate, clipped_objective, policy_loss, sft_loss
+from marin_rl.learner.losses import (
+    LossConfig,
+    aggregate,
+    clipped_objective,
+    combine_metrics,
+    loss_normalizers,
+    policy_loss,
+    sft_loss,
+)
 from marin_rl.types import RlExample
 
 B, P = hax.Axis("batch", 2), hax.Axis("position", 8)
 
 
-def _example(rng, with_prox=False):
+def _example(rng, with_prox=False, with_ref=False):
     mask = rng.random((2, 8)) < 0.6
     seg = np.array([[0, 0, 0, 1, 1, 1, 1, -1], [0, 0, 0, 0, 0, 1, 1, 1]])
     mask &= seg >= 0
@@ -25,6 +33,7 @@ def _example(rng, with_prox=False):
         policy_logprobs=hax.named(-rng.random((2, 8)).astype(np.float32) * 3, (B, P)),
         version=hax.named(np.zeros((2, 8), np.int32), (B, P)),
         proximal_logprobs=hax.named(-rng.random((2, 8)).astype(np.float32) * 3, (B, P)) if with_prox else None,
+        reference_logprobs=hax.named(-rng.random((2, 8)).astype(np.float32) * 3, (B, P)) if with_ref else None,
     )
     return ex
 
@@ -125,3 +134,125 @@ def test_bad_loss_config_is_rejected():
         LossConfig(aggregation="mean_of_means")
     with pytest.raises(ValueError, match="objective"):
         LossConfig(objective="grpo")
+    with pytest.raises(ValueError, match="tis_cap"):
+        LossConfig(tis_cap=0.0)
+    with pytest.raises(ValueError, match="kl_coef"):
+        LossConfig(kl_coef=-0.1)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossConfig(kl_estimator="k4")
+
+
+def _zeros():
+    return hax.named(np.zeros((2, 8), np.float32), (B, P))
+
+
+@pytest.mark.parametrize("objective", ["ppo", "decoupled"])
+def test_truncated_importance_sampling_matches_formula(objective):
+    """w = min(exp(logp_prox - logp_behav), C) multiplies min(r·A, clip(r)·A), r = exp(logp - logp_prox); no masking."""
+    rng = np.random.default_rng(6)
+    ex = _example(rng, with_prox=True)
+    lp = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
+    cfg = LossConfig(objective=objective, clip_low=0.2, clip_high=0.28, tis_cap=1.5, behaviour_weight_cap=1.0)
+    loss, metrics = policy_loss(hax.named(lp, (B, P)), _zeros(), ex, cfg)
+    prox, behav = np.asarray(ex.proximal_logprobs.array), np.asarray(ex.policy_logprobs.array)
+    adv, mask = np.asarray(ex.advantages.array), np.asarray(ex.loss_mask.array)
+    w = np.minimum(np.exp(prox - behav), 1.5)
+    assert (np.exp(prox - behav)[mask] > 1.5).any() and (np.exp(prox - behav)[mask] < 1.5).any()
+    per_tok = -w * _np_clip_obj(lp, prox, adv, 0.2, 0.28)
+    np.testing.assert_allclose(float(loss), (per_tok * mask).sum() / mask.sum(), rtol=1e-5)
+    assert float(metrics["masked_frac"]) == 0.0
+    np.testing.assert_allclose(
+        float(metrics["tis/truncated_frac"]), (np.exp(prox - behav) > 1.5)[mask].mean(), rtol=1e-6
+    )
+
+
+def test_truncated_importance_sampling_gradient_without_proximal_logprobs():
+    """Without proximal logprobs, logp_prox = stop_gradient(logp).
+
+    Then d(loss)/d(logp) = -min(exp(logp - logp_behav), C)·A/N on sampled tokens.
+    """
+    rng = np.random.default_rng(7)
+    ex = _example(rng)
+    lp0 = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
+    cfg = LossConfig(objective="ppo", tis_cap=2.0)
+
+    def f(lp):
+        return policy_loss(hax.named(lp, (B, P)), _zeros(), ex, cfg)[0]
+
+    grad = np.asarray(jax.grad(f)(jnp.asarray(lp0)))
+    mask, adv = np.asarray(ex.loss_mask.array), np.asarray(ex.advantages.array)
+    w = np.minimum(np.exp(lp0 - np.asarray(ex.policy_logprobs.array)), 2.0)
+    np.testing.assert_allclose(grad, np.where(mask, -w * adv / mask.sum(), 0.0), rtol=1e-4, atol=1e-7)
+
+
+def _np_kl(lp, ref, estimator):
+    x = ref.astype(np.float64) - lp
+    return {"k1": -x, "k2": x**2 / 2, "k3": np.exp(x) - 1 - x}[estimator]
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("kind", ["token_mean", "sequence_mean"])
+def test_kl_to_reference_matches_formula(estimator, kind):
+    rng = np.random.default_rng(8)
+    ex = _example(rng, with_ref=True)
+    lp = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
+    cfg = LossConfig(objective="ppo", aggregation=kind, kl_coef=0.3, kl_estimator=estimator)
+    loss, metrics = policy_loss(hax.named(lp, (B, P)), _zeros(), ex, cfg)
+    mask, seg = np.asarray(ex.loss_mask.array), np.asarray(ex.segment_ids.array)
+    kl = _np_aggregate(_np_kl(lp, np.asarray(ex.reference_logprobs.array), estimator), mask, seg, kind, 128)
+    obj = _np_clip_obj(lp, np.asarray(ex.policy_logprobs.array), np.asarray(ex.advantages.array), 0.2, 0.28)
+    pg = _np_aggregate(-obj, mask, seg, kind, 128)
+    np.testing.assert_allclose(float(metrics["kl_reference"]), kl, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), pg + 0.3 * kl, rtol=1e-5)
+
+
+def test_k3_gradient_matches_formula():
+    """d/d(logp) of β·mean(exp(x) - 1 - x), x = logp_ref - logp, is β·(1 - exp(x))/N on sampled tokens."""
+    rng = np.random.default_rng(9)
+    ex = _example(rng, with_ref=True)
+    ex = RlExample(**{**ex.__dict__, "advantages": _zeros()})  # no policy-gradient term
+    lp0 = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
+    cfg = LossConfig(objective="ppo", kl_coef=0.7, kl_estimator="k3")
+    grad = np.asarray(jax.grad(lambda lp: policy_loss(hax.named(lp, (B, P)), _zeros(), ex, cfg)[0])(jnp.asarray(lp0)))
+    mask = np.asarray(ex.loss_mask.array)
+    x = np.asarray(ex.reference_logprobs.array) - lp0
+    np.testing.assert_allclose(grad, np.where(mask, 0.7 * (1 - np.exp(x)) / mask.sum(), 0.0), rtol=1e-4, atol=1e-7)
+
+
+def test_kl_penalty_needs_reference_logprobs():
+    ex = _example(np.random.default_rng(10))
+    with pytest.raises(ValueError, match="reference_logprobs"):
+        policy_loss(_zeros(), _zeros(), ex, LossConfig(kl_coef=0.1))
+
+
+def _row(ex, b):
+    one = hax.Axis("batch", 1)
+    return RlExample(
+        **{k: None if v is None else hax.named(v.array[b : b + 1], (one, P)) for k, v in ex.__dict__.items()}
+    )
+
+
+@pytest.mark.parametrize("kind", ["token_mean", "sequence_mean", "fixed_budget"])
+@pytest.mark.parametrize("objective", ["decoupled", "ppo"])
+def test_row_slices_with_batch_normalizers_add_up_to_the_batch(kind, objective):
+    """Gradient accumulation: per-row losses and metrics normalised by the whole batch sum to the batch's."""
+    rng = np.random.default_rng(11)
+    ex = _example(rng, with_prox=True, with_ref=True)
+    lp = hax.named(rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5, (B, P))
+    ent = hax.named(rng.random((2, 8)).astype(np.float32), (B, P))
+    cfg = LossConfig(
+        objective=objective, aggregation=kind, behaviour_weight_cap=1.5, kl_coef=0.2, max_response_tokens=4
+    )
+    loss, metrics = policy_loss(lp, ent, ex, cfg)
+    norm = loss_normalizers(ex, cfg)
+    one = hax.Axis("batch", 1)
+    parts = [
+        policy_loss(
+            hax.named(lp.array[b : b + 1], (one, P)), hax.named(ent.array[b : b + 1], (one, P)), _row(ex, b), cfg, norm
+        )
+        for b in range(2)
+    ]
+    np.testing.assert_allclose(sum(float(p[0]) for p in parts), float(loss), rtol=1e-5)
+    combined = combine_metrics({k: jnp.stack([p[1][k] for p in parts]) for k in metrics})
+    for k in metrics:
+        np.testing.assert_allclose(float(combined[k]), float(metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)

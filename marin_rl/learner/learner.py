@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -9,10 +10,12 @@ from dataclasses import dataclass, field
 import equinox as eqx
 import haliax as hax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
-from marin_rl.learner.losses import LossConfig, policy_loss, sft_loss
+from marin_rl.learner.hf_checkpoints import export_hf_checkpoint
+from marin_rl.learner.losses import LossConfig, combine_metrics, loss_normalizers, policy_loss, sft_loss
 from marin_rl.learner.model import ModelConfig, build_model, parameter_count, token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.types import PackedBatch, RlExample
@@ -27,7 +30,7 @@ class OptimizerConfig:
     learning_rate: float = 1e-4
     """Peak learning rate."""
     warmup_steps: int = 0
-    """Linear warmup from 0 over this many steps."""
+    """Linear warmup from 0 over this many optimizer steps."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     beta1: float = 0.9
@@ -78,6 +81,21 @@ class LearnerConfig:
     """Policy-gradient loss."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start before RL."""
+    minibatches: int = 1
+    """Split each batch's rows into this many minibatches, one optimizer step each. The batch's rows must divide
+    evenly into `minibatches × microbatches`."""
+    epochs: int = 1
+    """Passes over each batch's minibatches. With minibatches × epochs > 1 the proximal logprobs (and the reference
+    model's) are computed once per batch, before its first optimizer step; a batch is still one policy version."""
+    microbatches: int = 1
+    """Gradient accumulation: split each minibatch's rows into this many chunks, run forward and backward one chunk
+    at a time and sum the gradients, normalised by the whole minibatch (the same step as without splitting)."""
+
+    def __post_init__(self):
+        for name in ("minibatches", "epochs", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"learner.{name} must be an integer >= 1, got {value!r}")
 
 
 def _to_example(batch: PackedBatch) -> RlExample:
@@ -86,8 +104,50 @@ def _to_example(batch: PackedBatch) -> RlExample:
     return RlExample.from_packed(batch, Batch, Pos)
 
 
+_FIELDS = [f.name for f in dataclasses.fields(RlExample)]
+
+
+def _raw_fields(ex: RlExample) -> dict[str, jax.Array]:
+    """The example's present fields as raw `(batch, position)` arrays."""
+    return {k: getattr(ex, k).rearrange(("batch", "position")).array for k in _FIELDS if getattr(ex, k) is not None}
+
+
+def _from_raw(raw: dict[str, jax.Array]) -> RlExample:
+    rows, seq = raw["input_ids"].shape
+    axes = (hax.Axis("batch", rows), hax.Axis("position", seq))
+    return RlExample(**{k: hax.named(v, axes) for k, v in raw.items()})
+
+
+def _chunked(ex: RlExample, n: int) -> dict[str, jax.Array]:
+    """Raw fields with the rows split into `n` consecutive chunks: arrays of shape `(n, rows / n, position)`."""
+    return {k: v.reshape(n, v.shape[0] // n, v.shape[1]) for k, v in _raw_fields(ex).items()}
+
+
+def _rows(ex: RlExample, start: int, stop: int) -> RlExample:
+    """Rows `[start, stop)` of an example."""
+    return _from_raw({k: v[start:stop] for k, v in _raw_fields(ex).items()})
+
+
+def _mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One batch's metrics from those of its optimizer steps: max of maxima, min of minima, mean of the rest."""
+    out = {}
+    for k in steps[0]:
+        values = [m[k] for m in steps]
+        last = k.rsplit("/", 1)[-1]
+        out[k] = (
+            max(values) if last.startswith("max") else min(values) if last.startswith("min") else float(np.mean(values))
+        )
+    return out
+
+
 class Learner:
-    """Holds the policy and its optimizer state; each `train_step` is one optimizer step and one new version."""
+    """Holds the policy and its optimizer state; each `train_step` consumes one batch and makes one new version.
+
+    A batch is `minibatches × epochs` optimizer steps (one by default), each accumulating the gradients of
+    `microbatches` row chunks. With `loss.kl_coef > 0` the learner also holds a frozen reference model, a copy of the
+    policy taken by `freeze_reference` (at the end of the warm start, or before the first train step); with
+    kl_coef = 0 no reference model exists.
+    """
 
     def __init__(self, model_config: ModelConfig, config: LearnerConfig, vocab_size: int, temperature: float = 1.0):
         self.config = config
@@ -97,33 +157,136 @@ class Learner:
         self.optimizer = config.optimizer.build()
         self.opt_state = self.optimizer.init(eqx.filter(self.model, eqx.is_inexact_array))
         self.version = 0
+        self.optimizer_steps = 0
+        self.reference_model = None
+        self.step_metrics: list[dict[str, float]] = []
+        """Metrics of each optimizer step of the last `train_step`."""
+        # Only the optimizer state is donated: the reference model must survive the step, and so must the batch
+        # (several epochs reuse it).
         self._train_step = eqx.filter_jit(self._train_step_impl, donate="all-except-first")
+        self._prepare = eqx.filter_jit(self._prepare_impl)
         self._logprobs = eqx.filter_jit(self._logprobs_impl)
         logger.info("learner: %s parameters", f"{self.num_params:,}")
 
+    # ---- reference model -------------------------------------------------------------------------------
+    def freeze_reference(self) -> bool:
+        """Copy the current policy as the frozen reference of the KL penalty; no-op (False) when kl_coef = 0."""
+        if self.config.loss.kl_coef <= 0:
+            return False
+        self.reference_model = jax.tree_util.tree_map(
+            lambda x: jnp.copy(x) if eqx.is_array(x) else x, self.model, is_leaf=eqx.is_array
+        )
+        logger.info("learner: froze the reference model at policy version %d", self.version)
+        return True
+
     # ---- RL ----------------------------------------------------------------------------------------
-    def _train_step_impl(self, model, opt_state, ex: RlExample):
+    def _token_logprobs(self, model, ex: RlExample):
+        return token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=self.temperature)
+
+    def _grads(self, model, reference, ex: RlExample, normalizers):
+        if reference is not None and ex.reference_logprobs is None:
+            ref_lp, _ = self._token_logprobs(reference, ex)
+            ex = dataclasses.replace(ex, reference_logprobs=jax.lax.stop_gradient(ref_lp))
+
         def loss_fn(m):
-            lp, ent = token_logprobs(m, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=self.temperature)
-            return policy_loss(lp, ent, ex, self.config.loss)
+            lp, ent = self._token_logprobs(m, ex)
+            return policy_loss(lp, ent, ex, self.config.loss, normalizers)
 
         (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
+        return grads, metrics
+
+    def _train_step_impl(self, inputs, opt_state):  # inputs: (policy, reference or None, example)
+        """One optimizer step on `ex` (one minibatch), accumulating over `microbatches` row chunks."""
+        model, reference, ex = inputs
+        n = self.config.microbatches
+        if n == 1:
+            grads, metrics = self._grads(model, reference, ex, None)
+        else:
+            # Normalise every chunk by the whole minibatch so that the chunks' gradients add up to its gradient.
+            normalizers = loss_normalizers(ex, self.config.loss)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+
+            def body(acc, raw):
+                grads, metrics = self._grads(model, reference, _from_raw(raw), normalizers)
+                return jax.tree_util.tree_map(jnp.add, acc, grads), metrics
+
+            grads, stacked = jax.lax.scan(body, zeros, _chunked(ex, n))
+            metrics = combine_metrics(stacked)
         updates, opt_state = self.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         model = eqx.apply_updates(model, updates)
         metrics["grad_norm"] = optax.global_norm(grads)
         return model, opt_state, metrics
 
+    def _prepare_impl(self, model, reference, ex: RlExample, num_chunks: int):
+        """Fill in proximal logprobs (current weights) and/or reference logprobs, `num_chunks` rows chunks at a time."""
+        want_prox = self.config.loss.uses_proximal and ex.proximal_logprobs is None
+        want_ref = reference is not None and ex.reference_logprobs is None
+
+        def forward(raw):
+            chunk = _from_raw(raw)
+            out = {}
+            if want_prox:
+                out["proximal_logprobs"] = self._token_logprobs(model, chunk)[0].array
+            if want_ref:
+                out["reference_logprobs"] = self._token_logprobs(reference, chunk)[0].array
+            return out
+
+        if not (want_prox or want_ref):
+            return ex
+        out = jax.lax.map(forward, _chunked(ex, num_chunks))
+        axes = ex.input_ids.axes
+        filled = {k: hax.named(jax.lax.stop_gradient(v.reshape(-1, v.shape[-1])), axes) for k, v in out.items()}
+        return dataclasses.replace(ex, **filled)
+
+    def _needs_prepare(self) -> bool:
+        cfg = self.config
+        if cfg.minibatches * cfg.epochs > 1:
+            return cfg.loss.uses_proximal or cfg.loss.kl_coef > 0
+        # Accumulating microbatches needs the kept tokens, and so the proximal logprobs, before any chunk's forward.
+        return cfg.microbatches > 1 and cfg.loss.kept_depends_on_proximal
+
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        """One optimizer step on a packed batch; increments the policy version. Returns `learner/...` metrics."""
+        """Train on a packed batch (`minibatches × epochs` optimizer steps); increments the policy version by one.
+
+        Returns `learner/...` metrics: those of the optimizer steps combined (mean; max of maxima, min of minima),
+        `learner/optimizer_steps` (cumulative), the learning rate of the last step, timing and throughput.
+        """
         start = time.time()
+        cfg = self.config
+        m, e, n = cfg.minibatches, cfg.epochs, cfg.microbatches
+        if batch.num_rows % (m * n) != 0:
+            raise ValueError(
+                f"the batch's {batch.num_rows} rows do not split into learner.minibatches={m} × "
+                f"learner.microbatches={n} equal parts; choose a row count divisible by {m * n}"
+            )
+        if cfg.loss.kl_coef > 0 and self.reference_model is None:
+            self.freeze_reference()
         ex = _to_example(batch)
-        self.model, self.opt_state, metrics = self._train_step(self.model, self.opt_state, ex)
-        out = {f"learner/{k}": float(v) for k, v in jax.device_get(metrics).items()}
-        out["learner/learning_rate"] = self.config.optimizer.lr_at(self.version)
+        if self._needs_prepare():
+            ex = self._prepare(self.model, self.reference_model, ex, m * n)
+        rows = batch.num_rows // m
+        # The batch's first step runs at the proximal weights: it takes logp_prox = stop_gradient(logp) from its own
+        # forward pass (ratio exactly 1), unless accumulating microbatches needs the kept tokens beforehand.
+        in_step_first = not (n > 1 and cfg.loss.kept_depends_on_proximal)
+        device_metrics = []
+        for epoch in range(e):
+            for i in range(m):
+                sub = ex if m == 1 else _rows(ex, i * rows, (i + 1) * rows)
+                if epoch == 0 and i == 0 and in_step_first and sub.proximal_logprobs is not None:
+                    sub = dataclasses.replace(sub, proximal_logprobs=None)
+                inputs = (self.model, self.reference_model, sub)
+                self.model, self.opt_state, metrics = self._train_step(inputs, self.opt_state)
+                device_metrics.append(metrics)
+        self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
+        out = _mean_over_steps(self.step_metrics)
+        out["learner/trained_tokens"] = float(np.sum(batch.loss_mask))  # the batch's, not a minibatch's
+        self.optimizer_steps += m * e
+        out["learner/optimizer_steps"] = float(self.optimizer_steps)
+        out["learner/learning_rate"] = cfg.optimizer.lr_at(self.optimizer_steps - 1)
         self.version += 1
         elapsed = time.time() - start
         out["learner/step_time_s"] = elapsed
-        out["learner/tokens_per_s"] = float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
+        out["learner/tokens_per_s"] = e * float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
         return out
 
     # ---- evaluation helpers ----------------------------------------------------------------------------
@@ -142,11 +305,16 @@ class Learner:
     def get_version(self) -> int:
         return self.version
 
+    def export_hf(self, path: str, tokenizer) -> str:
+        """Save the current policy and `tokenizer` as a Hugging Face checkpoint at `path` (local or fsspec URL)."""
+        return export_hf_checkpoint(self.model, tokenizer, path)
+
     # ---- supervised warm start ----------------------------------------------------------------------
     def warm_start(self, examples: list[tuple[list[int], list[int]]], max_seq_len: int, seed: int = 0) -> dict:
         """Supervised training on (prompt_ids, completion_ids) pairs for `warm_start.steps` steps.
 
-        Uses its own AdamW state; the RL optimizer starts fresh afterwards. Returns the loss curve.
+        Uses its own AdamW state; the RL optimizer starts fresh afterwards. With `loss.kl_coef > 0` the result becomes
+        the frozen reference model. Returns the loss curve.
         """
         cfg = self.config.warm_start
         if cfg.steps <= 0 or not examples:
@@ -177,4 +345,5 @@ class Learner:
             losses.append(float(loss))
             if (i + 1) % max(1, cfg.steps // 10) == 0:
                 logger.info("warm start step %d/%d: loss %.4f", i + 1, cfg.steps, losses[-1])
+        self.freeze_reference()  # the KL penalty's reference is the warm-started policy
         return {"losses": losses, "seconds": time.time() - start}

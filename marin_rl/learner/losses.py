@@ -2,20 +2,38 @@
 
 Notation (per token t, only where `loss_mask` is true):
   logp        learner's logprob under the weights being trained
-  logp_prox   proximal policy's logprob (the weights before this optimizer step)
-  logp_behav  sampler's logprob (what the inference server reported)
+  logp_prox   proximal policy's logprob: the learner's logprob under the weights before this batch's first
+              optimizer step (`RlExample.proximal_logprobs`). When the batch carries none, the weights being trained
+              *are* the proximal policy, so logp_prox = stop_gradient(logp) and the ratio below is exactly 1.
+  logp_behav  sampler's logprob (what the inference server reported, `RlExample.policy_logprobs`)
+  logp_ref    frozen reference model's logprob (`RlExample.reference_logprobs`)
   A           advantage of the rollout the token belongs to
 
-Clipped objective: r = exp(logp - logp_old), J = min(r·A, clip(r, 1-ε_low, 1+ε_high)·A).
-* objective='ppo':       logp_old = logp_behav.
-* objective='decoupled': logp_old = logp_prox and J is weighted by w = exp(logp_prox - logp_behav) (AReaL's decoupled
-  PPO); tokens with w > `behaviour_weight_cap` are masked out. When the batch carries no proximal logprobs, the
-  weights being trained *are* the proximal policy, so logp_prox = stop_gradient(logp) and the ratio is exactly 1.
+Clipped objective: r = exp(logp - logp_old), J = min(r·A, clip(r, 1-ε_low, 1+ε_high)·A), times a per-token weight w
+(always under stop_gradient):
+* objective='ppo', tis_cap=None:   logp_old = logp_behav, w = 1.
+* objective='decoupled', tis_cap=None: logp_old = logp_prox, w = exp(logp_prox - logp_behav) (AReaL's decoupled PPO);
+  tokens with w > `behaviour_weight_cap` are *masked* (w = 0 and they leave the normaliser).
+* tis_cap=C (either objective): truncated importance sampling for the sampler/learner mismatch (Yao et al. 2025).
+  logp_old = logp_prox and w = min(exp(logp_prox - logp_behav), C): the mismatch between the learner at the proximal
+  weights and the sampler is *truncated* instead of masked, and no token is dropped. The ratio is taken to logp_prox
+  for 'ppo' too: with a ratio to logp_behav the factor exp(logp_prox - logp_behav) would be counted twice (once in
+  r, once in w). With TIS on, 'ppo' and 'decoupled' are therefore the same loss and `behaviour_weight_cap` is unused.
+
+KL to a frozen reference (added when kl_coef = β > 0): with x = logp_ref - logp on each sampled token, Schulman's
+estimators of KL(π || π_ref) are k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x. The loss is
+  -aggregate(w·J over kept tokens) + β·aggregate(k over all sampled tokens).
+
+Every aggregation is a numerator (a sum over the batch's rows) divided by a denominator that depends only on masks
+and segments (`LossNormalizers`); passing the normalisers of a whole minibatch to `policy_loss` on a slice of its rows
+makes the per-slice losses, gradients and metrics add up to the whole minibatch's (gradient accumulation;
+see `combine_metrics`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import haliax as hax
 import jax
@@ -25,6 +43,7 @@ from marin_rl.types import RlExample
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "fixed_budget")
 OBJECTIVES = ("decoupled", "ppo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass
@@ -38,7 +57,17 @@ class LossConfig:
     clip_high: float = 0.28
     """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when larger than clip_low)."""
     behaviour_weight_cap: float = 5.0
-    """Decoupled objective: tokens whose weight exp(logp_prox - logp_behav) exceeds this are masked."""
+    """Decoupled objective without TIS: tokens whose weight exp(logp_prox - logp_behav) exceeds this are masked."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (None: off). Each token's objective is multiplied by
+    stop_gradient(min(exp(logp_prox - logp_behav), tis_cap)), logp_prox being the learner's logprob at the proximal
+    weights and logp_behav the sampler's; the ratio is then taken to logp_prox for either objective."""
+    kl_coef: float = 0.0
+    """β of the KL penalty to a frozen reference model (the initial policy). 0: no penalty, and no reference model
+    is kept or evaluated."""
+    kl_estimator: str = "k3"
+    """Estimator of KL(π || π_ref) per sampled token, x = logp_ref - logp: 'k1' (-x), 'k2' (x²/2) or
+    'k3' (exp(x) - 1 - x, unbiased and non-negative)."""
     aggregation: str = "token_mean"
     """'token_mean' over all trained tokens of the batch, 'sequence_mean' of per-rollout token means, or
     'fixed_budget' (Dr.GRPO: token sum divided by `num_sequences × max_response_tokens`)."""
@@ -52,6 +81,37 @@ class LossConfig:
             raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError("loss.clip_low and loss.clip_high must be >= 0")
+        if not self.behaviour_weight_cap > 0:
+            raise ValueError(f"loss.behaviour_weight_cap must be > 0, got {self.behaviour_weight_cap}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"loss.tis_cap must be > 0 (or None to turn TIS off), got {self.tis_cap}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.max_response_tokens <= 0:
+            raise ValueError(f"loss.max_response_tokens must be > 0, got {self.max_response_tokens}")
+
+    @property
+    def uses_proximal(self) -> bool:
+        """Whether the loss reads logp_prox (the decoupled objective, or any objective with TIS)."""
+        return self.objective == "decoupled" or self.tis_cap is not None
+
+    @property
+    def kept_depends_on_proximal(self) -> bool:
+        """Whether the set of trained tokens depends on logp_prox (decoupled masking by `behaviour_weight_cap`)."""
+        return self.objective == "decoupled" and self.tis_cap is None
+
+
+class LossNormalizers(NamedTuple):
+    """Denominators of the loss terms and of the metric means; they depend on masks and segments only."""
+
+    policy: jnp.ndarray
+    """Denominator of the policy-gradient term (over kept tokens)."""
+    reference: jnp.ndarray
+    """Denominator of the KL-to-reference term (over all sampled tokens)."""
+    tokens: jnp.ndarray
+    """Number of sampled tokens (at least 1): the denominator of the per-token metric means."""
 
 
 def clipped_objective(
@@ -63,72 +123,191 @@ def clipped_objective(
     return jnp.minimum(ratio * advantages, clipped * advantages), ratio
 
 
-def aggregate(
-    per_token: jnp.ndarray, mask: jnp.ndarray, segment_ids: jnp.ndarray, kind: str, max_response_tokens: int
-) -> jnp.ndarray:
-    """Reduce per-token values over `(rows, positions)` with the named aggregation."""
-    mask = mask.astype(per_token.dtype)
-    if kind == "token_mean":
-        return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+def importance_weights(
+    logp_prox: jnp.ndarray, logp_behav: jnp.ndarray, mask: jnp.ndarray, config: LossConfig
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Per-token weight w (under stop_gradient) and the kept-token mask, as described in the module docstring.
+
+    `logp_prox` is unused for objective='ppo' without TIS (w = 1 and every sampled token is kept).
+    """
+    if not config.uses_proximal:
+        return jnp.ones(mask.shape, jnp.float32), mask
+    raw = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_behav))
+    if config.tis_cap is not None:
+        return jnp.where(mask, jnp.minimum(raw, config.tis_cap), 0.0), mask
+    kept = mask & (raw <= config.behaviour_weight_cap)
+    return jnp.where(kept, raw, 0.0), kept
+
+
+def kl_estimate(logp: jnp.ndarray, logp_ref: jnp.ndarray, estimator: str) -> jnp.ndarray:
+    """Per-token estimate of KL(π || π_ref) from x = logp_ref - logp: k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x."""
+    x = logp_ref - logp
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * x * x
+    if estimator == "k3":
+        return jnp.exp(x) - 1.0 - x
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def _segment_sums(per_token: jnp.ndarray, mask: jnp.ndarray, segment_ids: jnp.ndarray):
     rows, seq = per_token.shape
     # A global id per (row, segment); padding (segment -1) is masked anyway.
     gid = (jnp.arange(rows)[:, None] * seq + jnp.maximum(segment_ids, 0)).reshape(-1)
     seg_sum = jax.ops.segment_sum((per_token * mask).reshape(-1), gid, num_segments=rows * seq)
     seg_count = jax.ops.segment_sum(mask.reshape(-1), gid, num_segments=rows * seq)
-    has_tokens = seg_count > 0
-    num_seqs = jnp.maximum(jnp.sum(has_tokens), 1)
+    return seg_sum, seg_count
+
+
+def aggregate_numerator(per_token: jnp.ndarray, mask: jnp.ndarray, segment_ids: jnp.ndarray, kind: str) -> jnp.ndarray:
+    """The part of an aggregation that adds up over rows: token sum, or sum of per-sequence token means."""
+    mask = mask.astype(per_token.dtype)
+    if kind in ("token_mean", "fixed_budget"):
+        return jnp.sum(per_token * mask)
     if kind == "sequence_mean":
-        return jnp.sum(jnp.where(has_tokens, seg_sum / jnp.maximum(seg_count, 1.0), 0.0)) / num_seqs
-    if kind == "fixed_budget":
-        return jnp.sum(seg_sum) / (num_seqs * max_response_tokens)
+        seg_sum, seg_count = _segment_sums(per_token, mask, segment_ids)
+        return jnp.sum(jnp.where(seg_count > 0, seg_sum / jnp.maximum(seg_count, 1.0), 0.0))
     raise ValueError(f"unknown aggregation {kind!r}")
 
 
+def aggregate_denominator(
+    mask: jnp.ndarray, segment_ids: jnp.ndarray, kind: str, max_response_tokens: int
+) -> jnp.ndarray:
+    """Normaliser of an aggregation: token count, sequence count, or sequence count × budget (each at least 1)."""
+    fmask = mask.astype(jnp.float32)
+    if kind == "token_mean":
+        return jnp.maximum(jnp.sum(fmask), 1.0)
+    if kind not in ("sequence_mean", "fixed_budget"):
+        raise ValueError(f"unknown aggregation {kind!r}")
+    _, seg_count = _segment_sums(jnp.zeros_like(fmask), fmask, segment_ids)
+    num_seqs = jnp.maximum(jnp.sum(seg_count > 0).astype(jnp.float32), 1.0)
+    return num_seqs * max_response_tokens if kind == "fixed_budget" else num_seqs
+
+
+def aggregate(
+    per_token: jnp.ndarray, mask: jnp.ndarray, segment_ids: jnp.ndarray, kind: str, max_response_tokens: int
+) -> jnp.ndarray:
+    """Reduce per-token values over `(rows, positions)` with the named aggregation."""
+    num = aggregate_numerator(per_token, mask, segment_ids, kind)
+    return num / aggregate_denominator(mask, segment_ids, kind, max_response_tokens)
+
+
+def _proximal(logp: jnp.ndarray, batch: RlExample) -> jnp.ndarray:
+    if batch.proximal_logprobs is not None:
+        return batch.proximal_logprobs.array
+    return jax.lax.stop_gradient(logp)
+
+
+def loss_normalizers(batch: RlExample, config: LossConfig, logp: jnp.ndarray | None = None) -> LossNormalizers:
+    """Normalisers of `policy_loss` for a whole (mini)batch.
+
+    For the decoupled objective without TIS the kept tokens depend on logp_prox: the batch must then carry
+    `proximal_logprobs`, or `logp` (the current weights' logprobs) must be given.
+    """
+    mask = batch.loss_mask.array
+    seg = batch.segment_ids.array
+    if config.kept_depends_on_proximal and batch.proximal_logprobs is None and logp is None:
+        raise ValueError(
+            "the decoupled objective's kept tokens depend on the proximal logprobs: give the batch "
+            "proximal_logprobs (or the current logprobs) to compute the normalisers"
+        )
+    if config.kept_depends_on_proximal:
+        prox = batch.proximal_logprobs.array if batch.proximal_logprobs is not None else logp
+        _, kept = importance_weights(prox, batch.policy_logprobs.array, mask, config)
+    else:
+        kept = mask
+    kind, budget = config.aggregation, config.max_response_tokens
+    return LossNormalizers(
+        policy=aggregate_denominator(kept, seg, kind, budget),
+        reference=aggregate_denominator(mask, seg, kind, budget),
+        tokens=jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0),
+    )
+
+
 def policy_loss(
-    logp: hax.NamedArray, entropy: hax.NamedArray, batch: RlExample, config: LossConfig
+    logp: hax.NamedArray,
+    entropy: hax.NamedArray,
+    batch: RlExample,
+    config: LossConfig,
+    normalizers: LossNormalizers | None = None,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
-    """The loss to minimise (-J aggregated) and per-batch metrics."""
+    """The loss to minimise (-J aggregated, plus β·KL) and per-batch metrics.
+
+    `normalizers` defaults to this batch's own; pass a minibatch's (`loss_normalizers`) when `batch` is a slice of
+    its rows: the slices' losses, gradients and metrics then add up to the minibatch's (maxima and minima combine
+    by max and min; see `combine_metrics`). With kl_coef > 0 the batch must carry
+    `reference_logprobs`.
+    """
     lp = logp.array
     mask = batch.loss_mask.array
     adv = batch.advantages.array
     behav = batch.policy_logprobs.array
-    if config.objective == "ppo":
-        old = behav
-        weight = jnp.ones_like(lp)
-        kept = mask
-    else:
-        prox = batch.proximal_logprobs.array if batch.proximal_logprobs is not None else jax.lax.stop_gradient(lp)
-        old = prox
-        weight = jnp.exp(prox - behav)
-        kept = mask & (weight <= config.behaviour_weight_cap)
-        weight = jnp.where(kept, weight, 0.0)
+    seg = batch.segment_ids.array
+    prox = _proximal(lp, batch)
+    weight, kept = importance_weights(prox, behav, mask, config)
+    old = prox if config.uses_proximal else behav
+    if normalizers is None:
+        normalizers = loss_normalizers(batch, config, prox)
     objective, ratio = clipped_objective(lp, old, adv, config.clip_low, config.clip_high)
     per_token = -weight * objective
-    loss = aggregate(per_token, kept, batch.segment_ids.array, config.aggregation, config.max_response_tokens)
+    pg_loss = aggregate_numerator(per_token, kept, seg, config.aggregation) / normalizers.policy
 
     fmask = mask.astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(fmask), 1.0)
+    n = normalizers.tokens
 
     def mean(x):
         return jnp.sum(x * fmask) / n
 
     log_ratio_behav = lp - behav
     metrics = {
-        "loss": loss,
+        "pg_loss": pg_loss,
         "ratio/mean": mean(ratio),
         "ratio/max": jnp.max(jnp.where(mask, ratio, -jnp.inf)),
         "ratio/min": jnp.min(jnp.where(mask, ratio, jnp.inf)),
         "clip_frac/low": mean(((ratio < 1.0 - config.clip_low) & (adv < 0)).astype(jnp.float32)),
         "clip_frac/high": mean(((ratio > 1.0 + config.clip_high) & (adv > 0)).astype(jnp.float32)),
-        # k3 estimator of KL(behaviour || learner) on sampled tokens, x = logp_learner - logp_behav
-        # E[exp(-x) - 1 + x]
-        "kl_behaviour": mean(jnp.exp(-log_ratio_behav) - 1.0 + log_ratio_behav),
+        # k3 estimator of KL(behaviour || learner) on the sampled tokens (drawn from the behaviour policy):
+        # with ρ = π_learner / π_behav = exp(x), E_behav[ρ - 1 - log ρ] = KL(behav || learner).
+        "kl_behaviour": mean(jnp.exp(log_ratio_behav) - 1.0 - log_ratio_behav),
         "logprob_diff_behaviour/max_abs": jnp.max(jnp.where(mask, jnp.abs(log_ratio_behav), 0.0)),
         "entropy": mean(entropy.array),
-        "masked_frac": 1.0 - jnp.sum(kept.astype(jnp.float32)) / n,
+        "masked_frac": mean((mask & ~kept).astype(jnp.float32)),
         "trained_tokens": jnp.sum(fmask),
     }
+    if config.uses_proximal:
+        metrics["importance_weight/mean"] = mean(weight)
+    if config.tis_cap is not None:
+        raw = jnp.exp(prox - behav)
+        metrics["tis/truncated_frac"] = mean((raw > config.tis_cap).astype(jnp.float32))
+    loss = pg_loss
+    if config.kl_coef > 0:
+        if batch.reference_logprobs is None:
+            raise ValueError("loss.kl_coef > 0 needs the batch's reference_logprobs (the frozen reference model's)")
+        k = kl_estimate(lp, jax.lax.stop_gradient(batch.reference_logprobs.array), config.kl_estimator)
+        kl = aggregate_numerator(k, mask, seg, config.aggregation) / normalizers.reference
+        metrics["kl_reference"] = kl
+        loss = loss + config.kl_coef * kl
+    metrics["loss"] = loss
     return loss, metrics
+
+
+def combine_metrics(stacked: dict[str, jnp.ndarray]) -> dict[str, jnp.ndarray]:
+    """Combine `policy_loss` metrics of row slices (leading axis) computed with the whole batch's normalisers.
+
+    Metrics whose last name component starts with 'max' ('ratio/max', '.../max_abs') combine by max, 'min' by min;
+    every other metric is a sum over the batch divided by a batch normaliser, so the slices' values add up.
+    """
+    out = {}
+    for k, v in stacked.items():
+        last = k.rsplit("/", 1)[-1]
+        if last.startswith("max"):
+            out[k] = jnp.max(v, axis=0)
+        elif last.startswith("min"):
+            out[k] = jnp.min(v, axis=0)
+        else:
+            out[k] = jnp.sum(v, axis=0)
+    return out
 
 
 def sft_loss(logp: hax.NamedArray, loss_mask: hax.NamedArray) -> jnp.ndarray:

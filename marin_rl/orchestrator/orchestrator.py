@@ -3,8 +3,9 @@
 Loop (one driver thread, everything else in actors):
   env actors generate groups → replay buffers (validate, advantages, staleness) → batcher (token budget, packing)
   → learner step (new version) → weights published to the servers every `broadcast.sync_every` steps.
-Staleness is bounded AReaL-style: with version v served, a new group starts only while at most (v + η + 1)
-batches' worth of rollouts have been started; `replay.max_age` drops whatever still gets too old.
+Staleness is bounded AReaL-style: with version v served and b batches formed, a new group starts only while the
+rollouts in flight or buffered fill at most (v + η + 1 − b) batches; `replay.max_age` drops whatever still gets
+too old.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class _EnvPool:
         self.inflight: dict[ray.ObjectRef, int] = {}  # ref -> replica
         self.budget_share = budget_share  # tokens per batch
         self.mean_rollout_tokens = float(self.env.sampling.max_tokens + 16)  # refined from data
-        self.rollouts_started = 0
         self.consumed_per_batch: float | None = None
         self.restarts = 0
 
@@ -70,23 +70,25 @@ class _EnvPool:
         if sizes:
             self.mean_rollout_tokens = 0.9 * self.mean_rollout_tokens + 0.1 * float(np.mean(sizes))
 
-    def launch(self, served_version: int, max_staleness: int, starved: bool) -> int:
+    def launch(self, served_version: int, batches_formed: int, buffered: int, max_staleness: int, starved: bool) -> int:
         """Start groups while the staleness gate allows; returns how many were started.
 
-        AReaL's rule: with weights of version v being served, at most (v + η + 1) batches' worth of rollouts may
-        have been started in total, so a rollout is trained at most η versions after the one that sampled it
-        (when batches consume data in order). `starved` (the batcher waits for this env and nothing is in flight)
-        lets one group start regardless, so an underestimate of the batch size cannot stall the run.
+        AReaL's bound, stated on outstanding data: with version v served and b batches formed so far, the rollouts
+        in flight or waiting in the buffer may fill at most (v + η + 1 − b) batches, so a rollout is trained at
+        most η versions after the one that sampled it (when batches consume data in order). η = 0 is synchronous:
+        nothing new starts while a batch is training on weights the servers do not have yet. Rollouts dropped on
+        the way (stale, rejected) free their room. `starved` (the batcher waits for this env and nothing is in
+        flight) lets one group start regardless, so a misestimated batch size cannot stall the run.
         """
         started = 0
-        allowed = (served_version + max_staleness + 1) * self.rollouts_per_batch()
+        capacity = (served_version + max_staleness + 1 - batches_formed) * self.rollouts_per_batch()
+        g = self.env.group_size
         for replica, actor in enumerate(self.actors):
             while sum(1 for r in self.inflight.values() if r == replica) < self.env.concurrency:
-                within = self.rollouts_started + self.env.group_size <= allowed
-                if not within and not (starved and not self.inflight):
+                outstanding = len(self.inflight) * g + buffered
+                if outstanding + g > capacity and not (starved and not self.inflight):
                     return started
                 self.inflight[actor.run_group.remote()] = replica
-                self.rollouts_started += self.env.group_size
                 started += 1
         return started
 
@@ -239,6 +241,7 @@ class Orchestrator:
         ocfg = cfg.orchestrator
         step = 0
         served_version = 0  # the version the servers have (published before the loop starts)
+        batches_formed = 0
         learner_ref = None
         waiting_since = time.time()
         last_log = time.time()
@@ -249,7 +252,13 @@ class Orchestrator:
         pending_metrics: dict[str, float] = {}
         while step < ocfg.num_steps:
             for name, pool in self.pools.items():
-                pool.launch(served_version, ocfg.max_staleness, starved=name in self.batcher.waiting_for)
+                pool.launch(
+                    served_version,
+                    batches_formed,
+                    len(self.buffers[name]),
+                    ocfg.max_staleness,
+                    starved=name in self.batcher.waiting_for,
+                )
             refs = [r for p in self.pools.values() for r in p.inflight]
             if learner_ref is not None:
                 refs.append(learner_ref)
@@ -305,6 +314,7 @@ class Orchestrator:
                     for name, pool in self.pools.items():
                         pool.observe_batch(int(pending_metrics.get(f"batches/{name}/rollouts_used", 0)))
                     learner_ref = self.learner.train_step.remote(batch)
+                    batches_formed += 1
                     waiting_since = time.time()
                 elif time.time() - waiting_since > ocfg.batch_timeout_s:
                     raise TimeoutError(

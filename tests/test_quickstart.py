@@ -35,6 +35,8 @@ def test_shortened_quickstart_learns(tmp_path):
 
     assert json.loads((out / "summary.json").read_text())["eval_reward_end"] == summary["eval_reward_end"]
     assert (out / "reward.png").stat().st_size > 10_000
+    assert (out / "hf" / "step-100" / "config.json").exists(), "the final policy is exported as an HF checkpoint"
+    assert any((out / "rollouts" / "addition").glob("*.parquet")), "accepted rollouts are persisted"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "learner/loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 101))

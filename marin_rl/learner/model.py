@@ -13,6 +13,8 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmConfig, LmHeadModel
 
+from marin_rl.learner.hf_checkpoints import load_hf_model
+
 
 def tiny_llama() -> LlamaConfig:
     """The project's default model: a small Llama that trains in seconds on a CPU."""
@@ -37,10 +39,24 @@ class ModelConfig:
     """Any Levanter language-model config, chosen by `type:` (llama, qwen, gemma, mistral, ...)."""
     seed: int = 0
     """PRNG seed for random initialisation."""
+    init_from_hf: str | None = None
+    """Local or gs:// directory of a Hugging Face checkpoint to initialise the policy from (its config must match
+    `architecture`'s type and sizes); None initialises randomly."""
+    export_every: int = 0
+    """Export the policy as an HF checkpoint to `output_dir/hf/step-N` every this many learner steps (0: only at
+    the end)."""
+
+    def __post_init__(self):
+        if not isinstance(self.export_every, int) or isinstance(self.export_every, bool) or self.export_every < 0:
+            raise ValueError(f"model.export_every must be an integer >= 0, got {self.export_every!r}")
+        if self.init_from_hf is not None and not self.init_from_hf.strip():
+            raise ValueError("model.init_from_hf must be a directory path or URL, or null; got an empty string")
 
 
 def build_model(config: ModelConfig, vocab_size: int) -> LmHeadModel:
-    """Randomly initialise the configured architecture (float32 parameters)."""
+    """The policy with float32 parameters: loaded from `config.init_from_hf`, or randomly initialised."""
+    if config.init_from_hf is not None:
+        return load_hf_model(config.architecture, config.init_from_hf, vocab_size)
     Vocab = hax.Axis("vocab", vocab_size)
     return config.architecture.build(Vocab, key=jax.random.PRNGKey(config.seed))
 

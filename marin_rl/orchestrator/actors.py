@@ -53,6 +53,7 @@ class LearnerActor:
             config.model, config.learner, vocab_size, temperature=config.envs[0].sampling.temperature
         )
         self.transport = make_transport(config.broadcast.transport)
+        self.tokenizer = load_tokenizer(config.tokenizer)
 
     def num_params(self) -> int:
         return self.learner.num_params
@@ -68,6 +69,11 @@ class LearnerActor:
 
     def version(self) -> int:
         return self.learner.version
+
+    def export_hf(self, path: str) -> str:
+        """Save the current policy as a Hugging Face checkpoint (local path or fsspec URL)."""
+        self.learner.export_hf(path, self.tokenizer)
+        return path
 
 
 @ray.remote(num_cpus=0)

@@ -295,6 +295,11 @@ class Orchestrator:
                 if step % ocfg.eval_every == 0 or step == ocfg.num_steps:
                     last_eval = self._evaluate()
                     metrics.update(last_eval)
+                every = cfg.model.export_every
+                if (every > 0 and step % every == 0) or step == ocfg.num_steps:
+                    exported = os.path.join(self.output_dir, "hf", f"step-{step}")
+                    ray.get(self.learner.export_hf.remote(exported))
+                    logger.info("exported the policy as a Hugging Face checkpoint to %s", exported)
                 now = time.time()
                 metrics["throughput/generated_tokens_per_s"] = gen_tokens_window / max(now - last_log, 1e-9)
                 metrics["time/elapsed_s"] = now
@@ -329,6 +334,7 @@ class Orchestrator:
             "generated_tokens": total_gen_tokens,
             "trained_tokens": total_trained_tokens,
             "env_restarts": sum(p.restarts for p in self.pools.values()),
+            "final_checkpoint": os.path.join(self.output_dir, "hf", f"step-{step}"),
         }
         for n in self.env_names:
             summary[f"eval_reward_start/{n}"] = eval_start[f"eval/{n}/reward"]

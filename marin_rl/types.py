@@ -21,7 +21,14 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class RolloutFormatError(ValueError):
-    """A rollout or group read from another process or from disk does not match the schema."""
+    """A rollout or group read from another process or from disk does not match the schema.
+
+    `reason` is a short code for metrics (e.g. 'logprob_count', 'token_out_of_vocab'); the message has the details.
+    """
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -189,30 +196,49 @@ class Rollout:
         return rollout
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise `RolloutFormatError` naming the first inconsistency found."""
+        """Raise `RolloutFormatError` (with a `reason` code) naming the first inconsistency found.
+
+        Checks: a prompt first and at least one sampled turn, known roles, integer token ids inside the vocabulary,
+        exactly one finite logprob (<= 0) per sampled token, inference metadata with a policy version on sampled
+        turns, finite rewards (named ones too).
+        """
+        uid = self.rollout_uid
         if not self.turns:
-            raise RolloutFormatError(f"rollout {self.rollout_uid} has no turns")
+            raise RolloutFormatError(f"rollout {uid} has no turns")
+        if self.turns[0].is_sampled:
+            raise RolloutFormatError(f"rollout {uid}: the first turn must be a prompt, not a sampled turn")
         if not any(t.is_sampled for t in self.turns):
-            raise RolloutFormatError(f"rollout {self.rollout_uid} has no policy-sampled turn")
+            raise RolloutFormatError(f"rollout {uid} has no policy-sampled turn", "no_sampled_tokens")
         for i, t in enumerate(self.turns):
-            where = f"rollout {self.rollout_uid} turn {i}"
+            where = f"rollout {uid} turn {i}"
             if t.role not in ROLES:
                 raise RolloutFormatError(f"{where}: unknown role {t.role!r}")
+            ids = np.asarray(t.token_ids)
+            if ids.size and ids.dtype.kind not in "iu":
+                raise RolloutFormatError(f"{where}: token ids must be integers, got dtype {ids.dtype}")
+            if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+                raise RolloutFormatError(
+                    f"{where}: token ids span [{ids.min()}, {ids.max()}], outside a vocabulary of size {vocab_size}",
+                    "token_out_of_vocab",
+                )
+            if not math.isfinite(t.reward) or any(not math.isfinite(v) for v in t.rewards.values()):
+                raise RolloutFormatError(
+                    f"{where}: non-finite reward {t.reward} (named rewards {t.rewards})", "nonfinite_reward"
+                )
             if t.is_sampled:
                 if len(t.logprobs) != len(t.token_ids):
                     raise RolloutFormatError(
-                        f"{where}: {len(t.logprobs)} logprobs for {len(t.token_ids)} sampled tokens"
+                        f"{where}: {len(t.logprobs)} logprobs for {len(t.token_ids)} sampled tokens", "logprob_count"
                     )
-                if not all(math.isfinite(x) and x <= 1e-6 for x in t.logprobs):
-                    raise RolloutFormatError(f"{where}: logprobs must be finite and <= 0")
+                lp = np.asarray(t.logprobs, dtype=np.float64)
+                if lp.size and not (np.isfinite(lp).all() and lp.max() <= 1e-6):
+                    raise RolloutFormatError(f"{where}: logprobs must be finite and <= 0", "bad_logprob")
                 if t.inference_metadata is None:
-                    raise RolloutFormatError(f"{where}: sampled turn without inference metadata")
-            if not math.isfinite(t.reward):
-                raise RolloutFormatError(f"{where}: non-finite reward {t.reward}")
-            if vocab_size is not None and any(not (0 <= x < vocab_size) for x in t.token_ids):
-                raise RolloutFormatError(f"{where}: token id outside vocabulary of size {vocab_size}")
-        if self.turns[0].is_sampled:
-            raise RolloutFormatError(f"rollout {self.rollout_uid}: the first turn must be a prompt, not a sampled turn")
+                    raise RolloutFormatError(f"{where}: sampled turn without inference metadata", "missing_metadata")
+                if t.inference_metadata.version_start < 0:
+                    raise RolloutFormatError(
+                        f"{where}: sampled turn without a policy version (version_start < 0)", "missing_metadata"
+                    )
 
 
 @dataclass

@@ -22,7 +22,7 @@ import numpy as np
 from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages, combine_rewards
 from marin_rl.replay.packing import Sequence
 from marin_rl.replay.store import RolloutWriter, rollout_to_row
-from marin_rl.types import ROLES, Rollout, RolloutFormatError, RolloutGroup
+from marin_rl.types import Rollout, RolloutFormatError, RolloutGroup
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,8 @@ class GroupRejected(RolloutFormatError):
 def check_group(group: RolloutGroup, env_name: str, vocab_size: int | None) -> None:
     """Raise `GroupRejected` naming the first problem of `group` for the buffer of `env_name`.
 
-    Checks: known environment, non-empty group of one problem with unique rollout ids, known roles, a prompt
-    first and at least one sampled turn per rollout, integer token ids inside the vocabulary, exactly one finite
-    logprob (<= 0) per sampled token, inference metadata on sampled turns, finite rewards (named ones too).
+    Checks: known environment, non-empty group of one problem with unique rollout ids, and every rollout's
+    schema (`Rollout.validate`, whose reason codes are kept).
     """
     if group.environment != env_name:
         raise GroupRejected("unknown_environment", f"group of env {group.environment!r} sent to buffer {env_name!r}")
@@ -101,44 +100,10 @@ def check_group(group: RolloutGroup, env_name: str, vocab_size: int | None) -> N
                 f"rollout {r.rollout_uid} is ({r.environment}, {r.problem_id}) in group "
                 f"({group.environment}, {group.problem_id})",
             )
-        if not r.turns:
-            raise GroupRejected("malformed", f"rollout {r.rollout_uid} has no turns")
-        if r.turns[0].is_sampled:
-            raise GroupRejected("malformed", f"rollout {r.rollout_uid}: the first turn must be a prompt")
-        if not any(t.is_sampled for t in r.turns):
-            raise GroupRejected("no_sampled_tokens", f"rollout {r.rollout_uid} has no policy-sampled turn")
-        for i, t in enumerate(r.turns):
-            where = f"rollout {r.rollout_uid} turn {i}"
-            if t.role not in ROLES:
-                raise GroupRejected("malformed", f"{where}: unknown role {t.role!r}")
-            ids = np.asarray(t.token_ids)
-            if ids.size and ids.dtype.kind not in "iu":
-                raise GroupRejected("malformed", f"{where}: token ids must be integers, got dtype {ids.dtype}")
-            if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
-                raise GroupRejected(
-                    "token_out_of_vocab",
-                    f"{where}: token ids span [{ids.min()}, {ids.max()}], vocabulary has {vocab_size}",
-                )
-            if not math.isfinite(t.reward) or any(not math.isfinite(v) for v in t.rewards.values()):
-                raise GroupRejected("nonfinite_reward", f"{where}: reward {t.reward}, named rewards {t.rewards}")
-            if t.is_sampled:
-                if len(t.logprobs) != len(t.token_ids):
-                    raise GroupRejected(
-                        "logprob_count", f"{where}: {len(t.logprobs)} logprobs for {len(t.token_ids)} sampled tokens"
-                    )
-                lp = np.asarray(t.logprobs, dtype=np.float64)
-                if lp.size and not (np.isfinite(lp).all() and lp.max() <= 1e-6):
-                    raise GroupRejected("bad_logprob", f"{where}: logprobs must be finite and <= 0")
-                if t.inference_metadata is None:
-                    raise GroupRejected("missing_metadata", f"{where}: sampled turn without inference metadata")
-                if t.inference_metadata.version_start < 0:
-                    raise GroupRejected(
-                        "missing_metadata", f"{where}: sampled turn without a policy version (version_start < 0)"
-                    )
-        try:  # the schema's own checks, as a backstop
+        try:
             r.validate(vocab_size)
         except RolloutFormatError as e:
-            raise GroupRejected("invalid", str(e)) from e
+            raise GroupRejected(e.reason, str(e)) from e
 
 
 @dataclass
@@ -225,7 +190,7 @@ class ReplayBuffer:
                 try:
                     group = RolloutGroup.from_dict(group)
                 except RolloutFormatError as e:
-                    raise GroupRejected("malformed", str(e)) from e
+                    raise GroupRejected(e.reason, str(e)) from e
             check_group(group, self.env_name, self.vocab_size)
         except GroupRejected as e:
             return self._reject(e.reason, e.detail)

@@ -1,0 +1,147 @@
+"""Multiple-choice questions: the prompt lists lettered options, reward 1 for the right letter."""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any
+
+from marin_rl.envs.base import Problem, SingleTurnEnvironment
+from marin_rl.envs.data import DataFormatError, check_unique_ids, read_rows, require_field, split_problems
+
+LETTERS = string.ascii_uppercase
+DEFAULT_PROMPT_TEMPLATE = "Question: {question}\n{options}\nAnswer:"
+
+
+def answer_letter(answer: Any, num_choices: int, where: str) -> str:
+    """The answer as a letter: an index (0 → 'A', also as a string '0') or a letter ('b', '(B)')."""
+    if isinstance(answer, bool):
+        raise DataFormatError(f"{where}: answer must be an option index or letter, got {answer!r}")
+    if isinstance(answer, int):
+        index = answer
+    elif isinstance(answer, str) and answer.strip().isdigit():
+        index = int(answer.strip())
+    elif isinstance(answer, str) and len(answer.strip("() .").strip()) == 1 and answer.strip("() .").isalpha():
+        index = LETTERS.index(answer.strip("() .").upper())
+    else:
+        raise DataFormatError(f"{where}: answer must be an option index or letter, got {answer!r}")
+    if not 0 <= index < num_choices:
+        raise DataFormatError(f"{where}: answer {answer!r} is not one of the {num_choices} options")
+    return LETTERS[index]
+
+
+def make_problem(
+    row: dict[str, Any],
+    where: str,
+    index: int,
+    *,
+    question_field: str = "question",
+    choices_field: str = "choices",
+    answer_field: str = "answer",
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+    id_prefix: str = "mc",
+) -> Problem:
+    """A `Problem` from one row `{question, choices: [...], answer: index or letter}`; `where` locates errors."""
+    question = str(require_field(row, question_field, where))
+    choices = require_field(row, choices_field, where)
+    if not isinstance(choices, list | tuple) or not 2 <= len(choices) <= len(LETTERS):
+        raise DataFormatError(f"{where}: field {choices_field!r} must be a list of 2 to 26 options, got {choices!r}")
+    choices = [str(c) for c in choices]
+    letter = answer_letter(require_field(row, answer_field, where), len(choices), where)
+    options = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))
+    try:
+        prompt = prompt_template.format(question=question, options=options)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"prompt_template {prompt_template!r} may use only {{question}} and {{options}}: {e}") from e
+    return Problem(
+        id=str(row["id"]) if row.get("id") is not None else f"{id_prefix}-{index}",
+        prompt=prompt,
+        answer=letter,
+        fields={"question": question, "choices": choices},
+    )
+
+
+def extract_choice(completion: str, num_choices: int = len(LETTERS)) -> str | None:
+    """The first option letter in a completion: a capital letter among the first `num_choices` standing alone.
+
+    ' B', '(B)', 'B.', 'B) because', 'Answer: B' and 'The answer is B' all give 'B'; a capital inside a word
+    ('Answer') or beyond the options ('I think C' with 4 options gives 'C') is skipped.
+    """
+    valid = LETTERS[:num_choices]
+    for m in re.finditer(r"(?<![A-Za-z0-9])([A-Z])(?![A-Za-z0-9])", completion or ""):
+        if m.group(1) in valid:
+            return m.group(1)
+    return None
+
+
+class MultipleChoiceEnvironment(SingleTurnEnvironment):
+    """Multiple-choice questions; reward 1 if the completion's first option letter is the answer.
+
+    Problems come from `path` (JSONL or Parquet, local or `gs://`, rows `{"question", "choices": [...],
+    "answer": index or letter}`; field names configurable) or inline as `problems` (a list of such dicts).
+    Held out: `eval_path` / `eval_problems`, else `eval_fraction` of the problems after a shuffle seeded with `seed`.
+    The prompt is `prompt_template` with `{question}` and `{options}` ('A. ...' lines).
+    """
+
+    name = "multiple_choice"
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        name: str | None = None,
+        seed: int = 0,
+        path: str | None = None,
+        problems: list[dict[str, Any]] | None = None,
+        eval_path: str | None = None,
+        eval_problems: list[dict[str, Any]] | None = None,
+        eval_fraction: float = 0.1,
+        question_field: str = "question",
+        choices_field: str = "choices",
+        answer_field: str = "answer",
+        prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+        storage_options: dict[str, Any] | None = None,
+    ):
+        super().__init__(tokenizer, name=name, seed=seed)
+        if (path is None) == (problems is None):
+            raise ValueError("give exactly one of `path` and `problems`")
+        if eval_path is not None and eval_problems is not None:
+            raise ValueError("give at most one of `eval_path` and `eval_problems`")
+        fields = dict(
+            question_field=question_field,
+            choices_field=choices_field,
+            answer_field=answer_field,
+            prompt_template=prompt_template,
+        )
+
+        def load(source_path: str | None, inline: list[dict] | None, prefix: str) -> list[Problem]:
+            if source_path is not None:
+                rows = read_rows(source_path, storage_options=storage_options)
+            else:
+                if not isinstance(inline, list) or not all(isinstance(r, dict) for r in inline):
+                    raise ValueError(f"`{prefix}` must be a list of dicts with question/choices/answer")
+                rows = [(f"{prefix}[{i}]", r) for i, r in enumerate(inline)]
+            return [make_problem(r, where, i, id_prefix=prefix, **fields) for i, (where, r) in enumerate(rows)]
+
+        loaded = load(path, problems, "problems")
+        if eval_path is None and eval_problems is None:
+            self._train, self._eval = split_problems(loaded, eval_fraction, seed)
+        else:
+            self._train, self._eval = loaded, load(eval_path, eval_problems, "eval_problems")
+        if not self._train or not self._eval:
+            raise ValueError(f"{self.name}: no training or no eval problems")
+        check_unique_ids(self._train + self._eval, self.name)
+
+    def train_problems(self) -> list[Problem]:
+        return self._train
+
+    def eval_problems(self) -> list[Problem]:
+        return self._eval
+
+    def reference_completion(self, problem: Problem) -> str:
+        """' <letter>' as a warm-start completion."""
+        return f" {problem.answer}"
+
+    def score(self, problem: Problem, completion: str) -> dict[str, float]:
+        num_choices = len(problem.fields.get("choices", LETTERS))
+        return {"correct": float(extract_choice(completion, num_choices) == problem.answer)}

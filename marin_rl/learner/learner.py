@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from marin_rl.learner.hf_checkpoints import export_hf_checkpoint
 from marin_rl.learner.losses import LossConfig, combine_metrics, loss_normalizers, policy_loss, sft_loss
@@ -71,6 +74,99 @@ class WarmStartConfig:
     """Rows of `max_seq_len` tokens per supervised batch."""
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+"""Physical axes of the learner's device mesh, in order."""
+
+
+@dataclass
+class MeshConfig:
+    """The learner's device mesh and how named axes map onto it.
+
+    The mesh has three physical axes, `data × fsdp × tensor`: batch rows are split over `data` and `fsdp`, parameters
+    and optimizer state are split over `fsdp` (their `embed` axis by default) and `tensor` (`mlp`, `heads`,
+    `kv_head`). The same config runs on CPU, GPU and TPU devices. On a single device the learner uses no mesh at all.
+    """
+
+    data: int = -1
+    """Size of the data-parallel axis; -1: all devices that `fsdp × tensor` leaves."""
+    fsdp: int = 1
+    """Size of the fully-sharded data-parallel axis: batch rows and parameters (see `param_mapping`) split over it."""
+    tensor: int = 1
+    """Size of the tensor-parallel axis: the named axes that `compute_mapping` maps to "tensor" split over it."""
+    compute_mapping: dict[str, str | list[str]] = field(
+        default_factory=lambda: {"batch": ["data", "fsdp"], "mlp": "tensor", "heads": "tensor", "kv_head": "tensor"}
+    )
+    """Named (logical) axis → mesh axis or axes, for activations and the batch; also the base of `param_mapping`.
+    Axes not named here are replicated."""
+    param_mapping: dict[str, str | list[str]] = field(default_factory=lambda: {"embed": "fsdp"})
+    """Overrides of `compute_mapping` for parameters and optimizer state (FSDP: the `embed` axis over "fsdp")."""
+
+    def __post_init__(self):
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or (value < 1 and not (name == "data" and value == -1))
+            ):
+                allowed = "an integer >= 1 or -1 (all remaining devices)" if name == "data" else "an integer >= 1"
+                raise ValueError(f"learner.mesh.{name} must be {allowed}, got {value!r}")
+        for which in ("compute_mapping", "param_mapping"):
+            for axis, target in getattr(self, which).items():
+                targets = [target] if isinstance(target, str) else list(target)
+                unknown = [t for t in targets if t not in MESH_AXES]
+                if unknown or not targets:
+                    raise ValueError(
+                        f"learner.mesh.{which}[{axis!r}] = {target!r} must name mesh axes among {MESH_AXES}"
+                    )
+
+    def shape(self, num_devices: int) -> dict[str, int]:
+        """The mesh's axis sizes on `num_devices` devices; raises ValueError when the mesh does not fit them."""
+        rest = self.fsdp * self.tensor
+        if self.data == -1:
+            if num_devices % rest != 0:
+                raise ValueError(
+                    f"learner.mesh: fsdp={self.fsdp} × tensor={self.tensor} = {rest} does not divide the "
+                    f"{num_devices} available devices; choose sizes whose product divides the device count"
+                )
+            data = num_devices // rest
+        else:
+            data = self.data
+        size = data * rest
+        if size > num_devices:
+            raise ValueError(
+                f"learner.mesh: data={data} × fsdp={self.fsdp} × tensor={self.tensor} = {size} devices, but only "
+                f"{num_devices} are available (jax.devices())"
+            )
+        return {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+    def build(self, devices: list | None = None) -> Mesh | None:
+        """A `jax.sharding.Mesh` over the first `data × fsdp × tensor` of `devices` (default: `jax.devices()`), or
+        None when that is a single device (then the learner runs unsharded, exactly as without a mesh)."""
+        devices = list(jax.devices() if devices is None else devices)
+        shape = self.shape(len(devices))
+        size = math.prod(shape.values())
+        if size == 1:
+            return None
+        if size < len(devices):
+            logger.warning("learner.mesh uses %d of the %d devices", size, len(devices))
+        grid = np.asarray(devices[:size], dtype=object).reshape(tuple(shape.values()))
+        return Mesh(grid, MESH_AXES)
+
+    def _resolved(self, mapping: dict) -> dict[str, str | tuple[str, ...]]:
+        return {k: v if isinstance(v, str) else tuple(v) for k, v in mapping.items()}
+
+    @property
+    def compute_axis_mapping(self) -> dict[str, str | tuple[str, ...]]:
+        """haliax resource mapping for activations and batches."""
+        return self._resolved(self.compute_mapping)
+
+    @property
+    def param_axis_mapping(self) -> dict[str, str | tuple[str, ...]]:
+        """haliax resource mapping for parameters and optimizer state."""
+        return {**self.compute_axis_mapping, **self._resolved(self.param_mapping)}
+
+
 @dataclass
 class LearnerConfig:
     """The learner: optimizer, loss and supervised warm start."""
@@ -81,6 +177,8 @@ class LearnerConfig:
     """Policy-gradient loss."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start before RL."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Device mesh and axis mappings (data / fsdp / tensor parallelism)."""
     minibatches: int = 1
     """Split each batch's rows into this many minibatches, one optimizer step each. The batch's rows must divide
     evenly into `minibatches × microbatches`."""
@@ -152,10 +250,14 @@ class Learner:
     def __init__(self, model_config: ModelConfig, config: LearnerConfig, vocab_size: int, temperature: float = 1.0):
         self.config = config
         self.temperature = float(temperature)
+        self.mesh = config.mesh.build()
+        """The device mesh, or None on a single device (no sharding at all)."""
         self.model = build_model(model_config, vocab_size)
         self.num_params = parameter_count(self.model)
         self.optimizer = config.optimizer.build()
-        self.opt_state = self.optimizer.init(eqx.filter(self.model, eqx.is_inexact_array))
+        with self._sharding():
+            self.model = self._shard_params(self.model)
+            self.opt_state = self._shard_params(self.optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
         self.version = 0
         self.optimizer_steps = 0
         self.reference_model = None
@@ -167,6 +269,52 @@ class Learner:
         self._prepare = eqx.filter_jit(self._prepare_impl)
         self._logprobs = eqx.filter_jit(self._logprobs_impl)
         logger.info("learner: %s parameters", f"{self.num_params:,}")
+        if self.mesh is not None:
+            logger.info("learner: mesh %s over %s devices", dict(self.mesh.shape), self.mesh.devices.size)
+
+    # ---- sharding ----------------------------------------------------------------------------------------
+    def _sharding(self) -> contextlib.AbstractContextManager:
+        """Context in which arrays are placed and steps traced and run: the mesh and the compute axis mapping."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(hax.partitioning.set_mesh(self.mesh))
+        stack.enter_context(hax.axis_mapping(self.config.mesh.compute_axis_mapping))
+        return stack
+
+    @property
+    def batch_shards(self) -> int:
+        """Number of pieces the batch rows split into (the product of the mesh axes that `batch` maps to)."""
+        if self.mesh is None:
+            return 1
+        target = self.config.mesh.compute_axis_mapping.get("batch", ())
+        return math.prod(self.mesh.shape[a] for a in ((target,) if isinstance(target, str) else target))
+
+    def _shard_params(self, tree):
+        """Parameters or optimizer state laid out by the parameter mapping (inside jit: a sharding constraint)."""
+        return tree if self.mesh is None else hax.shard(tree, self.config.mesh.param_axis_mapping, self.mesh)
+
+    def _shard_batch(self, ex: RlExample) -> RlExample:
+        """Batch rows split over the axes that `batch` maps to (outside jit: placed on the devices)."""
+        return ex if self.mesh is None else hax.shard(ex, self.config.mesh.compute_axis_mapping, self.mesh)
+
+    def _chunked(self, ex: RlExample, n: int) -> dict[str, jax.Array]:
+        """`_chunked`, with each chunk's rows (not the chunks) split over the devices."""
+        raw = _chunked(ex, n)
+        if self.mesh is None or n == 1:
+            return raw
+        target = self.config.mesh.compute_axis_mapping.get("batch")
+        sharding = NamedSharding(self.mesh, PartitionSpec(None, target, None))
+        return {k: jax.lax.with_sharding_constraint(v, sharding) for k, v in raw.items()}
+
+    def _check_rows(self, rows: int, what: str, parts: int = 1) -> None:
+        if rows % (parts * self.batch_shards) != 0:
+            raise ValueError(
+                f"{what}: {rows} rows do not split over the learner mesh's batch shards ({self.batch_shards} = "
+                f"{self.config.mesh.compute_axis_mapping.get('batch')} of mesh {dict(self.mesh.shape)})"
+                + (f" × {parts} minibatch/microbatch parts" if parts > 1 else "")
+                + f"; choose a row count divisible by {parts * self.batch_shards}"
+            )
 
     # ---- reference model -------------------------------------------------------------------------------
     def freeze_reference(self) -> bool:
@@ -210,12 +358,13 @@ class Learner:
                 grads, metrics = self._grads(model, reference, _from_raw(raw), normalizers)
                 return jax.tree_util.tree_map(jnp.add, acc, grads), metrics
 
-            grads, stacked = jax.lax.scan(body, zeros, _chunked(ex, n))
+            grads, stacked = jax.lax.scan(body, zeros, self._chunked(ex, n))
             metrics = combine_metrics(stacked)
+        grads = self._shard_params(grads)
         updates, opt_state = self.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        model = eqx.apply_updates(model, updates)
+        model = self._shard_params(eqx.apply_updates(model, updates))
         metrics["grad_norm"] = optax.global_norm(grads)
-        return model, opt_state, metrics
+        return model, self._shard_params(opt_state), metrics
 
     def _prepare_impl(self, model, reference, ex: RlExample, num_chunks: int):
         """Fill in proximal logprobs (current weights) and/or reference logprobs, `num_chunks` rows chunks at a time."""
@@ -233,7 +382,7 @@ class Learner:
 
         if not (want_prox or want_ref):
             return ex
-        out = jax.lax.map(forward, _chunked(ex, num_chunks))
+        out = jax.lax.map(forward, self._chunked(ex, num_chunks))
         axes = ex.input_ids.axes
         filled = {k: hax.named(jax.lax.stop_gradient(v.reshape(-1, v.shape[-1])), axes) for k, v in out.items()}
         return dataclasses.replace(ex, **filled)
@@ -259,24 +408,10 @@ class Learner:
                 f"the batch's {batch.num_rows} rows do not split into learner.minibatches={m} × "
                 f"learner.microbatches={n} equal parts; choose a row count divisible by {m * n}"
             )
-        if cfg.loss.kl_coef > 0 and self.reference_model is None:
-            self.freeze_reference()
-        ex = _to_example(batch)
-        if self._needs_prepare():
-            ex = self._prepare(self.model, self.reference_model, ex, m * n)
-        rows = batch.num_rows // m
-        # The batch's first step runs at the proximal weights: it takes logp_prox = stop_gradient(logp) from its own
-        # forward pass (ratio exactly 1), unless accumulating microbatches needs the kept tokens beforehand.
-        in_step_first = not (n > 1 and cfg.loss.kept_depends_on_proximal)
-        device_metrics = []
-        for epoch in range(e):
-            for i in range(m):
-                sub = ex if m == 1 else _rows(ex, i * rows, (i + 1) * rows)
-                if epoch == 0 and i == 0 and in_step_first and sub.proximal_logprobs is not None:
-                    sub = dataclasses.replace(sub, proximal_logprobs=None)
-                inputs = (self.model, self.reference_model, sub)
-                self.model, self.opt_state, metrics = self._train_step(inputs, self.opt_state)
-                device_metrics.append(metrics)
+        if self.mesh is not None:
+            self._check_rows(batch.num_rows, "the batch", m * n)
+        with self._sharding():
+            device_metrics = self._run_steps(batch)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
         out = _mean_over_steps(self.step_metrics)
         out["learner/trained_tokens"] = float(np.sum(batch.loss_mask))  # the batch's, not a minibatch's
@@ -289,6 +424,30 @@ class Learner:
         out["learner/tokens_per_s"] = e * float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
         return out
 
+    def _run_steps(self, batch: PackedBatch) -> list[dict[str, jax.Array]]:
+        """The batch's optimizer steps; their metrics, still on the devices."""
+        cfg = self.config
+        m, e, n = cfg.minibatches, cfg.epochs, cfg.microbatches
+        if cfg.loss.kl_coef > 0 and self.reference_model is None:
+            self.freeze_reference()
+        ex = self._shard_batch(_to_example(batch))
+        if self._needs_prepare():
+            ex = self._prepare(self.model, self.reference_model, ex, m * n)
+        rows = batch.num_rows // m
+        # The batch's first step runs at the proximal weights: it takes logp_prox = stop_gradient(logp) from its own
+        # forward pass (ratio exactly 1), unless accumulating microbatches needs the kept tokens beforehand.
+        in_step_first = not (n > 1 and cfg.loss.kept_depends_on_proximal)
+        device_metrics = []
+        for epoch in range(e):
+            for i in range(m):
+                sub = ex if m == 1 else self._shard_batch(_rows(ex, i * rows, (i + 1) * rows))
+                if epoch == 0 and i == 0 and in_step_first and sub.proximal_logprobs is not None:
+                    sub = dataclasses.replace(sub, proximal_logprobs=None)
+                inputs = (self.model, self.reference_model, sub)
+                self.model, self.opt_state, metrics = self._train_step(inputs, self.opt_state)
+                device_metrics.append(metrics)
+        return device_metrics
+
     # ---- evaluation helpers ----------------------------------------------------------------------------
     def _logprobs_impl(self, model, ex: RlExample):
         lp, _ = token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=self.temperature)
@@ -296,7 +455,14 @@ class Learner:
 
     def logprobs(self, batch: PackedBatch) -> np.ndarray:
         """Learner's logprob of every token of a packed batch under the current weights."""
-        return np.asarray(self._logprobs(self.model, _to_example(batch)))
+        if self.mesh is None:
+            return np.asarray(self._logprobs(self.model, _to_example(batch)))
+        rows = batch.num_rows
+        pad = -rows % self.batch_shards  # pad the rows to split evenly over the mesh; the padding is dropped
+        if pad:
+            batch = PackedBatch(**{k: np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in vars(batch).items()})
+        with self._sharding():
+            return np.asarray(self._logprobs(self.model, self._shard_batch(_to_example(batch))))[:rows]
 
     def weights(self) -> list[np.ndarray]:
         """Current parameters as host arrays, flattened like `eqx.filter(model, eqx.is_array)`."""
@@ -319,8 +485,15 @@ class Learner:
         cfg = self.config.warm_start
         if cfg.steps <= 0 or not examples:
             return {"losses": []}
+        if self.mesh is not None:
+            self._check_rows(cfg.batch_rows, "learner.warm_start.batch_rows")
+        with self._sharding():
+            return self._warm_start(examples, max_seq_len, seed)
+
+    def _warm_start(self, examples: list[tuple[list[int], list[int]]], max_seq_len: int, seed: int) -> dict:
+        cfg = self.config.warm_start
         opt = optax.adamw(cfg.learning_rate, b1=0.9, b2=0.99)
-        opt_state = opt.init(eqx.filter(self.model, eqx.is_inexact_array))
+        opt_state = self._shard_params(opt.init(eqx.filter(self.model, eqx.is_inexact_array)))
 
         @eqx.filter_jit
         def step(model, opt_state, ex: RlExample):
@@ -329,8 +502,10 @@ class Learner:
                 return sft_loss(lp, ex.loss_mask)
 
             loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-            updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-            return eqx.apply_updates(model, updates), opt_state, loss
+            updates, opt_state = opt.update(
+                self._shard_params(grads), opt_state, eqx.filter(model, eqx.is_inexact_array)
+            )
+            return self._shard_params(eqx.apply_updates(model, updates)), self._shard_params(opt_state), loss
 
         rng = np.random.default_rng(seed)
         seqs = [Sequence.supervised(p, c) for p, c in examples]
@@ -341,7 +516,7 @@ class Learner:
         for i in range(cfg.steps):
             idx = rng.choice(len(seqs), size=min(per_batch, len(seqs)), replace=False)
             batch, _ = pack([seqs[j] for j in idx], cfg.batch_rows, max_seq_len)
-            self.model, opt_state, loss = step(self.model, opt_state, _to_example(batch))
+            self.model, opt_state, loss = step(self.model, opt_state, self._shard_batch(_to_example(batch)))
             losses.append(float(loss))
             if (i + 1) % max(1, cfg.steps // 10) == 0:
                 logger.info("warm start step %d/%d: loss %.4f", i + 1, cfg.steps, losses[-1])

@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
-from marin_rl.envs.base import Problem
+from marin_rl.envs.base import Problem, SingleTurnEnvironment
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -180,3 +180,31 @@ def check_unique_ids(problems: Sequence[Problem], what: str) -> None:
         if p.id in seen:
             raise DataFormatError(f"{what}: duplicate problem id {p.id!r}")
         seen.add(p.id)
+
+
+class ProblemSetEnvironment(SingleTurnEnvironment):
+    """A single-turn environment over fixed lists of training and held-out problems.
+
+    Subclasses load their problems and call `set_problems`; the reference answer is the warm-start completion.
+    """
+
+    def set_problems(
+        self, train: list[Problem], held_out: list[Problem] | None, eval_fraction: float, source: str
+    ) -> None:
+        """Use `train` and `held_out` (or a seeded `eval_fraction` split of `train` when None); ids must be unique."""
+        if held_out is None:
+            train, held_out = split_problems(train, eval_fraction, self.seed)
+        if not train or not held_out:
+            raise ValueError(f"{self.name}: no training or no eval problems ({source})")
+        check_unique_ids(train + held_out, source)
+        self._train, self._eval = train, held_out
+
+    def train_problems(self) -> list[Problem]:
+        return self._train
+
+    def eval_problems(self) -> list[Problem]:
+        return self._eval
+
+    def reference_completion(self, problem: Problem) -> str:
+        """' <answer>' (the reference answer) as a warm-start completion."""
+        return f" {problem.answer}"

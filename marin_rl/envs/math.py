@@ -14,8 +14,8 @@ from typing import Any
 import sympy
 from sympy.parsing.sympy_parser import parse_expr, rationalize, standard_transformations
 
-from marin_rl.envs.base import Problem, SingleTurnEnvironment
-from marin_rl.envs.data import check_unique_ids, load_gsm8k, load_qa, split_problems
+from marin_rl.envs.base import Problem
+from marin_rl.envs.data import ProblemSetEnvironment, load_gsm8k, load_qa
 
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 FORMATS = ("gsm8k", "jsonl")
@@ -165,7 +165,7 @@ def verify(completion: str, reference: str) -> float:
         return 0.0
 
 
-class MathEnvironment(SingleTurnEnvironment):
+class MathEnvironment(ProblemSetEnvironment):
     """Math word problems from JSONL/Parquet files (local or `gs://`), rewarded 1 for a correct final answer.
 
     Args (the env's `args` in the config):
@@ -213,24 +213,12 @@ class MathEnvironment(SingleTurnEnvironment):
                 storage_options=storage_options,
             )
 
-        problems = load(train_path)
-        if eval_path is None:
-            self._train, self._eval = split_problems(problems, eval_fraction, seed)
-        else:
-            self._train, self._eval = problems, load(eval_path)
-        if not self._train or not self._eval:
-            raise ValueError(f"{self.name}: no training or no eval problems (train_path={train_path!r})")
-        check_unique_ids(self._train + self._eval, f"{train_path} + {eval_path}")
-
-    def train_problems(self) -> list[Problem]:
-        return self._train
-
-    def eval_problems(self) -> list[Problem]:
-        return self._eval
-
-    def reference_completion(self, problem: Problem) -> str:
-        """' <answer>' (the reference final answer) as a warm-start completion."""
-        return f" {problem.answer}"
+        self.set_problems(
+            load(train_path),
+            None if eval_path is None else load(eval_path),
+            eval_fraction,
+            f"{train_path} + {eval_path}",
+        )
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
         return {"correct": verify(completion, problem.answer)}

@@ -6,8 +6,8 @@ import re
 import string
 from typing import Any
 
-from marin_rl.envs.base import Problem, SingleTurnEnvironment
-from marin_rl.envs.data import DataFormatError, check_unique_ids, read_rows, require_field, split_problems
+from marin_rl.envs.base import Problem
+from marin_rl.envs.data import DataFormatError, ProblemSetEnvironment, read_rows, require_field
 
 LETTERS = string.ascii_uppercase
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\n{options}\nAnswer:"
@@ -74,7 +74,7 @@ def extract_choice(completion: str, num_choices: int = len(LETTERS)) -> str | No
     return None
 
 
-class MultipleChoiceEnvironment(SingleTurnEnvironment):
+class MultipleChoiceEnvironment(ProblemSetEnvironment):
     """Multiple-choice questions; reward 1 if the completion's first option letter is the answer.
 
     Problems come from `path` (JSONL or Parquet, local or `gs://`, rows `{"question", "choices": [...],
@@ -123,24 +123,10 @@ class MultipleChoiceEnvironment(SingleTurnEnvironment):
                 rows = [(f"{prefix}[{i}]", r) for i, r in enumerate(inline)]
             return [make_problem(r, where, i, id_prefix=prefix, **fields) for i, (where, r) in enumerate(rows)]
 
-        loaded = load(path, problems, "problems")
-        if eval_path is None and eval_problems is None:
-            self._train, self._eval = split_problems(loaded, eval_fraction, seed)
-        else:
-            self._train, self._eval = loaded, load(eval_path, eval_problems, "eval_problems")
-        if not self._train or not self._eval:
-            raise ValueError(f"{self.name}: no training or no eval problems")
-        check_unique_ids(self._train + self._eval, self.name)
-
-    def train_problems(self) -> list[Problem]:
-        return self._train
-
-    def eval_problems(self) -> list[Problem]:
-        return self._eval
-
-    def reference_completion(self, problem: Problem) -> str:
-        """' <letter>' as a warm-start completion."""
-        return f" {problem.answer}"
+        held_out = (
+            None if eval_path is None and eval_problems is None else load(eval_path, eval_problems, "eval_problems")
+        )
+        self.set_problems(load(path, problems, "problems"), held_out, eval_fraction, self.name)
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
         num_choices = len(problem.fields.get("choices", LETTERS))

@@ -12,11 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from marin_rl.config import EnvConfig
-from marin_rl.envs.base import SamplingParams
+from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.envs.data import DataFormatError, load_gsm8k, load_qa, parse_gsm8k_answer, read_rows
 from marin_rl.envs.math import MathEnvironment, answers_match, extract_answer, verify
 from marin_rl.envs.multiple_choice import MultipleChoiceEnvironment, extract_choice
-from marin_rl.inference.client import PolicyClient
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.model import ModelConfig, build_model, tiny_llama
@@ -290,14 +289,7 @@ def server():
 
 
 def _run_groups(env, address, problems, n, sampling):
-    async def go():
-        client = PolicyClient([address])
-        try:
-            return await asyncio.gather(*(env.run_group(client, p, n, sampling) for p in problems))
-        finally:
-            await client.aclose()
-
-    return asyncio.run(go())
+    return asyncio.run(run_groups(env, [address], problems, n, sampling))
 
 
 def test_episodes_on_embedded_server(server, tmp_path):

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
-from marin_rl.envs.base import SamplingParams
-from marin_rl.inference.client import PolicyClient
+from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
@@ -36,14 +35,7 @@ def setup():
 
 
 def _sample_groups(env, address, problems, n, sampling):
-    async def go():
-        client = PolicyClient([address])
-        try:
-            return await asyncio.gather(*(env.run_group(client, p, n, sampling) for p in problems))
-        finally:
-            await client.aclose()
-
-    return asyncio.run(go())
+    return asyncio.run(run_groups(env, [address], problems, n, sampling))
 
 
 def test_server_logprobs_match_learner_on_packed_batch(setup):

@@ -150,6 +150,17 @@ def policy_turn(
     )
 
 
+async def run_groups(
+    env: Environment, servers: list[str], problems: list[Problem], group_size: int, sampling: SamplingParams
+) -> list[RolloutGroup]:
+    """One group per problem, all concurrently, through a client of their own (closed afterwards)."""
+    client = PolicyClient(servers)
+    try:
+        return list(await asyncio.gather(*(env.run_group(client, p, group_size, sampling) for p in problems)))
+    finally:
+        await client.aclose()
+
+
 def load_environment_class(path: str) -> type[Environment]:
     """Resolve 'package.module:ClassName' (or 'package.module.ClassName') to an Environment subclass."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")

@@ -19,8 +19,7 @@ from rich.console import Console
 from rich.text import Text
 
 from marin_rl.config import RunConfig
-from marin_rl.envs.base import SamplingParams
-from marin_rl.inference.client import PolicyClient
+from marin_rl.envs.base import run_groups
 from marin_rl.orchestrator.actors import configure_logging, make_environment
 from marin_rl.run import parse_config
 from marin_rl.tokenizer import load_tokenizer
@@ -48,12 +47,7 @@ async def _run(config: RunConfig, env_name: str, server: str, problems: int, gro
     tokenizer = load_tokenizer(config.tokenizer)
     env = make_environment(env_config, tokenizer, seed=config.orchestrator.seed)
     chosen = (env.eval_problems() if held_out else env.train_problems())[:problems]
-    client = PolicyClient([server])
-    sampling = SamplingParams(temperature=env_config.sampling.temperature, max_tokens=env_config.sampling.max_tokens)
-    try:
-        groups = await asyncio.gather(*(env.run_group(client, p, group_size, sampling) for p in chosen))
-    finally:
-        await client.aclose()
+    groups = await run_groups(env, [server], chosen, group_size, env_config.sampling)
     console = Console()
     for g in groups:
         _print_group(console, tokenizer, g)

@@ -241,7 +241,6 @@ class Orchestrator:
         ocfg = cfg.orchestrator
         step = 0
         served_version = 0  # the version the servers have (published before the loop starts)
-        batches_formed = 0
         learner_ref = None
         waiting_since = time.time()
         last_log = time.time()
@@ -251,6 +250,7 @@ class Orchestrator:
         last_eval = eval_start
         pending_metrics: dict[str, float] = {}
         while step < ocfg.num_steps:
+            batches_formed = step + (learner_ref is not None)
             for name, pool in self.pools.items():
                 pool.launch(
                     served_version,
@@ -263,12 +263,11 @@ class Orchestrator:
             if learner_ref is not None:
                 refs.append(learner_ref)
             ready, _ = ray.wait(refs, num_returns=1, timeout=0.05)
-            ready_set = set(ready)
-            # Collect every finished group, not just the first.
+            # Collect every finished group, not just the one that ended the wait.
             for name, pool in self.pools.items():
-                done = [r for r in pool.inflight if r in ready_set]
-                if not done and pool.inflight:
-                    done, _ = ray.wait(list(pool.inflight), num_returns=len(pool.inflight), timeout=0)
+                if not pool.inflight:
+                    continue
+                done, _ = ray.wait(list(pool.inflight), num_returns=len(pool.inflight), timeout=0)
                 for ref in done:
                     replica = pool.inflight.pop(ref)
                     try:
@@ -284,7 +283,7 @@ class Orchestrator:
                     total_gen_tokens += n_gen
                     self.buffers[name].add(group)
 
-            if learner_ref is not None and learner_ref in ready_set:
+            if learner_ref is not None and learner_ref in ready:
                 metrics = ray.get(learner_ref)
                 learner_ref = None
                 step += 1
@@ -319,7 +318,6 @@ class Orchestrator:
                     for name, pool in self.pools.items():
                         pool.observe_batch(int(pending_metrics.get(f"batches/{name}/rollouts_used", 0)))
                     learner_ref = self.learner.train_step.remote(batch)
-                    batches_formed += 1
                     waiting_since = time.time()
                 elif time.time() - waiting_since > ocfg.batch_timeout_s:
                     raise TimeoutError(

@@ -16,8 +16,21 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+# Every message is '<|role|>content<eos>' (roles system, user, assistant, tool); the generation prompt is
+# '<|assistant|>', so a policy turn ends with the EOS token it samples as its stop token. Given `tools` (OpenAI
+# function schemas), a system message first lists them, one JSON object a line, with the tool-call convention of
+# `marin_rl.envs.tools` (the content of a leading system message comes first in it). Without tools the rendering
+# is exactly the original template's.
+TOOL_CALL_INSTRUCTIONS = 'To call a tool, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call>. Tools:'
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% set ns = namespace(skip_first=false) %}"
+    "{% if tools %}<|system|>"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{{ '\\n' }}"
+    "{% set ns.skip_first = true %}{% endif %}"
+    + TOOL_CALL_INSTRUCTIONS
+    + "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ eos_token }}{% endif %}"
+    "{% for m in messages %}{% if not (loop.first and ns.skip_first) %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 

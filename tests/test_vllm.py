@@ -1,0 +1,286 @@
+"""vLLM backend against the learner: exact tokens and logprobs, in-place weight updates, versions, restarts.
+
+The slow tests run a real `vllm serve` (CPU build) from the project's vLLM environment, which the session fixture
+creates on first use (minutes, then cached in `.venvs/vllm`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import time
+
+import equinox as eqx
+import haliax as hax
+import jax
+import numpy as np
+import pytest
+import ray
+
+from marin_rl.broadcast.broadcaster import BroadcastConfig, make_transport
+from marin_rl.config import RunConfig
+from marin_rl.envs.arithmetic import AdditionEnvironment
+from marin_rl.envs.base import SamplingParams, run_groups
+from marin_rl.inference.client import PolicyClient
+from marin_rl.inference.config import InferenceConfig, VllmConfig
+from marin_rl.inference.vllm_env import ENV_VAR, ensure_vllm_env, vllm_python
+from marin_rl.inference.vllm_server import VllmServerActor, _in_use, _shm_entries
+from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
+from marin_rl.learner.model import ModelConfig, build_model, tiny_llama, token_logprobs, with_seq_len
+from marin_rl.replay.packing import Sequence, pack
+from marin_rl.tokenizer import TokenizerConfig, build_char_tokenizer
+
+MAX_SEQ_LEN = 128
+
+
+# ---- configuration and environment lookup (fast) -------------------------------------------------------------
+def test_config_rejects_unknown_backend_and_pause_mode():
+    with pytest.raises(ValueError, match="inference.backend"):
+        InferenceConfig(backend="sglang")
+    with pytest.raises(ValueError, match="inference.vllm.pause_mode"):
+        VllmConfig(pause_mode="drop")
+    with pytest.raises(ValueError, match="inference.vllm.kv_cache_gib"):
+        VllmConfig(kv_cache_gib=0)
+
+
+def test_vllm_python_names_the_command_that_creates_it(tmp_path, monkeypatch):
+    missing = str(tmp_path / "nope" / "bin" / "python")
+    with pytest.raises(FileNotFoundError, match=r"inference\.vllm\.python=.*python -m marin_rl\.inference\.vllm_env"):
+        vllm_python(missing)
+    monkeypatch.setenv(ENV_VAR, missing)
+    with pytest.raises(FileNotFoundError, match=rf"\${ENV_VAR}=.*python -m marin_rl\.inference\.vllm_env"):
+        vllm_python(None)
+    real = tmp_path / "python"
+    real.write_text("")
+    assert vllm_python(str(real)) == str(real)  # the config field wins over the environment variable
+
+
+# ---- a served policy -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def vllm_env():
+    """The project's vLLM environment, created if absent (minutes once; cached in .venvs/vllm afterwards)."""
+    return ensure_vllm_env(quiet=True)
+
+
+def _leaves(model) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]
+
+
+class _Reference:
+    """Logprobs of token sequences under given flat leaves, computed by Levanter's model (not by any server)."""
+
+    def __init__(self, skeleton):
+        params, self.static = eqx.partition(skeleton, eqx.is_array)
+        self.treedef = jax.tree_util.tree_structure(params)
+        self._lp = eqx.filter_jit(lambda m, ids, pos, seg: token_logprobs(m, ids, pos, seg)[0].array)
+
+    def model(self, leaves):
+        return eqx.combine(jax.tree_util.tree_unflatten(self.treedef, list(leaves)), self.static)
+
+    def packed(self, leaves, batch) -> np.ndarray:
+        axes = (hax.Axis("batch", batch.num_rows), hax.Axis("position", batch.seq_len))
+        named = [hax.named(x, axes) for x in (batch.input_ids, batch.position_ids, batch.segment_ids)]
+        return np.asarray(self._lp(self.model(leaves), *named))
+
+    def sequence(self, leaves, prompt: list[int], completion: list[int]) -> np.ndarray:
+        """Logprob of each completion token after the prompt and the completion tokens before it."""
+        ids = np.array([prompt + completion], dtype=np.int32)
+        axes = (hax.Axis("batch", 1), hax.Axis("position", ids.shape[1]))
+        pos = np.arange(ids.shape[1], dtype=np.int32)[None]
+        seg = np.zeros_like(ids)
+        lp = self._lp(self.model(leaves), hax.named(ids, axes), hax.named(pos, axes), hax.named(seg, axes))
+        return np.asarray(lp)[0, len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def served(vllm_env, tmp_path_factory):
+    """A warm-started tiny Llama served by `VllmServerActor` (the orchestrator's interface), version 0."""
+    tok = build_char_tokenizer()
+    env = AdditionEnvironment(tok, max_operand=49, num_eval=50)
+    model_config = with_seq_len(ModelConfig(architecture=tiny_llama()), MAX_SEQ_LEN)
+    learner = Learner(model_config, LearnerConfig(warm_start=WarmStartConfig(steps=30)), len(tok))
+    examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
+    learner.warm_start(examples, 64)  # a policy that is not uniform, so logprobs vary and EOS gets sampled
+
+    config = RunConfig(
+        model=model_config,
+        tokenizer=TokenizerConfig(),
+        inference=InferenceConfig(
+            backend="vllm",
+            max_seqs=64,
+            max_seq_len=MAX_SEQ_LEN,
+            vllm=VllmConfig(python=vllm_env, enforce_eager=True, kv_cache_gib=0.25, health_check_interval_s=1.0),
+        ),
+        broadcast=BroadcastConfig(transport="in_process"),
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    shm_at_start = _shm_entries()
+    started = time.time()
+    actor = VllmServerActor.remote(config, "vllm-test")
+    address = ray.get(actor.get_address.remote())
+    startup_s = time.time() - started
+    transport = make_transport("in_process")
+
+    def push(version: int, leaves: list[np.ndarray]) -> dict:
+        return ray.get(actor.apply_update.remote(transport.publish(version, leaves)))
+
+    info = push(0, learner.weights())
+    print(f"\nvLLM actor ready in {startup_s:.1f}s; first update: {info}")
+    ref = _Reference(build_model(model_config, len(tok)))
+    yield {
+        "tok": tok,
+        "env": env,
+        "learner": learner,
+        "actor": actor,
+        "address": address,
+        "push": push,
+        "ref": ref,
+        "shm_at_start": shm_at_start,
+    }
+    ray.get(actor.stop.remote())
+    ray.shutdown()
+
+
+def _sample(address: str, prompt: list[int], **kwargs):
+    async def go():
+        client = PolicyClient([address])
+        try:
+            return await client.sample(prompt, **kwargs)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def _groups(served, problems, n=4, max_tokens=5):
+    return asyncio.run(
+        run_groups(
+            served["env"], [served["address"]], problems, n, SamplingParams(temperature=1.0, max_tokens=max_tokens)
+        )
+    )
+
+
+def _packed(groups):
+    rollouts = [r for g in groups for r in g.rollouts]
+    batch, placed = pack([Sequence.from_rollout(r, 0.0) for r in rollouts], len(rollouts), 64)
+    assert len(placed) == len(rollouts)
+    return rollouts, batch
+
+
+@pytest.mark.slow
+def test_tokens_exact_and_logprobs_match_learner(served):
+    tok, learner = served["tok"], served["learner"]
+    groups = _groups(served, served["env"].train_problems()[:32])
+    rollouts, batch = _packed(groups)
+    for r in rollouts:
+        turn = r.turns[1]
+        meta = turn.inference_metadata
+        assert meta.version_start == 0 == meta.version_end
+        assert tok.decode(turn.token_ids, skip_special_tokens=True) == turn.message  # ids, not re-tokenized text
+        eos_at = [i for i, t in enumerate(turn.token_ids) if t == tok.eos_token_id]
+        assert eos_at in ([], [len(turn.token_ids) - 1])
+        assert (meta.finish_reason == "length") == (not eos_at)
+    assert sum(len(r.turns[1].token_ids) for r in rollouts) > 300
+    diff = np.abs(learner.logprobs(batch) - batch.policy_logprobs)[batch.loss_mask]
+    assert diff.max() <= 1e-4, f"vLLM/learner logprob mismatch {diff.max()}"
+    # the policy is far from uniform, so matching is not trivial
+    assert np.std(batch.policy_logprobs[batch.loss_mask]) > 0.3
+
+
+@pytest.mark.slow
+def test_weight_updates_new_and_lower_versions(served):
+    learner, ref, push = served["learner"], served["ref"], served["push"]
+    old = learner.weights()
+    problems = served["env"].train_problems()[32:56]
+    learner.warm_start(
+        [(served["env"].encode_prompt(p), served["tok"]("7")["input_ids"]) for p in problems], 64
+    )  # train toward a different answer: new weights
+    new = learner.weights()
+    info = push(1, new)
+    assert info["version"] == 1 and info["bytes"] == sum(x.nbytes for x in new)
+    assert ray.get(served["actor"].stats.remote())["version"] == 1
+
+    rollouts, batch = _packed(_groups(served, problems))
+    assert all(
+        r.turns[1].inference_metadata.version_start == 1 == r.turns[1].inference_metadata.version_end for r in rollouts
+    )
+    sampled = batch.policy_logprobs[batch.loss_mask]
+    assert np.abs(ref.packed(new, batch)[batch.loss_mask] - sampled).max() <= 1e-4
+    assert np.abs(ref.packed(old, batch)[batch.loss_mask] - sampled).max() > 1e-2  # really the new weights
+
+    push(0, old)  # a lower version (a learner restored from an older checkpoint) is served as given
+    rollouts, batch = _packed(_groups(served, problems))
+    assert all(r.turns[1].inference_metadata.version_end == 0 for r in rollouts)
+    assert np.abs(ref.packed(old, batch)[batch.loss_mask] - batch.policy_logprobs[batch.loss_mask]).max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_request_straddling_an_update_continues_under_new_weights(served):
+    """pause_mode 'keep': a generation frozen by an update resumes under the new weights and reports both versions;
+    each token's logprob is from the weights that sampled it."""
+    ref, push, tok = served["ref"], served["push"], served["tok"]
+    skeleton = build_model(with_seq_len(ModelConfig(architecture=tiny_llama(), seed=5), MAX_SEQ_LEN), len(tok))
+    a = _leaves(skeleton)
+    b = [
+        x + np.float32(0.02) * np.random.default_rng(i).standard_normal(x.shape).astype(x.dtype)
+        for i, x in enumerate(a)
+    ]
+    prompt = tok("7+8=")["input_ids"]
+    straddled = []
+    for attempt in range(6):  # the update must land while the generations run (~2 s); usually the first does
+        va, vb = 10 + 2 * attempt, 11 + 2 * attempt
+        push(va, a)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(_sample, served["address"], prompt, n=16, max_tokens=MAX_SEQ_LEN - 8, seed=attempt)
+            deadline = time.time() + 30
+            while ray.get(served["actor"].stats.remote())["outstanding_requests"] == 0 and time.time() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            push(vb, b)
+            samples = future.result(timeout=300)
+        for s in samples:
+            assert (s.version_start, s.version_end) in ((va, va), (va, vb), (vb, vb))
+        straddled = [s for s in samples if (s.version_start, s.version_end) == (va, vb)]
+        if straddled:
+            break
+    assert straddled, "no generation was in flight during the update"
+    actor = served["actor"]
+    for s in straddled:
+        lp_a = ref.sequence(a, prompt, s.token_ids)
+        lp_b = ref.sequence(b, prompt, s.token_ids)
+        got = np.array(s.logprobs)
+        # the first tokens match only the old weights, the last ones only the new
+        assert abs(got[0] - lp_a[0]) <= 1e-4 and abs(got[-1] - lp_b[-1]) <= 1e-4
+        split = next(i for i in range(len(got) + 1) if i == len(got) or abs(got[i] - lp_a[i]) > 1e-4)
+        assert 0 < split < len(got)
+        np.testing.assert_allclose(got[:split], lp_a[:split], atol=1e-4)
+        np.testing.assert_allclose(got[split:], lp_b[split:], atol=1e-4)
+    assert ray.get(actor.stats.remote())["version"] == vb
+
+
+@pytest.mark.slow
+def test_dead_vllm_is_restarted_with_current_weights(served):
+    actor, push, ref, tok = served["actor"], served["push"], served["ref"], served["tok"]
+    weights = served["learner"].weights()
+    push(3, weights)
+    before = ray.get(actor.stats.remote())
+    ours = _shm_entries() - served["shm_at_start"]  # vLLM's shared-memory segments
+    os.killpg(os.getpgid(before["vllm_pid"]), signal.SIGKILL)  # vLLM crashes with its engine and workers
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        stats = ray.get(actor.stats.remote())
+        if stats["restarts"] == before["restarts"] + 1 and stats["vllm_pid"] != before["vllm_pid"]:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("vLLM was not restarted")
+    leaked = (ours & _shm_entries()) - _in_use(ours)
+    assert not leaked, f"the killed vLLM left shared memory behind: {sorted(leaked)}"
+    prompt = served["env"].encode_prompt(served["env"].train_problems()[0])
+    samples = _sample(served["address"], prompt, n=4, max_tokens=6)
+    assert {(s.version_start, s.version_end) for s in samples} == {(3, 3)}
+    for s in samples:
+        np.testing.assert_allclose(s.logprobs, ref.sequence(weights, prompt, s.token_ids), atol=1e-4)
+        assert tok.decode(s.token_ids, skip_special_tokens=True) == s.text

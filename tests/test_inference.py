@@ -1,9 +1,15 @@
-"""The embedded server against the learner: token-exact samples, matching logprobs, versions, no recompiles."""
+"""The embedded server against the learner: token-exact samples, matching logprobs, versions, no recompiles,
+partial rollouts (weights swapped between decode segments)."""
 
 import asyncio
+import threading
 import time
 
+import equinox as eqx
+import haliax as hax
+import httpx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,9 +18,14 @@ from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.learner.model import ModelConfig, tiny_llama
+from marin_rl.learner.model import ModelConfig, tiny_llama, token_logprobs
+from marin_rl.replay.batcher import Batcher, BatcherConfig
+from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
+from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
+
+SEGMENT = 4  # the test server decodes in segments of 4 tokens, so 5-token samples already span two
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +37,9 @@ def setup():
     examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
     learner.warm_start(examples, 64)  # a policy that is not uniform, so logprobs vary
     server = LevanterInferenceServer(
-        learner.model, tok, InferenceConfig(max_seqs=64, max_seq_len=64, page_size=16, prefill_tokens=512)
+        learner.model,
+        tok,
+        InferenceConfig(max_seqs=64, max_seq_len=64, page_size=16, prefill_tokens=512, segment_tokens=SEGMENT),
     )
     server.apply_weights(0, learner.weights())
     address = server.start()
@@ -113,3 +126,119 @@ def test_server_rejects_bad_requests(setup):
     assert r.status_code == 400 and "max_seq_len" in r.text
     r = httpx.post(f"http://{address}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4, "top_p": 0.5})
     assert r.status_code == 400
+
+
+def _complete(address, prompt, **kwargs):
+    body = {"prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True, **kwargs}
+    r = httpx.post(f"http://{address}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    out = []
+    for c in sorted(r.json()["choices"], key=lambda c: c["index"]):
+        ids = [int(t.split(":")[1]) for t in c["logprobs"]["tokens"]]
+        out.append((ids, c["logprobs"]["token_logprobs"], c["policy_version_start"], c["policy_version_end"]))
+    return out
+
+
+def _model_with(model, leaves):
+    params, static = eqx.partition(model, eqx.is_array)
+    treedef = jax.tree_util.tree_structure(params)
+    return eqx.combine(jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves]), static)
+
+
+@eqx.filter_jit
+def _logprobs_of(model, input_ids, position_ids, segment_ids):
+    return token_logprobs(model, input_ids, position_ids, segment_ids)[0]
+
+
+def _reference_logprobs(model, prompt, completions, row_len=64):
+    """Learner-side logprob of every completion token: prompt + completion in row i, one forward pass."""
+    rows = list(range(len(completions)))
+    batch, _ = pack([Sequence.supervised(prompt, c) for c in completions], len(completions), row_len, assignment=rows)
+    named = [hax.named(getattr(batch, k), ("batch", "position")) for k in ("input_ids", "position_ids", "segment_ids")]
+    lp = np.asarray(_logprobs_of(model, *named).array)
+    return [lp[r, len(prompt) : len(prompt) + len(c)] for r, c in enumerate(completions)]
+
+
+def test_segmented_generation_samples_what_one_pass_samples(setup):
+    """Continuing a sequence from prompt + tokens so far (same seed, same weights) changes nothing."""
+    tok, env, learner, server, address = setup
+    prompt = env.encode_prompt(env.train_problems()[0])
+    segmented = _complete(address, prompt, n=4, max_tokens=14, temperature=1.0, seed=123)
+    server.context.segment_tokens = None
+    try:
+        whole = _complete(address, prompt, n=4, max_tokens=14, temperature=1.0, seed=123)
+    finally:
+        server.context.segment_tokens = SEGMENT
+    assert all(len(ids) == 14 for ids, *_ in segmented)  # no stop tokens: every sample spans 4 segments
+    assert [ids for ids, *_ in segmented] == [ids for ids, *_ in whole]
+    diff = np.abs(np.array([lp for _, lp, *_ in segmented]) - np.array([lp for _, lp, *_ in whole]))
+    assert diff.max() <= 1e-5
+
+
+def test_weights_swapped_mid_generation_continue_with_exact_logprobs(setup):
+    """Partial rollouts: new weights arrive after the first segment; the rest is sampled (and scored) under them."""
+    tok, env, learner, server, address = setup
+    old = learner.weights()
+    rng = np.random.default_rng(1)
+    new = [w + rng.normal(0, 0.2, w.shape).astype(w.dtype) if w.dtype.kind == "f" else w for w in old]
+    ctx = server.context
+    first_segment_done = threading.Event()
+    calls = []
+    decode_segment = ctx._decode_segment
+
+    def first_segment_then_wait_for_weights(seqs):
+        decode_segment(seqs)
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            first_segment_done.set()
+            deadline = time.time() + 60
+            while ctx._pending is None and time.time() < deadline:  # the update is on its way: swap it in next
+                time.sleep(0.001)
+
+    def publish_new_weights():
+        first_segment_done.wait(60)
+        server.apply_weights(1, new)
+
+    ctx._decode_segment = first_segment_then_wait_for_weights
+    applier = threading.Thread(target=publish_new_weights)
+    applier.start()
+    prompt = env.encode_prompt(env.train_problems()[3])
+    try:
+        choices = _complete(address, prompt, n=6, max_tokens=15, temperature=1.0)
+    finally:
+        applier.join(60)
+        del ctx._decode_segment
+    try:
+        assert server.version == 1
+        straddling = [c for c in choices if c[2] == 0]
+        assert straddling, "no choice started before the update"
+        assert all(len(ids) == 15 for ids, *_ in choices)
+        assert all(c[3] == 1 for c in choices), "every choice ended under the new weights"
+        ref_old = _reference_logprobs(learner.model, prompt, [ids for ids, *_ in choices])
+        ref_new = _reference_logprobs(_model_with(learner.model, new), prompt, [ids for ids, *_ in choices])
+        for (_, lps, start, _), lo, ln in zip(choices, ref_old, ref_new, strict=True):
+            lps = np.asarray(lps)
+            switch = SEGMENT if start == 0 else 0  # tokens sampled before the swap
+            assert np.abs(lps[:switch] - lo[:switch]).max(initial=0) <= 1e-4
+            assert np.abs(lps[switch:] - ln[switch:]).max() <= 1e-4
+            # the check has teeth: the two policies disagree on these tokens
+            assert np.abs(lps[switch:] - lo[switch:]).max() > 1e-2
+            if switch:
+                assert np.abs(lps[:switch] - ln[:switch]).max() > 1e-2
+
+        # The replay and batching path takes such turns: one version pair per turn, tokens attributed to the
+        # oldest version (version_start) for staleness.
+        rollouts = []
+        for i, (ids, lps, start, end) in enumerate(choices):
+            meta = InferenceMetadata(server=address, version_start=start, version_end=end, finish_reason="length")
+            turns = [Turn("user", "", list(prompt)), Turn("assistant", "", ids, logprobs=list(lps), reward=float(i % 2),
+                                                          inference_metadata=meta)]  # fmt: skip
+            rollouts.append(Rollout("addition", "p3", turns))
+        buffer = ReplayBuffer("addition", ReplayConfig(max_age=4), vocab_size=len(tok))
+        assert buffer.add(RolloutGroup("addition", "p3", rollouts), max_version=1)
+        batch, _ = Batcher(BatcherConfig(total_token_budget=3 * 64, max_seq_len=64, min_fill=0.5),
+                           {"addition": buffer}).try_make_batch(1)  # fmt: skip
+        assert batch.loss_mask.sum() == 6 * 15
+        assert sorted(set(batch.version[batch.loss_mask].tolist())) == sorted({c[2] for c in choices})
+    finally:
+        server.apply_weights(0, old)

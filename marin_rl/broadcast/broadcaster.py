@@ -1,18 +1,40 @@
 """Weight broadcast: the learner publishes `(version, params)`, every server fetches and applies them.
 
-Transports share one interface and differ in how bytes travel:
-* 'in_process'  — the arrays themselves (learner and server in one process, tests and benchmarks);
-* 'ray'         — one object in Ray's shared-memory object store, read zero-copy by servers on the same node and
-                  pulled by servers on other nodes.
+One interface, several transports that differ in how bytes travel:
+
+* 'in_process'   — host copies of the arrays (learner and server in one process: tests, benchmarks);
+* 'ray'          — one object in Ray's shared-memory object store, read zero-copy by servers on the same node and
+                   pulled by servers on other nodes;
+* 'arrow_flight' — an Arrow Flight server in the learner process serves the latest version's arrays as zero-copy
+                   record batches; servers fetch chunks in parallel threads (separate processes or machines);
+* 'fsspec'       — a checkpoint directory (local path or gs://) written before a `latest` pointer names it, for
+                   servers that load from disk.
+
+Learner side: `publish(version, params)`. Server side: `latest()` (the last published update, for servers that
+poll), `fetch(update)` (its arrays), and a server's `apply_weights(version, leaves)`; `WeightSubscriber` wires the
+two. A server applies whatever was published last — by publish id, never by comparing versions — so a learner
+that restarts from an earlier checkpoint at a lower version is followed.
+
+`broadcast.dtype` optionally casts floating parameters (on the learner's device when `params` are device arrays)
+before they travel; servers cast back to their own parameter dtype when they apply.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+TRANSPORT_NAMES = ("in_process", "ray", "arrow_flight", "fsspec")
+DTYPES = ("bfloat16", "float32")
 
 
 @dataclass
@@ -20,15 +42,49 @@ class BroadcastConfig:
     """How new weights reach the inference servers."""
 
     transport: str = "ray"
-    """'ray' (object store; the default under the orchestrator) or 'in_process'."""
+    """'ray' (object store; the default under the orchestrator), 'in_process', 'arrow_flight' (a Flight server in
+    the learner process, for servers in other processes or on other machines) or 'fsspec' (a checkpoint directory at
+    `path`, for servers that load from disk)."""
     sync_every: int = 1
     """Publish after every this many learner steps."""
+    dtype: str | None = None
+    """Cast floating parameters to this dtype before transfer ('bfloat16' halves the bytes; 'float32'); null sends
+    them as they are. Servers cast back to their own parameter dtype when they apply."""
+    path: str | None = None
+    """'fsspec' transport: directory (local path or gs://...) that holds the published versions and the `latest`
+    pointer. Required for 'fsspec'."""
+    keep: int = 2
+    """'fsspec' and 'arrow_flight': how many of the most recent versions stay available (a server still fetching
+    one of them can finish); older ones are deleted."""
+    flight_host: str = "127.0.0.1"
+    """'arrow_flight': interface the learner's Flight server binds to and the address servers connect to. Use the
+    learner machine's address when servers run on other machines ('0.0.0.0' binds all interfaces and advertises
+    this machine's hostname)."""
+    flight_port: int = 0
+    """'arrow_flight': port of the learner's Flight server (0: any free port; servers then learn the address from
+    the updates pushed to them, and `latest()` works only in the learner process). Set it for servers that poll."""
+    chunk_mb: int = 16
+    """'arrow_flight' and 'fsspec': tensors travel in chunks of at most this many MiB, fetched in parallel."""
+    fetch_threads: int = 8
+    """'arrow_flight' and 'fsspec': parallel threads a server fetches (and the learner writes) chunks with."""
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"broadcast.transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport not in TRANSPORT_NAMES:
+            raise ValueError(f"broadcast.transport must be one of {list(TRANSPORT_NAMES)}, got {self.transport!r}")
         if self.sync_every < 1:
             raise ValueError("broadcast.sync_every must be >= 1")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"broadcast.dtype must be one of {list(DTYPES)} or null, got {self.dtype!r}")
+        if self.transport == "fsspec" and not self.path:
+            raise ValueError("broadcast.path is required for broadcast.transport 'fsspec' (a local directory or URL)")
+        if self.keep < 1:
+            raise ValueError(f"broadcast.keep must be >= 1, got {self.keep}")
+        if self.chunk_mb < 1:
+            raise ValueError(f"broadcast.chunk_mb must be >= 1, got {self.chunk_mb}")
+        if self.fetch_threads < 1:
+            raise ValueError(f"broadcast.fetch_threads must be >= 1, got {self.fetch_threads}")
+        if not 0 <= self.flight_port < 65536:
+            raise ValueError(f"broadcast.flight_port must be in [0, 65535], got {self.flight_port}")
 
 
 @dataclass
@@ -36,9 +92,17 @@ class WeightUpdate:
     """A published set of weights: the policy version and a transport-specific handle to the arrays."""
 
     version: int
+    """Policy version (learner step) of the weights."""
     transport: str
+    """Name of the transport that published it."""
     payload: Any
+    """Transport-specific handle: the arrays, a Ray object ref, a Flight location and manifest, a directory."""
     num_bytes: int
+    """Bytes that travel (after the optional dtype cast)."""
+    publish_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Unique id of this publish; servers apply an update when its id differs from the last one they applied."""
+    published_at: float = field(default_factory=time.time)
+    """Unix time of the publish."""
 
 
 class WeightTransport(abc.ABC):
@@ -46,34 +110,137 @@ class WeightTransport(abc.ABC):
 
     name: str
 
+    def __init__(self, config: BroadcastConfig | None = None):
+        self.config = config or BroadcastConfig(transport=self.name)
+        self._latest: WeightUpdate | None = None
+
     @abc.abstractmethod
-    def publish(self, version: int, leaves: list[np.ndarray]) -> WeightUpdate:
-        """Learner side: make `leaves` available as `version`."""
+    def publish(self, version: int, params: Any) -> WeightUpdate:
+        """Learner side: make `params` (a pytree such as the model, or a list of arrays) available as `version`."""
+
+    def latest(self) -> WeightUpdate | None:
+        """The last update published (None before the first). Transports that can see other processes' publishes
+        ('arrow_flight', 'fsspec') override this; the others know only what this object published."""
+        return self._latest
 
     @abc.abstractmethod
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
-        """Server side: the arrays of a published update."""
+        """Server side: the arrays of a published update, flattened like `eqx.filter(model, eqx.is_array)`."""
+
+    def close(self) -> None:  # noqa: B027 - most transports hold nothing to release
+        """Release what the transport holds (servers, thread pools)."""
+
+
+def flatten_params(params: Any) -> list:
+    """Leaves of `params` in the order servers expect: that of `eqx.filter(model, eqx.is_array)`.
+
+    A list or tuple of arrays is taken as already flattened.
+    """
+    if isinstance(params, (list, tuple)) and all(eqx.is_array(x) for x in params):
+        return list(params)
+    return jax.tree_util.tree_leaves(eqx.filter(params, eqx.is_array))
+
+
+_cast_on_device = jax.jit(
+    lambda leaves, dtype: [x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves],
+    static_argnums=1,
+)
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+def cast_on_host(x: np.ndarray, dtype) -> np.ndarray:
+    """`x` cast to `dtype` into a 64-byte-aligned buffer (so a CPU device can take it without a copy)."""
+    out = aligned_empty(x.shape, dtype)
+    np.copyto(out, x, casting="unsafe")
+    return out
+
+
+def host_leaves(params: Any, dtype: str | None) -> list[np.ndarray]:
+    """Host (NumPy) copies of the leaves of `params`, floating ones cast to `dtype` when given.
+
+    Accelerator arrays are cast on their device before the transfer, so only the cast bytes cross to the host.
+    Arrays on a CPU device are read in place (no copy: JAX arrays are immutable) and cast with NumPy, several
+    times faster there than XLA's CPU convert.
+    """
+    leaves = flatten_params(params)
+    target = None if dtype is None else jnp.dtype(dtype)
+
+    def needs_cast(x) -> bool:
+        return target is not None and x.dtype != target and jnp.issubdtype(x.dtype, jnp.floating)
+
+    out: list[np.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
+    on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not _on_cpu(x)]
+    if on_device:
+        dev = [leaves[i] for i in on_device]
+        if any(needs_cast(x) for x in dev):
+            dev = _cast_on_device(dev, target)
+        for i, x in zip(on_device, jax.device_get(dev), strict=True):
+            out[i] = np.asarray(x)
+    for i, x in enumerate(leaves):
+        if out[i] is None:
+            x = np.asarray(x)
+            out[i] = cast_on_host(x, target) if needs_cast(x) else x
+    return out
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary.
+
+    JAX places 64-byte-aligned host arrays on a CPU device without copying them (unaligned ones are copied, at a
+    fraction of memcpy speed), and aligned buffers are what DMA engines prefer on accelerators.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def dtype_name(dtype) -> str:
+    """Portable name of a NumPy dtype ('float32', 'bfloat16', ...)."""
+    return np.dtype(dtype).name
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """The NumPy dtype named `name` (bfloat16 included, through JAX's ml_dtypes)."""
+    return np.dtype(jnp.dtype(name))
 
 
 class InProcessTransport(WeightTransport):
+    """The arrays themselves, as host copies (learner and servers share one process)."""
+
     name = "in_process"
 
-    def publish(self, version: int, leaves: list[np.ndarray]) -> WeightUpdate:
-        return WeightUpdate(version, self.name, list(leaves), sum(x.nbytes for x in leaves))
+    def publish(self, version: int, params: Any) -> WeightUpdate:
+        leaves = host_leaves(params, self.config.dtype)
+        self._latest = WeightUpdate(version, self.name, leaves, sum(x.nbytes for x in leaves))
+        return self._latest
 
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
         return update.payload
 
 
 class RayObjectStoreTransport(WeightTransport):
+    """One object in Ray's shared-memory object store per publish.
+
+    NumPy arrays are stored out of band (pickle protocol 5): servers on the learner's node map them read-only
+    without a copy, servers on other nodes pull the object once per node.
+    """
+
     name = "ray"
 
-    def publish(self, version: int, leaves: list[np.ndarray]) -> WeightUpdate:
+    def publish(self, version: int, params: Any) -> WeightUpdate:
         import ray
 
+        leaves = host_leaves(params, self.config.dtype)
         # A list wrapping the ref keeps Ray from resolving it when the update is passed to a server actor,
         # so servers fetch it themselves (and zero-copy on the same node).
-        return WeightUpdate(version, self.name, [ray.put(list(leaves))], sum(x.nbytes for x in leaves))
+        ref = ray.put(leaves)
+        self._latest = WeightUpdate(version, self.name, [ref], sum(x.nbytes for x in leaves))
+        return self._latest
 
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
         import ray
@@ -81,9 +248,51 @@ class RayObjectStoreTransport(WeightTransport):
         return ray.get(update.payload[0])
 
 
-TRANSPORTS: dict[str, type[WeightTransport]] = {"in_process": InProcessTransport, "ray": RayObjectStoreTransport}
+def make_transport(config: BroadcastConfig | str) -> WeightTransport:
+    """The transport that `config` names (a bare name uses that transport's defaults)."""
+    if isinstance(config, str):
+        config = BroadcastConfig(transport=config)
+    name = config.transport
+    if name == "in_process":
+        return InProcessTransport(config)
+    if name == "ray":
+        return RayObjectStoreTransport(config)
+    if name == "arrow_flight":
+        from marin_rl.broadcast.flight import ArrowFlightTransport
+
+        return ArrowFlightTransport(config)
+    from marin_rl.broadcast.checkpoint import FsspecTransport
+
+    return FsspecTransport(config)
 
 
-def make_transport(name: str) -> WeightTransport:
-    """The transport registered under `name`."""
-    return TRANSPORTS[name]()
+class WeightSubscriber:
+    """Server side of a broadcast: fetches updates and hands them to `apply(version, leaves)`.
+
+    `apply_update` applies a pushed update; `poll` applies the transport's latest one if it was not applied yet.
+    Updates are told apart by publish id, not by version: whatever the learner published last is applied, also
+    when its version is lower than the one being served (a learner restarted from an earlier checkpoint).
+    """
+
+    def __init__(self, transport: WeightTransport, apply: Callable[[int, list[np.ndarray]], Any]):
+        self.transport = transport
+        self.apply = apply
+        self.applied: WeightUpdate | None = None
+
+    def apply_update(self, update: WeightUpdate) -> dict[str, float]:
+        """Fetch and apply `update`; returns its version, bytes and the fetch and apply seconds."""
+        start = time.perf_counter()
+        leaves = self.transport.fetch(update)
+        fetched = time.perf_counter()
+        self.apply(update.version, leaves)
+        done = time.perf_counter()
+        self.applied = update
+        return {"version": update.version, "bytes": update.num_bytes, "fetch_s": fetched - start,
+                "apply_s": done - fetched}  # fmt: skip
+
+    def poll(self) -> dict[str, float] | None:
+        """Apply the latest published update if it is not the one applied last; None when there is nothing new."""
+        update = self.transport.latest()
+        if update is None or (self.applied is not None and update.publish_id == self.applied.publish_id):
+            return None
+        return self.apply_update(update)

@@ -7,8 +7,12 @@ It differs from `levanter.inference.openai.InferenceServer` where RL needs exact
 * several stop sequences stay separate (Levanter's route merges them into one);
 * `n > 1` is served as n single-sample requests (the engine's `n > 1` path mis-reports logprobs on long prompts);
 * `finish_reason` is 'length' when the token limit was hit;
-* every choice carries the policy version of the weights that generated it, and new weights are applied with
-  `apply_weights(version, leaves)` between decode batches, keeping shardings so nothing recompiles.
+* a batch keeps growing while concurrent requests keep arriving (Levanter cuts one at a fixed interval, which
+  often sends the first request of a burst through a whole decode alone);
+* every choice carries the policy versions that sampled its first and last tokens: new weights are applied with
+  `apply_weights(version, leaves)` between engine calls (keeping shardings, so nothing recompiles), and long
+  generations are decoded in segments of `inference.segment_tokens`, so one that straddles an update continues
+  under the new weights, each token's logprob that of the weights that sampled it (partial rollouts).
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ from levanter.models.lm_model import LmHeadModel
 from levanter.trainer import TrainerConfig
 from pydantic import BaseModel, Field
 
+from marin_rl.broadcast.broadcaster import cast_on_host
 from marin_rl.inference.config import InferenceConfig
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+BATCH_WINDOW_CAP = 10
+"""A batch stops growing this many `inference.batch_timeout_s` after its first request arrived."""
 
 
 class CompletionRequest(BaseModel):
@@ -59,19 +66,138 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, description="Accepted for compatibility; only 1.0 is supported.")
 
 
-class _VersionedContext(InferenceContext):
-    """Levanter's inference context, recording the policy version each request was generated with."""
+class _Sequence:
+    """One completion in progress: its request, the tokens and logprobs sampled so far, and their versions."""
 
-    def __init__(self, model, tokenizer, engine, config, max_stop_seqs: int, max_stop_tokens: int):
+    def __init__(self, req, seed: int, stop):
+        self.req = req
+        self.seed = seed
+        self.stop = stop
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.version_start: int | None = None
+        self.version_end: int | None = None
+        self.done = False
+        self.error: Exception | None = None
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt and tokens so far: what the next segment is prefilled with."""
+        return list(self.req.prompt_tokens) + self.tokens
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed."""
+        return self.req.max_tokens - len(self.tokens)
+
+    def ends_with_stop(self) -> bool:
+        """Whether the sequence (prompt included, as the engine checks it) ends with one of the stop sequences."""
+        ctx = self.context
+        return any(len(s) and ctx[-len(s) :] == list(s) for s in (self.req.stop_tokens or []) if len(ctx) >= len(s))
+
+
+def _resolve(future: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    """Complete `future` from another thread (once; later calls are ignored)."""
+
+    def done():
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    future.get_loop().call_soon_threadsafe(done)
+
+
+class _VersionedContext(InferenceContext):
+    """Levanter's inference context, decoding in segments and swapping weights between them.
+
+    A batch of requests is decoded segment by segment: each engine call samples at most `segment_tokens` more
+    tokens of every unfinished sequence, prefilling it with its prompt and the tokens sampled so far. Weights
+    offered with `swap_weights` are applied between engine calls, so a generation that straddles an update goes
+    on under the new weights (its KV cache recomputed by the prefill) and every token's logprob is that of the
+    weights that sampled it. The per-position PRNG keys (`fold_in(key(seed), position)`) make a segmented
+    generation sample exactly what an unsegmented one would under the same weights.
+    """
+
+    def __init__(
+        self, model, tokenizer, engine, config, max_stop_seqs: int, max_stop_tokens: int, segment_tokens: int | None
+    ):
         super().__init__(model, tokenizer, engine, config)
         self.version = -1
-        self.request_versions: dict[str, int] = {}
+        self.request_versions: dict[str, tuple[int, int]] = {}
         self.max_stop_seqs = max_stop_seqs
         self.max_stop_tokens = max_stop_tokens
+        self.segment_tokens = segment_tokens
         self.num_batches = 0
+        self.num_weight_swaps = 0
         self.generated_tokens = 0
         self._rng = np.random.default_rng()
+        self._pending_lock = threading.Lock()
+        self._pending: tuple[int, Any, threading.Event] | None = None
 
+    # ---- weights --------------------------------------------------------------------------------------------
+    def swap_weights(self, version: int, model) -> None:
+        """Serve `model` as `version` from the next engine call on; returns once it is being served.
+
+        Waits at most for the engine call in progress (one segment), not for the whole batch. A newer offer
+        supersedes one not yet applied.
+        """
+        applied = threading.Event()
+        with self._pending_lock:
+            if self._pending is not None:
+                self._pending[2].set()  # superseded: its caller returns, this model is served instead
+            self._pending = (int(version), model, applied)
+        while not applied.is_set():
+            # Idle engine: apply it here. Busy engine: the batch thread applies it after the current engine call.
+            if self.model_lock.acquire(timeout=0.005):
+                try:
+                    self._apply_pending_weights()
+                finally:
+                    self.model_lock.release()
+
+    def _apply_pending_weights(self) -> None:  # the caller holds self.model_lock
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        version, model, applied = pending
+        self.model = model
+        if self.engine is not None:
+            self.engine.model = model  # same structure and shardings: the compiled decode functions are reused
+        self.version = version
+        self.num_weight_swaps += 1
+        applied.set()
+
+    # ---- batching -------------------------------------------------------------------------------------------
+    def _inference_loop(self) -> None:
+        """Group queued requests into batches: a batch grows while requests keep arriving less than
+        `batch_timeout` apart, up to `max_seqs` sequences or `BATCH_WINDOW_CAP` batch timeouts in all.
+
+        Levanter's loop cuts a batch at a fixed interval, so the first of many concurrent requests (an env actor's
+        groups, a benchmark's burst) often runs alone: a whole decode of one sequence that costs about as much as a
+        full batch, while the others wait.
+        """
+        timeout = self.config.batch_timeout
+        max_seqs = self.engine.config.max_seqs if self.engine is not None else 1
+        while not self.shutdown_event.is_set():
+            try:
+                batch = [self.request_queue.get(timeout=0.1)]
+            except queue.Empty:
+                continue
+            deadline = time.monotonic() + BATCH_WINDOW_CAP * timeout
+            while len(batch) < max_seqs:
+                wait = min(timeout, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                try:
+                    batch.append(self.request_queue.get(timeout=wait))
+                except queue.Empty:
+                    break
+            self.batch_queue.put(batch)
+
+    # ---- decoding -------------------------------------------------------------------------------------------
     def _stop_array(self, stop_seqs: list[list[int]] | None):
         if not stop_seqs:
             return None
@@ -85,50 +211,85 @@ class _VersionedContext(InferenceContext):
             arr[i, width - len(s) :] = s  # the engine expects left padding
         return hax.named(arr, ("stop_seq", "position"))
 
-    def _execute_batch(self, requests):  # runs under self.model_lock: weights cannot change meanwhile
-        if not self.engine:
-            raise RuntimeError("Inference engine is not initialized.")
-        # Levanter's decode loop stops after max_seq_len / max_rounds outer rounds, and admits at most one prefill
-        # per round; sequences admitted late are then left unfinished inside the engine, and their tokens leak
-        # into the next call's requests. So every engine call gets only what one prefill admits.
-        # Levanter's batching thread cuts a batch every `batch_timeout` even while the engine is busy; merge
+    def _drain_batch_queue(self) -> list:
+        # Levanter's batching thread cuts a batch every `batch_timeout` even while the engine is busy; take
         # everything that queued up meanwhile so that each engine call is as full as it can be.
-        requests = list(requests)
+        requests: list = []
         while True:
             try:
                 requests.extend(self.batch_queue.get_nowait())
             except queue.Empty:
-                break
-        cfg = self.engine.config
-        chunk: list = []
-        chunk_tokens = 0
-        for req in requests:
-            n = len(req.prompt_tokens)
-            if chunk and (len(chunk) >= cfg.max_seqs_in_prefill or chunk_tokens + n > cfg.max_prefill_size):
-                self._generate(chunk)
-                chunk, chunk_tokens = [], 0
-            chunk.append(req)
-            chunk_tokens += n
-        if chunk:
-            self._generate(chunk)
+                return requests
 
-    def _generate(self, requests) -> None:
-        version = self.version
-        service_requests = []
-        for i, req in enumerate(requests):
-            self.request_versions[req.request_id] = version
+    def _start(self, requests) -> list[_Sequence]:
+        seqs = []
+        for req in requests:
+            try:
+                stop = self._stop_array(req.stop_tokens)
+            except ValueError as e:
+                _resolve(req.future, error=e)
+                continue
             seed = req.seed if req.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+            seqs.append(_Sequence(req, seed, stop))
+        return seqs
+
+    def _execute_batch(self, requests):  # runs under self.model_lock
+        if not self.engine:
+            raise RuntimeError("Inference engine is not initialized.")
+        active = self._start([*requests, *self._drain_batch_queue()])
+        try:
+            self._apply_pending_weights()
+            while active:
+                # Levanter's decode loop stops after max_seq_len / max_rounds outer rounds, and admits at most one
+                # prefill per round; sequences admitted late are then left unfinished inside the engine, and their
+                # tokens leak into the next call's requests. So every engine call gets only what one prefill admits.
+                cfg = self.engine.config
+                chunk: list[_Sequence] = []
+                chunk_tokens = 0
+                for seq in active:
+                    n = len(seq.req.prompt_tokens) + len(seq.tokens)
+                    if chunk and (len(chunk) >= cfg.max_seqs_in_prefill or chunk_tokens + n > cfg.max_prefill_size):
+                        self._decode_segment(chunk)
+                        self._apply_pending_weights()
+                        chunk, chunk_tokens = [], 0
+                    chunk.append(seq)
+                    chunk_tokens += n
+                if chunk:
+                    self._decode_segment(chunk)
+                    self._apply_pending_weights()
+                for seq in active:
+                    if seq.done:
+                        self._respond(seq)
+                # Requests that arrived meanwhile join at the next segment.
+                active = [s for s in active if not s.done] + self._start(self._drain_batch_queue())
+        except Exception as e:
+            logger.error("decoding failed: %s", e, exc_info=True)
+            for seq in active:
+                _resolve(seq.req.future, error=e)
+            if self.engine.request_queue or len(self.engine.free_slots) < self.engine.config.max_seqs:
+                self.engine.request_queue.clear()
+                self.engine.reset()
+
+    def _decode_segment(self, seqs: list[_Sequence]) -> None:
+        """One engine call: up to `segment_tokens` more tokens of each sequence, under the current weights."""
+        version = self.version
+        allowed = []
+        service_requests = []
+        for i, seq in enumerate(seqs):
+            allow = seq.remaining if self.segment_tokens is None else min(self.segment_tokens, seq.remaining)
+            allowed.append(allow)
+            context = seq.context
             # Host arrays only: the engine reads these with np.asarray, and an eager JAX op per request costs
             # more than the decoding itself for short completions. [0, seed] is jax.random.PRNGKey(seed).
             params = SeqDecodingParams(
-                max_num_tokens=np.int32(len(req.prompt_tokens) + req.max_tokens),
-                stop_tokens=self._stop_array(req.stop_tokens),
-                temperature=np.float32(req.temperature),
-                key=np.array([0, seed], dtype=np.uint32),
+                max_num_tokens=np.int32(len(context) + allow),
+                stop_tokens=seq.stop,
+                temperature=np.float32(seq.req.temperature),
+                key=np.array([0, seq.seed], dtype=np.uint32),
             )
             service_requests.append(
                 Request(
-                    prompt_tokens=req.prompt_tokens,
+                    prompt_tokens=context,
                     request_id=i,
                     decode_params=params,
                     n_generations=1,
@@ -144,28 +305,63 @@ class _VersionedContext(InferenceContext):
             logger.error("engine left %d sequences unfinished; resetting it", len(self.engine.local_map))
             self.engine.request_queue.clear()
             self.engine.reset()
-        for i, req in enumerate(requests):
-            tokens = list(result.tokens[i])
-            stopped = any(
-                tokens[-len(s) :] == list(s) for s in (req.stop_tokens or []) if len(s) and len(tokens) >= len(s)
-            )
-            if stale and not stopped and len(tokens) < req.max_tokens:
-                err = RuntimeError(f"generation of {req.request_id} did not finish; retry the request")
-                req.future.get_loop().call_soon_threadsafe(req.future.set_exception, err)
-                continue
-            out = InferenceResponse(
-                request_id=req.request_id,
-                text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-                tokens=tokens,
-                prompt_tokens=len(req.prompt_tokens),
-                completion_tokens=len(tokens),
-                logprobs=list(result.logprobs[i]) if result.logprobs is not None else None,
-            )
-            req.future.get_loop().call_soon_threadsafe(req.future.set_result, [out])
+        for i, (seq, allow) in enumerate(zip(seqs, allowed, strict=True)):
+            new = list(result.tokens[i])
+            lps = list(result.logprobs[i]) if result.logprobs is not None else []
+            if len(lps) != len(new):
+                raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(new)} tokens")
+            if new:
+                if seq.version_start is None:
+                    seq.version_start = version
+                seq.version_end = version
+            seq.tokens += new
+            seq.logprobs += lps
+            stopped = bool(new) and seq.ends_with_stop()
+            if stale and not stopped and len(new) < allow:
+                seq.error = RuntimeError(f"generation of {seq.req.request_id} did not finish; retry the request")
+                seq.done = True
+            elif stopped or len(new) < allow or seq.remaining <= 0:
+                seq.done = True
+
+    def _respond(self, seq: _Sequence) -> None:
+        req = seq.req
+        if seq.error is not None:
+            _resolve(req.future, error=seq.error)
+            return
+        self.request_versions[req.request_id] = (
+            self.version if seq.version_start is None else seq.version_start,
+            self.version if seq.version_end is None else seq.version_end,
+        )
+        out = InferenceResponse(
+            request_id=req.request_id,
+            text=self.tokenizer.decode(seq.tokens, skip_special_tokens=True),
+            tokens=seq.tokens,
+            prompt_tokens=len(req.prompt_tokens),
+            completion_tokens=len(seq.tokens),
+            logprobs=seq.logprobs,
+        )
+        _resolve(req.future, [out])
+
+
+def _on_device_like(old: jax.Array, new) -> jax.Array:
+    """`new` placed with `old`'s sharding and cast to `old`'s dtype (a bf16 broadcast moves as bf16).
+
+    Accelerators cast on the device; a CPU device casts with NumPy (several times faster than XLA's CPU convert)
+    into an aligned buffer that it then takes without a copy.
+    """
+    if new.dtype != old.dtype and all(d.platform == "cpu" for d in old.sharding.device_set):
+        return jax.device_put(cast_on_host(np.asarray(new), old.dtype), old.sharding)
+    x = jax.device_put(new, old.sharding)
+    if x.dtype != old.dtype:
+        x = x.astype(old.dtype)
+    return x
 
 
 def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> LmHeadModel:
-    """A copy of `model` whose arrays are `leaves`, each placed with the sharding of the array it replaces."""
+    """A copy of `model` whose arrays are `leaves`, each placed with the sharding and dtype of the array it replaces.
+
+    Returns once the arrays are on the devices.
+    """
     params, static = eqx.partition(model, eqx.is_array)
     old_leaves, treedef = jax.tree_util.tree_flatten(params)
     if len(old_leaves) != len(leaves):
@@ -174,7 +370,8 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
     for i, (old, new) in enumerate(zip(old_leaves, leaves, strict=True)):
         if tuple(old.shape) != tuple(new.shape):
             raise ValueError(f"{name}: weight {i} has shape {tuple(new.shape)}, expected {tuple(old.shape)}")
-        new_leaves.append(jax.device_put(np.asarray(new, dtype=old.dtype), old.sharding))
+        new_leaves.append(_on_device_like(old, new))
+    jax.block_until_ready(new_leaves)
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, new_leaves), static)
 
 
@@ -185,6 +382,15 @@ class LevanterInferenceServer:
         self.config = config
         self.name = name
         self.tokenizer = tokenizer
+        segment_tokens = getattr(config, "segment_tokens", None)
+        if segment_tokens is not None and (not isinstance(segment_tokens, int) or segment_tokens < 1):
+            raise ValueError(f"inference.segment_tokens must be a positive integer or null, got {segment_tokens!r}")
+        if segment_tokens is not None and config.prefill_tokens < config.max_seq_len:
+            raise ValueError(
+                f"inference.prefill_tokens ({config.prefill_tokens}) must be >= inference.max_seq_len "
+                f"({config.max_seq_len}) when inference.segment_tokens is set: a continued sequence is prefilled "
+                "with its prompt and the tokens sampled so far"
+            )
         max_pages_per_seq = -(-config.max_seq_len // config.page_size)
         max_pages = config.max_pages or config.max_seqs * max_pages_per_seq
         engine_config = InferenceEngineConfig(
@@ -204,8 +410,8 @@ class LevanterInferenceServer:
         self._server_config = InferenceServerConfig(
             trainer=TrainerConfig(), service=engine_config, batch_timeout=config.batch_timeout_s
         )
-        # Build the first engine exactly as `reload` builds later ones (committed arrays, same mesh and axis
-        # mapping), so that applying new weights reuses the compiled decode functions.
+        # Place the first weights exactly as `apply_weights` places later ones (committed arrays with the same
+        # shardings), so that swapping weights reuses the compiled decode functions.
         own_leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]
         model = _replace_leaves(model, own_leaves, name)
         with (
@@ -214,7 +420,13 @@ class LevanterInferenceServer:
         ):
             engine = InferenceEngine.from_model_with_config(model=model, tokenizer=tokenizer, config=engine_config)
         self.context = _VersionedContext(
-            model, tokenizer, engine, self._server_config, engine_config.max_stop_seqs, engine_config.max_stop_tokens
+            model,
+            tokenizer,
+            engine,
+            self._server_config,
+            engine_config.max_stop_seqs,
+            engine_config.max_stop_tokens,
+            segment_tokens,
         )
         self.context.start()
         self.app = self._make_app()
@@ -252,19 +464,17 @@ class LevanterInferenceServer:
         return self.context.version
 
     def apply_weights(self, version: int, leaves: list[np.ndarray]) -> float:
-        """Swap in new parameters (flattened like `eqx.filter(model, eqx.is_array)`), between decode batches.
+        """Serve new parameters (flattened like `eqx.filter(model, eqx.is_array)`) as `version`.
 
-        Returns the seconds it took. Each array is placed with the sharding of the one it replaces, so the
-        engine's compiled functions are reused.
+        The arrays are placed on the devices while decoding goes on, each with the sharding of the one it replaces
+        (so nothing recompiles) and cast to its dtype (so a bf16 broadcast is served at the model's precision);
+        the swap happens between two engine calls. Generations in progress continue under the new weights from
+        their next segment (`inference.segment_tokens`). Any version is applied, lower ones too. Returns the
+        seconds until the new weights were being served.
         """
         start = time.time()
-
-        def callback(old_model):
-            model = _replace_leaves(old_model, leaves, self.name)
-            self.context.version = int(version)
-            return model
-
-        self.context.reload(callback)
+        model = _replace_leaves(self.context.model, leaves, self.name)
+        self.context.swap_weights(version, model)
         return time.time() - start
 
     # ---- HTTP ---------------------------------------------------------------------------------------
@@ -273,6 +483,7 @@ class LevanterInferenceServer:
             "name": self.name,
             "version": self.version,
             "batches": self.context.num_batches,
+            "weight_swaps": self.context.num_weight_swaps,
             "generated_tokens": self.context.generated_tokens,
             "outstanding_requests": self._outstanding,
         }
@@ -355,7 +566,7 @@ class LevanterInferenceServer:
         choices = []
         total_completion = 0
         for idx, ((rid, _, max_tokens), [gen]) in enumerate(zip(jobs, results, strict=True)):
-            version = self.context.request_versions.pop(rid, self.version)
+            version_start, version_end = self.context.request_versions.pop(rid, (self.version, self.version))
             tokens = gen.tokens
             stopped = any(tuple(tokens[-len(s) :]) == s for s in stop_set if len(tokens) >= len(s))
             finish = "length" if (len(tokens) >= max_tokens and not stopped) else "stop"
@@ -377,8 +588,8 @@ class LevanterInferenceServer:
                     "text": gen.text,
                     "finish_reason": finish,
                     "logprobs": logprobs,
-                    "policy_version_start": version,
-                    "policy_version_end": version,
+                    "policy_version_start": version_start,
+                    "policy_version_end": version_end,
                 }
             )
             total_completion += len(tokens)

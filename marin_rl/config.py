@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,14 @@ class OrchestratorConfig:
     batch_timeout_s: float = 600.0
     """Give up if no batch can be formed for this long (it says which env it waits for)."""
     seed: int = 0
-    """Seed for problem order."""
+    """Seed for problem order (and, with `deterministic`, for sampling)."""
+    deterministic: bool = False
+    """Make the run a deterministic function of the config, so that a resumed run ends exactly where an
+    uninterrupted one does (at some cost in throughput). Requires `max_staleness: 0`. Each group is sampled with a
+    seed derived from (seed, env, epoch, problem index); finished groups enter the buffers in the order their problems
+    were handed out; a batch is formed only when no group is in flight. Exact for environments whose episodes are a
+    function of the problem and the sampled tokens; `checkpoint.every` should be a multiple of
+    `broadcast.sync_every` (a resumed run serves the checkpoint's weights)."""
 
 
 @dataclass
@@ -73,6 +81,29 @@ class TrackingConfig:
     """Run name (defaults to the output directory's name)."""
     console_every: int = 1
     """Print a console line every this many steps."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints of the whole run (learner, optimizer, replay buffers, problem order) and resuming from them."""
+
+    every: int = 100
+    """Save every this many learner steps (0: only at the end of the run and when it is interrupted)."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint, if there is one. With False, a run whose checkpoint directory
+    already holds checkpoints refuses to start rather than mix runs."""
+    keep: int | None = 2
+    """How many of the newest complete checkpoints to keep; older ones are deleted after each save (None: all)."""
+    path: str | None = None
+    """Checkpoint directory (local or gs://); None: `output_dir/checkpoints`."""
+    save_on_exit: bool = True
+    """Also save when the run ends or is interrupted (Ctrl-C, SIGTERM), unless that step is already saved."""
+
+    def __post_init__(self):
+        if not isinstance(self.every, int) or self.every < 0:
+            raise ValueError(f"checkpoint.every must be an integer >= 0, got {self.every!r}")
+        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+            raise ValueError(f"checkpoint.keep must be an integer >= 1 or null (keep all), got {self.keep!r}")
 
 
 @dataclass
@@ -101,6 +132,13 @@ class RunConfig:
     """The driver loop."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Metrics."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and resuming."""
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints go: `checkpoint.path`, or `output_dir/checkpoints`."""
+        return self.checkpoint.path or os.path.join(self.output_dir, "checkpoints")
 
     def validate(self) -> None:
         """Cross-field checks that a single dataclass cannot do; raises ValueError naming the fields."""
@@ -129,6 +167,11 @@ class RunConfig:
             raise ValueError("inference.kv_cache_dtype must be 'float32' or 'bfloat16'")
         if self.batcher.max_seq_len > self.inference.max_seq_len:
             raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
+        if self.orchestrator.deterministic and self.orchestrator.max_staleness != 0:
+            raise ValueError(
+                "orchestrator.deterministic requires orchestrator.max_staleness: 0 (groups sampled while the learner "
+                f"trains would see a weight update at a timing-dependent point), got {self.orchestrator.max_staleness}"
+            )
 
     def env_fractions(self) -> dict[str, float]:
         """Each environment's share of a batch (unset shares split the remainder equally)."""

@@ -1,18 +1,29 @@
 """Entry point: `python -m marin_rl.run --config experiments/NAME.yaml [--dotted.field value ...]`.
 
-`run(config)` is also a plain function for pipelines that build the config in Python.
+`run(config)` is also a plain function for pipelines that build the config in Python. It runs the RL loop, or
+supervised fine-tuning when `learner.mode` is 'sft' (`marin_rl.learner.sft`: no Ray, servers or environments).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import draccus
 
 from marin_rl.config import RunConfig
-from marin_rl.orchestrator.orchestrator import run
+from marin_rl.learner.sft import run_sft
+from marin_rl.orchestrator.orchestrator import run as run_rl
 
 __all__ = ["RunConfig", "main", "run"]
+
+
+def run(config: RunConfig) -> dict[str, Any]:
+    """Run one experiment end to end and return its summary (also in `output_dir/summary.json`): the RL loop, or
+    supervised fine-tuning when `learner.mode` is 'sft'."""
+    if config.learner.mode == "sft":
+        return run_sft(config)
+    return run_rl(config)
 
 
 def parse_config(args: list[str] | None = None) -> RunConfig:
@@ -32,6 +43,8 @@ def parse_config(args: list[str] | None = None) -> RunConfig:
         config = draccus.parse(RunConfig, config_path=config_path, args=args)
     except (draccus.utils.DecodingError, FileNotFoundError) as e:
         raise SystemExit(f"marin_rl: invalid configuration: {e}") from None
+    except draccus.utils.ParsingError as e:  # a config's own check (__post_init__) failed: its message names the field
+        raise SystemExit(f"marin_rl: invalid configuration: {e.__cause__ or e}") from None
     try:
         config.validate()
     except ValueError as e:
@@ -40,11 +53,16 @@ def parse_config(args: list[str] | None = None) -> RunConfig:
 
 
 def main(args: list[str] | None = None) -> None:
+    """Command-line entry point: parse the config and run; exits with 130 when interrupted."""
     config = parse_config(args)
     try:
         run(config)
     except KeyboardInterrupt:
-        print("marin_rl: interrupted; all actors were stopped", file=sys.stderr)
+        print(
+            "marin_rl: interrupted; all actors were stopped (rerun the same command to resume from the latest "
+            "checkpoint)",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
 
 

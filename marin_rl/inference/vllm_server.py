@@ -704,7 +704,7 @@ class VllmServerActor:
             hf_checkpoint = export_hf_checkpoint(model, self.tokenizer, self._export_dir)
         self.server = VllmPolicyServer(model, hf_checkpoint, self.tokenizer, config.inference, name=name)
         del model
-        self.transport = make_transport(config.broadcast.transport)
+        self.transport = make_transport(config.broadcast)
         self.address = self.server.start()
 
     def get_address(self) -> str:
@@ -732,5 +732,6 @@ class VllmServerActor:
     def stop(self) -> None:
         """Stop vLLM and remove the exported checkpoint."""
         self.server.stop()
+        self.transport.close()
         if self._export_dir is not None:
             shutil.rmtree(self._export_dir, ignore_errors=True)

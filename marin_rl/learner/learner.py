@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -72,6 +73,66 @@ class WarmStartConfig:
     """Learning rate of the warm start (AdamW, constant)."""
     batch_rows: int = 32
     """Rows of `max_seq_len` tokens per supervised batch."""
+
+
+LEARNER_MODES = ("rl", "sft")
+
+
+@dataclass
+class SftConfig:
+    """Supervised fine-tuning (`learner.mode: sft`, see `marin_rl.learner.sft`): prompt/completion records, packed
+    into rows of `batcher.max_seq_len` tokens like RL batches, trained with the loss on completion tokens only."""
+
+    train_files: list[str] = field(default_factory=list)
+    """JSONL or Parquet files of training records: local paths, fsspec URLs (`gs://...`) or globs."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out records in the same format; empty: hold out `eval_fraction` of the training records."""
+    eval_fraction: float = 0.05
+    """Share of the training records held out (seeded shuffle) when `eval_files` is empty; in (0, 1)."""
+    prompt_field: str = "prompt"
+    """Record field holding the prompt text."""
+    completion_field: str = "completion"
+    """Record field holding the completion text (the only tokens the loss is computed on)."""
+    chat_template: bool = False
+    """Render each record with the tokenizer's chat template as a user turn (the prompt) and an assistant turn (the
+    completion, ending with the template's end of turn). False: plain prompt text followed by the completion text."""
+    append_eos: bool = True
+    """Plain records (chat_template false): end every completion with the tokenizer's EOS token, so the policy
+    learns to stop."""
+    steps: int = 0
+    """Optimizer steps; 0: `epochs` passes over the training records."""
+    epochs: int = 1
+    """Passes over the training records (shuffled each pass) when `steps` is 0."""
+    batch_rows: int = 32
+    """Rows of `batcher.max_seq_len` tokens per batch (several records per row, as the batcher packs rollouts)."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(learning_rate=1e-3))
+    """AdamW, warmup and gradient clipping of the supervised steps."""
+    eval_every: int = 0
+    """Evaluate the held-out loss every this many steps (0: only before the first and after the last step)."""
+    max_eval_records: int | None = None
+    """Evaluate on at most this many held-out records (None: all)."""
+    log_every: int = 10
+    """Print a console line every this many steps (every step is logged to the tracker)."""
+    seed: int = 0
+    """Seed of the held-out split and of the shuffling."""
+
+    def __post_init__(self):
+        for name in ("steps", "epochs", "batch_rows", "eval_every", "log_every"):
+            value = getattr(self, name)
+            low = 1 if name in ("epochs", "batch_rows", "log_every") else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"learner.sft.{name} must be an integer >= {low}, got {value!r}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"learner.sft.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        if self.max_eval_records is not None and self.max_eval_records < 1:
+            raise ValueError(f"learner.sft.max_eval_records must be >= 1 or null, got {self.max_eval_records!r}")
+        for name in ("train_files", "eval_files"):
+            files = getattr(self, name)
+            if isinstance(files, str) or any(not isinstance(f, str) or not f.strip() for f in files):
+                raise ValueError(f"learner.sft.{name} must be a list of file paths or URLs, got {files!r}")
+        for name in ("prompt_field", "completion_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"learner.sft.{name} must be a non-empty field name, got {getattr(self, name)!r}")
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -169,8 +230,14 @@ class MeshConfig:
 
 @dataclass
 class LearnerConfig:
-    """The learner: optimizer, loss and supervised warm start."""
+    """The learner: RL or supervised mode, optimizer, loss, supervised warm start and fine-tuning, device mesh."""
 
+    mode: str = "rl"
+    """'rl': the asynchronous RL loop (environments, inference servers, replay). 'sft': supervised fine-tuning on
+    the prompt/completion records of `sft` with the same model, tokenizer, packing (`batcher.max_seq_len`) and mesh,
+    then an HF export that an RL run can start from (`model.init_from_hf`); no Ray, servers or environments."""
+    sft: SftConfig = field(default_factory=SftConfig)
+    """Supervised fine-tuning (used when `mode` is 'sft')."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer of the RL phase."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -194,6 +261,10 @@ class LearnerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"learner.{name} must be an integer >= 1, got {value!r}")
+        if self.mode not in LEARNER_MODES:
+            raise ValueError(f"learner.mode must be one of {LEARNER_MODES}, got {self.mode!r}")
+        if self.mode == "sft" and not self.sft.train_files:
+            raise ValueError("learner.sft.train_files must name at least one file when learner.mode is 'sft'")
 
 
 def _to_example(batch: PackedBatch) -> RlExample:
@@ -473,9 +544,99 @@ class Learner:
 
     def export_hf(self, path: str, tokenizer) -> str:
         """Save the current policy and `tokenizer` as a Hugging Face checkpoint at `path` (local or fsspec URL)."""
-        return export_hf_checkpoint(self.model, tokenizer, path)
+        with self._sharding():  # a sharded policy is gathered under its own mesh
+            return export_hf_checkpoint(self.model, tokenizer, path)
 
-    # ---- supervised warm start ----------------------------------------------------------------------
+    # ---- checkpoint state ------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything a resumed run needs from the learner, as a pytree of arrays: the policy, the optimizer state,
+        the frozen reference model (None when there is none), the policy version and the optimizer step count."""
+        return {
+            "model": self.model,
+            "opt_state": self.opt_state,
+            "reference_model": self.reference_model,
+            "version": jnp.asarray(self.version, dtype=jnp.int32),
+            "optimizer_steps": jnp.asarray(self.optimizer_steps, dtype=jnp.int32),
+        }
+
+    def state_template(self, has_reference: bool) -> dict:
+        """A pytree shaped like `state()` (the current arrays as exemplars) for loading a checkpoint into; with
+        `has_reference` it has a reference-model slot even if this learner has not frozen one yet."""
+        template = self.state()
+        if has_reference and template["reference_model"] is None:
+            template["reference_model"] = self.model
+        if not has_reference:
+            template["reference_model"] = None
+        return template
+
+    def load_state(self, state: dict) -> None:
+        """Continue from a `state()` (e.g. loaded from a checkpoint): arrays are laid out by the parameter mapping."""
+        with self._sharding():
+            self.model = self._shard_params(state["model"])
+            self.opt_state = self._shard_params(state["opt_state"])
+            ref = state.get("reference_model")
+            self.reference_model = None if ref is None else self._shard_params(ref)
+        self.version = int(state["version"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+    # ---- supervised training: the warm start and `learner.mode: sft` ---------------------------------------
+    def supervised_optimizer_state(self, optimizer: optax.GradientTransformation) -> optax.OptState:
+        """A fresh state of `optimizer` for the current parameters, laid out like them on the mesh."""
+        with self._sharding():
+            return self._shard_params(optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
+
+    def supervised_step(
+        self, batch: PackedBatch, optimizer: optax.GradientTransformation, opt_state: optax.OptState
+    ) -> tuple[optax.OptState, dict[str, jax.Array]]:
+        """One optimizer step of the supervised loss on a packed batch: the mean negative log-likelihood (temperature
+        1) of the tokens where `loss_mask` is true, over the whole batch. Updates the policy but not its version.
+
+        `optimizer` must stay the same object between steps (it is part of the compiled step). Returns the new
+        optimizer state and, still on the devices, `loss`, `grad_norm` and `tokens` (the number of trained tokens).
+        """
+        self._check_rows(batch.num_rows, "the supervised batch")
+        with self._sharding():
+            self.model, opt_state, metrics = self._supervised_step(
+                (self.model, self._shard_batch(_to_example(batch))), opt_state, optimizer
+            )
+        return opt_state, metrics
+
+    def supervised_nll(self, batch: PackedBatch) -> tuple[float, int]:
+        """Sum of the negative log-likelihoods (temperature 1) of the batch's loss-masked tokens under the current
+        weights, and their number."""
+        self._check_rows(batch.num_rows, "the supervised batch")
+        with self._sharding():
+            total, count = self._supervised_nll(self.model, self._shard_batch(_to_example(batch)))
+        return float(total), int(count)
+
+    @functools.cached_property
+    def _supervised_step(self):
+        # The optimizer state is donated; the policy is not (the reference model or a published copy may share it).
+        return eqx.filter_jit(self._supervised_step_impl, donate="all-except-first")
+
+    @functools.cached_property
+    def _supervised_nll(self):
+        return eqx.filter_jit(self._supervised_nll_impl)
+
+    def _supervised_step_impl(self, inputs, opt_state, optimizer):  # inputs: (policy, example)
+        model, ex = inputs
+
+        def loss_fn(m):
+            lp, _ = token_logprobs(m, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
+            return sft_loss(lp, ex.loss_mask)
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        grads = self._shard_params(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        model = self._shard_params(eqx.apply_updates(model, updates))
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": jnp.sum(ex.loss_mask.array)}
+        return model, self._shard_params(opt_state), metrics
+
+    def _supervised_nll_impl(self, model, ex: RlExample):
+        lp, _ = token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
+        mask = ex.loss_mask.array
+        return -jnp.sum(jnp.where(mask, lp.array, 0.0)), jnp.sum(mask)
+
     def warm_start(self, examples: list[tuple[list[int], list[int]]], max_seq_len: int, seed: int = 0) -> dict:
         """Supervised training on (prompt_ids, completion_ids) pairs for `warm_start.steps` steps.
 
@@ -487,26 +648,8 @@ class Learner:
             return {"losses": []}
         if self.mesh is not None:
             self._check_rows(cfg.batch_rows, "learner.warm_start.batch_rows")
-        with self._sharding():
-            return self._warm_start(examples, max_seq_len, seed)
-
-    def _warm_start(self, examples: list[tuple[list[int], list[int]]], max_seq_len: int, seed: int) -> dict:
-        cfg = self.config.warm_start
         opt = optax.adamw(cfg.learning_rate, b1=0.9, b2=0.99)
-        opt_state = self._shard_params(opt.init(eqx.filter(self.model, eqx.is_inexact_array)))
-
-        @eqx.filter_jit
-        def step(model, opt_state, ex: RlExample):
-            def loss_fn(m):
-                lp, _ = token_logprobs(m, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
-                return sft_loss(lp, ex.loss_mask)
-
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-            updates, opt_state = opt.update(
-                self._shard_params(grads), opt_state, eqx.filter(model, eqx.is_inexact_array)
-            )
-            return self._shard_params(eqx.apply_updates(model, updates)), self._shard_params(opt_state), loss
-
+        opt_state = self.supervised_optimizer_state(opt)
         rng = np.random.default_rng(seed)
         seqs = [Sequence.supervised(p, c) for p, c in examples]
         mean_len = float(np.mean([len(s) for s in seqs]))
@@ -516,8 +659,8 @@ class Learner:
         for i in range(cfg.steps):
             idx = rng.choice(len(seqs), size=min(per_batch, len(seqs)), replace=False)
             batch, _ = pack([seqs[j] for j in idx], cfg.batch_rows, max_seq_len)
-            self.model, opt_state, loss = step(self.model, opt_state, self._shard_batch(_to_example(batch)))
-            losses.append(float(loss))
+            opt_state, metrics = self.supervised_step(batch, opt, opt_state)
+            losses.append(float(metrics["loss"]))
             if (i + 1) % max(1, cfg.steps // 10) == 0:
                 logger.info("warm start step %d/%d: loss %.4f", i + 1, cfg.steps, losses[-1])
         self.freeze_reference()  # the KL penalty's reference is the warm-started policy

@@ -9,16 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 
 import numpy as np
 import ray
 
-from marin_rl.broadcast.broadcaster import WeightUpdate, make_transport
+from marin_rl.broadcast.broadcaster import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import EnvConfig, RunConfig
 from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
 from marin_rl.inference.client import PolicyClient
+from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 from marin_rl.learner.learner import Learner
 from marin_rl.learner.model import build_model
 from marin_rl.tokenizer import load_tokenizer
@@ -42,6 +42,31 @@ def make_environment(env_config: EnvConfig, tokenizer, seed: int) -> Environment
         raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
 
 
+class SeededPolicy:
+    """A policy client whose `sample` calls carry seeds: the group's `seed` for the first call, then seeds derived
+    from (seed, call number). A server samples choice k of a call with seed + k (the embedded server and vLLM both
+    honour per-request seeds), so a group's samples are a function of its seed and the weights. Calls are numbered
+    in the order they are made, which is deterministic for single-turn environments (one call per group)."""
+
+    def __init__(self, client: PolicyClient, seed: int):
+        self._client = client
+        self._seed = int(seed)
+        self._calls = 0
+
+    async def sample(self, prompt_ids: list[int], **kwargs):
+        """`PolicyClient.sample` with the next seed (an explicit `seed` argument wins)."""
+        if kwargs.get("seed") is None:
+            seed = self._seed
+            if self._calls:
+                seed = int(np.random.SeedSequence([self._seed, self._calls]).generate_state(1)[0]) >> 2
+            kwargs["seed"] = seed
+        self._calls += 1
+        return await self._client.sample(prompt_ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
 @ray.remote(num_cpus=0)
 class LearnerActor:
     """Owns the policy's parameters and optimizer; publishes weights after steps."""
@@ -52,7 +77,7 @@ class LearnerActor:
         self.learner = Learner(
             config.model, config.learner, vocab_size, temperature=config.envs[0].sampling.temperature
         )
-        self.transport = make_transport(config.broadcast.transport)
+        self.transport = make_transport(config.broadcast)
         self.tokenizer = load_tokenizer(config.tokenizer)
 
     def num_params(self) -> int:
@@ -65,7 +90,8 @@ class LearnerActor:
         return self.learner.train_step(batch)
 
     def publish(self) -> WeightUpdate:
-        return self.transport.publish(self.learner.version, self.learner.weights())
+        """Publish the current policy (cast on its device when `broadcast.dtype` asks) as its version."""
+        return self.transport.publish(self.learner.version, self.learner.model)
 
     def version(self) -> int:
         return self.learner.version
@@ -74,6 +100,17 @@ class LearnerActor:
         """Save the current policy as a Hugging Face checkpoint (local path or fsspec URL)."""
         self.learner.export_hf(path, self.tokenizer)
         return path
+
+    def save_checkpoint(self, path: str, step: int) -> float:
+        """Write the learner's part of the run checkpoint at `path` (its completion marker last); returns seconds."""
+        start = time.time()
+        save_learner_state(self.learner, path, step)
+        return time.time() - start
+
+    def load_checkpoint(self, path: str) -> int:
+        """Continue from the complete checkpoint at `path`; returns the restored policy version."""
+        load_learner_state(self.learner, path)
+        return self.learner.version
 
 
 @ray.remote(num_cpus=0)
@@ -87,24 +124,23 @@ class InferenceServerActor:
         self.tokenizer = load_tokenizer(config.tokenizer)
         model = build_model(config.model, len(self.tokenizer))  # placeholder weights until the first update
         self.server = LevanterInferenceServer(model, self.tokenizer, config.inference, name=name)
-        self.transport = make_transport(config.broadcast.transport)
+        self.transport = make_transport(config.broadcast)
+        self.subscriber = WeightSubscriber(self.transport, self.server.apply_weights)
         self.address = self.server.start()
 
     def get_address(self) -> str:
         return self.address
 
     def apply_update(self, update: WeightUpdate) -> dict:
-        start = time.time()
-        leaves = self.transport.fetch(update)
-        fetched = time.time() - start
-        applied = self.server.apply_weights(update.version, leaves)
-        return {"version": update.version, "fetch_s": fetched, "apply_s": applied, "bytes": update.num_bytes}
+        """Fetch and serve `update` (also a lower version than the one served); returns version, bytes, timings."""
+        return self.subscriber.apply_update(update)
 
     def stats(self) -> dict:
         return self.server.stats()
 
     def stop(self) -> None:
         self.server.stop()
+        self.transport.close()
 
 
 @ray.remote(num_cpus=0)
@@ -119,9 +155,6 @@ class EnvActor:
         self.servers = servers
         self.client: PolicyClient | None = None
         self.timeout = config.inference.request_timeout_s
-        # Each replica walks its own seeded permutation of the training problems, epoch after epoch.
-        self._rng = random.Random(config.orchestrator.seed * 1000 + env_index * 100 + replica)
-        self._order: list[int] = []
         self.problems = self.env.train_problems()
         if not self.problems:
             raise ValueError(f"environment {self.env_config.name} has no training problems")
@@ -131,16 +164,20 @@ class EnvActor:
             self.client = PolicyClient(self.servers, timeout_s=self.timeout)
         return self.client
 
-    def _next_problem(self):
-        if not self._order:
-            self._order = list(range(len(self.problems)))
-            self._rng.shuffle(self._order)
-        return self.problems[self._order.pop()]
+    def num_problems(self) -> int:
+        """Number of training problems (the driver's `ProblemIterator` hands out indices below it)."""
+        return len(self.problems)
 
-    async def run_group(self) -> dict:
-        """Sample one group of `group_size` episodes; returns it as a dict."""
-        problem = self._next_problem()
-        group = await self.env.run_group(self._policy(), problem, self.env_config.group_size, self.env_config.sampling)
+    async def run_group(self, problem_index: int, seed: int | None = None) -> dict:
+        """Sample one group of `group_size` episodes of training problem `problem_index`; returns it as a dict.
+
+        `seed` (deterministic runs): the policy calls of the group are sampled with seeds derived from it.
+        """
+        if not 0 <= problem_index < len(self.problems):
+            raise IndexError(f"problem index {problem_index} outside the {len(self.problems)} training problems")
+        problem = self.problems[problem_index]
+        policy = self._policy() if seed is None else SeededPolicy(self._policy(), seed)
+        group = await self.env.run_group(policy, problem, self.env_config.group_size, self.env_config.sampling)
         return group.to_dict()
 
     def warm_start_examples(self) -> list[tuple[list[int], list[int]]]:

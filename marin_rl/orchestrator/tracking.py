@@ -6,9 +6,11 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from levanter.tracker.tracker import CompositeTracker, Tracker
 
 logger = logging.getLogger("marin_rl")
@@ -23,16 +25,40 @@ def _jsonable(v: Any):
 
 
 class JsonlTracker(Tracker):
-    """Appends one JSON object per `log` call to `path` (local or any fsspec URL)."""
+    """Writes one JSON object per `log` call to `path` (local or any fsspec URL).
+
+    A fresh run starts the file. A resumed run (`resume_step` = the checkpoint's step) keeps everything already in
+    it, drops only a line cut off by a crash, and appends a `{"resume": {"step", "checkpoint", "time"}}` line; rows
+    logged afterwards for steps above `resume_step` supersede those the lost process logged (see `read_metrics`).
+    `history` holds the effective per-step rows (for the report).
+    """
 
     name = "jsonl"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, resume_step: int | None = None, resume_path: str | None = None):
         self.path = path
         fs, p = fsspec.core.url_to_fs(path)
         fs.makedirs(os.path.dirname(p), exist_ok=True)
-        self._file = fsspec.open(path, "w").open()
         self.history: list[dict[str, Any]] = []
+        prefix = ""
+        if resume_step is not None:
+            if fs.exists(p):
+                text = fs.cat_file(p).decode("utf-8")
+                prefix = text[: text.rfind("\n") + 1]  # a line the dead process did not finish is dropped
+                self.history = [r for r in effective_rows(prefix.splitlines()) if r["step"] <= resume_step]
+            marker = {"resume": {"step": resume_step, "checkpoint": resume_path, "time": time.time()}}
+            prefix += json.dumps(marker) + "\n"
+        if isinstance(fs, LocalFileSystem) and prefix:
+            tmp = p + ".tmp"  # rewrite by rename, so a crash meanwhile loses nothing
+            with open(tmp, "w") as f:
+                f.write(prefix)
+            os.replace(tmp, p)
+            self._file = open(p, "a")
+        else:  # object stores replace the object only when the new one is closed
+            self._file = fsspec.open(path, "w").open()
+            if prefix:
+                self._file.write(prefix)
+                self._file.flush()
 
     def log_hyperparameters(self, hparams: dict[str, Any]):
         self._write({"hparams": hparams})
@@ -56,9 +82,44 @@ class JsonlTracker(Tracker):
         self._file.close()
 
 
-def make_tracker(output_dir: str, wandb_mode: str, project: str, run_name: str) -> tuple[Tracker, JsonlTracker]:
-    """The composite tracker for a run and its JSON-lines member (which keeps the history for the report)."""
-    jsonl = JsonlTracker(os.path.join(output_dir, "metrics.jsonl"))
+def effective_rows(lines: list[str]) -> list[dict[str, Any]]:
+    """The per-step rows of a metrics log, as the run that finished sees them: after a `resume` line at step N,
+    rows logged earlier for steps above N (by a process that died after its last checkpoint) are dropped.
+    Lines that are not complete JSON objects (cut off by a crash) are skipped."""
+    rows: list[dict[str, Any]] = []
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "resume" in obj:
+            rows = [r for r in rows if r["step"] <= obj["resume"]["step"]]
+        elif "step" in obj:
+            rows.append(obj)
+    return rows
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The effective per-step rows of the metrics log at `path` (local or fsspec URL); see `effective_rows`."""
+    with fsspec.open(path, "r") as f:
+        return effective_rows(f.read().splitlines())
+
+
+def make_tracker(
+    output_dir: str,
+    wandb_mode: str,
+    project: str,
+    run_name: str,
+    resume_step: int | None = None,
+    resume_path: str | None = None,
+) -> tuple[Tracker, JsonlTracker]:
+    """The composite tracker for a run and its JSON-lines member (which keeps the history for the report).
+
+    `resume_step` / `resume_path`: the run continues from that checkpoint; the metrics log is appended to.
+    """
+    jsonl = JsonlTracker(os.path.join(output_dir, "metrics.jsonl"), resume_step, resume_path)
     trackers: list[Tracker] = [jsonl]
     if wandb_mode != "disabled":
         from levanter.tracker.wandb import WandbConfig

@@ -176,6 +176,18 @@ class Batcher:
         """Token slots of one batch."""
         return self.config.num_rows * self.config.max_seq_len
 
+    # ---- checkpoint state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """The batcher's own state (its too-long counters), JSON-compatible; the rollouts live in the buffers."""
+        return {"dropped_too_long": dict(self.dropped_too_long), "truncated_too_long": dict(self.truncated_too_long)}
+
+    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
+        """Restore `state_dict()`'s output; raises ValueError if it names other environments."""
+        for key in ("dropped_too_long", "truncated_too_long"):
+            if set(state[key]) != set(self.buffers):
+                raise ValueError(f"batcher state covers envs {sorted(state[key])}, this run has {sorted(self.buffers)}")
+            setattr(self, key, {n: int(state[key][n]) for n in self.buffers})
+
     # ---- preparation ----------------------------------------------------------------------------------
     def _handle_too_long(self, buf: ReplayBuffer) -> None:
         L = self.config.max_seq_len

@@ -6,6 +6,11 @@ recombines named rewards when `reward_weights` is set, computes advantages with 
 the rollouts to Parquet (when the buffer has a `rollout_dir`) and queues them. Rollouts leave the buffer by being
 used `max_reuse` times, by growing older than `max_age` learner steps (checked on arrival and while they wait),
 or by eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted in the metrics.
+
+`add(group, max_version=v)` rejects (reason `future_version`) a group with a token sampled by a policy version newer
+than v: after a resume from a checkpoint, a server that still served the lost run's later weights must not feed
+them to the restored learner. `state_dict()` / `load_state_dict()` save and restore the waiting rollouts, the
+counters and the advantage estimator's state (JSON-compatible, for checkpoints).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +75,16 @@ class ReplayConfig:
             raise ValueError(f"replay.reward_weights must be finite, got {self.reward_weights}")
         if self.persist_flush_rows < 1:
             raise ValueError("replay.persist_flush_rows must be >= 1")
+
+
+def _newest_version(rollout: Rollout) -> int:
+    """Newest policy version among the rollout's sampled turns (-1 if none was sampled)."""
+    vs = [
+        max(t.inference_metadata.version_start, t.inference_metadata.version_end)
+        for t in rollout.turns
+        if t.is_sampled and t.inference_metadata
+    ]
+    return max(vs) if vs else -1
 
 
 class GroupRejected(RolloutFormatError):
@@ -179,11 +195,13 @@ class ReplayBuffer:
         self._new_named: dict[str, list[float]] = {}
 
     # ---- intake -------------------------------------------------------------------------------------
-    def add(self, group: RolloutGroup | dict) -> bool:
+    def add(self, group: RolloutGroup | dict, max_version: int | None = None) -> bool:
         """Validate, score, persist and queue a group; returns whether it was accepted.
 
         Rejections are logged with their reason and counted; rollouts already older than `max_age` (relative to
         the latest learner version this buffer has seen) are accepted and persisted but discarded (and counted).
+        `max_version` (the learner's current version): a group with a token sampled by a newer policy version is
+        rejected as `future_version`.
         """
         try:
             if isinstance(group, dict):
@@ -194,6 +212,14 @@ class ReplayBuffer:
             check_group(group, self.env_name, self.vocab_size)
         except GroupRejected as e:
             return self._reject(e.reason, e.detail)
+        if max_version is not None:
+            newest = max(_newest_version(r) for r in group.rollouts)
+            if newest > max_version:
+                return self._reject(
+                    "future_version",
+                    f"group {group.group_id} was sampled by policy version {newest}, newer than the learner's "
+                    f"{max_version} (left over from before a restore)",
+                )
         if len(group.rollouts) < self.config.min_group_size:
             return self._reject("group_too_small", f"{len(group.rollouts)} < {self.config.min_group_size}")
         if self.config.reward_weights:
@@ -304,6 +330,63 @@ class ReplayBuffer:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    # ---- checkpoint state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The waiting rollouts (as `Rollout.to_dict`), counters and estimator state, JSON-compatible.
+
+        The metrics window (`new_*`, reward figures since the last `metrics` call) is not included.
+        """
+        return {
+            "env_name": self.env_name,
+            "items": [
+                {
+                    "rollout": it.rollout.to_dict(),
+                    "advantage": it.advantage,
+                    "group_id": it.group_id,
+                    "added_at": it.added_at,
+                    "num_tokens": it.num_tokens,
+                    "oldest_version": it.oldest_version,
+                    "uses": it.uses,
+                    "max_len": it.max_len,
+                }
+                for it in self.items
+            ],
+            "learner_version": self.learner_version,
+            "rejected": dict(self.rejected),
+            "accepted_groups": self.accepted_groups,
+            "discarded_stale": self.discarded_stale,
+            "evicted": self.evicted,
+            "dropped": dict(self.dropped),
+            "reinforce_baseline": self.advantages.baseline,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output (rollouts are validated again; nothing is persisted a second time)."""
+        if state["env_name"] != self.env_name:
+            raise ValueError(f"replay state of env {state['env_name']!r} loaded into the buffer of {self.env_name!r}")
+        self.items = [
+            ReplayItem(
+                rollout=Rollout.from_dict(d["rollout"]),
+                advantage=float(d["advantage"]),
+                group_id=str(d["group_id"]),
+                added_at=float(d["added_at"]),
+                num_tokens=int(d["num_tokens"]),
+                oldest_version=int(d["oldest_version"]),
+                uses=int(d["uses"]),
+                max_len=None if d["max_len"] is None else int(d["max_len"]),
+            )
+            for d in state["items"]
+        ]
+        lv = state["learner_version"]
+        self.learner_version = None if lv is None else int(lv)
+        self.rejected = Counter({str(k): int(v) for k, v in state["rejected"].items()})
+        self.accepted_groups = int(state["accepted_groups"])
+        self.discarded_stale = int(state["discarded_stale"])
+        self.evicted = int(state["evicted"])
+        self.dropped = Counter({str(k): int(v) for k, v in state["dropped"].items()})
+        self.advantages.baseline = float(state["reinforce_baseline"])
+        self._reset_window()
 
     # ---- metrics ----------------------------------------------------------------------------------------
     def metrics(self, learner_version: int, used_in_batch: int | None = None) -> dict[str, float]:

@@ -1,0 +1,136 @@
+"""Resumable problem order: which training problem is sampled next, saved in checkpoints.
+
+The driver owns one `ProblemIterator` per environment and hands problem indices to the env actors, so the order
+does not depend on how many actors there are or on which of them finishes first, and a resumed run continues it:
+it neither repeats nor skips problems.
+
+Semantics, precisely:
+
+* Epoch e visits every index of `range(num_problems)` exactly once, in the permutation drawn from
+  `SeedSequence([seed, stream, e])`. The order is a pure function of `(seed, stream, num_problems)`.
+* `next()` hands out a `ProblemTicket` (index, epoch). The ticket is *outstanding* until the driver reports it
+  `done` (its group reached the replay buffer, which checkpoints hold, or was rejected there) or `requeue`s it (its
+  episode failed, e.g. the actor died). A requeued ticket is handed out again before any new problem.
+* `state_dict()` records the epoch, the position within it, and the tickets that are requeued or still
+  outstanding, in hand-out order. After `load_state_dict`, those tickets are handed out again first (with their
+  original epoch, so a sampling seed derived from the ticket is the same), then the order continues at the saved
+  position. So a checkpoint taken while groups are in flight loses none of their problems, and a problem whose
+  group is in the checkpointed buffer is never sampled again in that epoch.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ProblemTicket:
+    """One hand-out of a training problem."""
+
+    index: int
+    """Index into the environment's `train_problems()`."""
+    epoch: int
+    """Epoch (pass over all problems) it was handed out in."""
+
+
+def stream_id(name: str) -> int:
+    """A stable 32-bit stream number for an environment name (so each environment gets its own order)."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+class ProblemIterator:
+    """Seeded per-epoch shuffle over `num_problems` indices with outstanding-ticket bookkeeping (module docstring).
+
+    Deterministic: two iterators with the same `(num_problems, seed, stream)` hand out the same tickets, and an
+    iterator restored from `state_dict()` hands out what the original would have handed out after re-issuing the
+    tickets that were not done.
+    """
+
+    def __init__(self, num_problems: int, seed: int, stream: int = 0):
+        if num_problems < 1:
+            raise ValueError(f"ProblemIterator needs at least one problem, got num_problems={num_problems}")
+        self.num_problems = int(num_problems)
+        self.seed = int(seed)
+        self.stream = int(stream)
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+        self._requeued: deque[ProblemTicket] = deque()
+        self._outstanding: dict[ProblemTicket, int] = {}  # ticket -> hand-out sequence number
+        self._handed_out = 0
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, self.stream, epoch]))
+        return rng.permutation(self.num_problems)
+
+    def next(self) -> ProblemTicket:
+        """The next problem to sample: a requeued ticket if any, else the next index of the current epoch."""
+        if self._requeued:
+            ticket = self._requeued.popleft()
+        else:
+            if self.position >= self.num_problems:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            ticket = ProblemTicket(int(self._order[self.position]), self.epoch)
+            self.position += 1
+        self._outstanding[ticket] = self._handed_out
+        self._handed_out += 1
+        return ticket
+
+    def done(self, ticket: ProblemTicket) -> None:
+        """The ticket's group was delivered (into the replay buffer, or rejected there): never hand it out again."""
+        if self._outstanding.pop(ticket, None) is None:
+            raise KeyError(f"{ticket} is not outstanding")
+
+    def requeue(self, ticket: ProblemTicket) -> None:
+        """The ticket's episode failed: hand it out again before any new problem."""
+        if self._outstanding.pop(ticket, None) is None:
+            raise KeyError(f"{ticket} is not outstanding")
+        self._requeued.append(ticket)
+
+    @property
+    def outstanding(self) -> list[ProblemTicket]:
+        """Tickets handed out and not yet done or requeued, oldest first."""
+        return sorted(self._outstanding, key=self._outstanding.__getitem__)
+
+    def sample_seed(self, ticket: ProblemTicket) -> int:
+        """A sampling seed for the ticket, a pure function of (seed, stream, epoch, index), below 2**30."""
+        state = np.random.SeedSequence([self.seed, self.stream, ticket.epoch, ticket.index]).generate_state(1)
+        return int(state[0]) >> 2
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state: the order's identity, epoch, position, and the tickets to hand out again first
+        (requeued, then outstanding, each oldest first)."""
+        redo = list(self._requeued) + self.outstanding
+        return {
+            "num_problems": self.num_problems,
+            "seed": self.seed,
+            "stream": self.stream,
+            "epoch": self.epoch,
+            "position": self.position,
+            "redo": [[t.index, t.epoch] for t in redo],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output; raises ValueError if it describes a different problem order."""
+        for key in ("num_problems", "seed", "stream"):
+            if int(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"the checkpointed problem order has {key}={state[key]} but this run has {getattr(self, key)} "
+                    "(the environment's training problems, orchestrator.seed or the env name changed); it cannot "
+                    "be resumed exactly"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.num_problems:
+            raise ValueError(f"invalid problem iterator state: epoch={epoch}, position={position}")
+        self.epoch, self.position = epoch, position
+        self._order = self._permutation(epoch)
+        self._requeued = deque(ProblemTicket(int(i), int(e)) for i, e in state["redo"])
+        self._outstanding = {}
+        self._handed_out = 0

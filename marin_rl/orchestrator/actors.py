@@ -28,7 +28,7 @@ from marin_rl.types import PackedBatch
 def configure_logging() -> None:
     """Quiet third-party loggers inside actors; keep ours at INFO."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for name in ("levanter", "jax", "absl", "httpx", "uvicorn", "openai", "urllib3", "ray"):
+    for name in ("levanter", "jax", "absl", "httpx", "uvicorn", "openai", "urllib3", "ray", "tqdm_loggable"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("levanter.inference.openai").setLevel(logging.CRITICAL)
 

@@ -50,6 +50,24 @@ BATCH_WINDOW_CAP = 10
 """A batch stops growing this many `inference.batch_timeout_s` after its first request arrived."""
 
 
+def prompt_token_ids(prompt, tokenizer, max_seq_len: int) -> list[list[int]]:
+    """The token ids of each prompt of a completions request (a string, token ids, or a list of either); raises
+    ValueError for an empty prompt or one that leaves no room to generate within `max_seq_len`."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= max_seq_len:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={max_seq_len}")
+        out.append(ids)
+    return out
+
+
 class CompletionRequest(BaseModel):
     """OpenAI completions request, plus vLLM's `stop_token_ids` and `return_tokens_as_token_ids`."""
 
@@ -375,6 +393,25 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, new_leaves), static)
 
 
+def completion_response(
+    request: CompletionRequest, created: float, choices: list[dict], prompts: list[list[int]], completion_tokens: int
+) -> dict[str, Any]:
+    """The OpenAI `text_completion` body for `choices`, with token usage (each prompt counted `n` times)."""
+    prompt_tokens = sum(len(p) for p in prompts) * request.n
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "object": "text_completion",
+        "created": int(created),
+        "model": request.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
 class LevanterInferenceServer:
     """Levanter's engine serving one policy over HTTP. Run it in-process or as a Ray actor."""
 
@@ -515,27 +552,12 @@ class LevanterInferenceServer:
 
         return app
 
-    def _prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        out = []
-        for p in prompt:
-            ids = self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-            if not ids:
-                raise ValueError("empty prompt")
-            if len(ids) >= self.config.max_seq_len:
-                raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={self.config.max_seq_len}")
-            out.append(ids)
-        return out
-
     async def _complete(self, request: CompletionRequest) -> dict[str, Any]:
         if request.top_p not in (None, 1.0):
             raise ValueError("top_p is not supported by the embedded server")
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        prompts = self._prompts(request.prompt)
+        prompts = prompt_token_ids(request.prompt, self.tokenizer, self.config.max_seq_len)
         stop_seqs: list[list[int]] = []
         stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
         for s in stops:
@@ -593,16 +615,4 @@ class LevanterInferenceServer:
                 }
             )
             total_completion += len(tokens)
-        total_prompt = sum(len(p) for p in prompts) * request.n
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:12]}",
-            "object": "text_completion",
-            "created": int(start),
-            "model": request.model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": total_prompt,
-                "completion_tokens": total_completion,
-                "total_tokens": total_prompt + total_completion,
-            },
-        }
+        return completion_response(request, start, choices, prompts, total_completion)

@@ -46,7 +46,7 @@ from haliax.state_dict import to_torch_compatible_state_dict
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl.inference.config import InferenceConfig, VllmConfig
-from marin_rl.inference.levanter_server import CompletionRequest
+from marin_rl.inference.levanter_server import CompletionRequest, completion_response, prompt_token_ids
 from marin_rl.inference.vllm_env import vllm_python
 
 if TYPE_CHECKING:
@@ -575,21 +575,6 @@ class VllmPolicyServer:
             )
         return self._client
 
-    def _prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        out = []
-        for p in prompt:
-            ids = self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-            if not ids:
-                raise ValueError("empty prompt")
-            if len(ids) >= self.config.max_seq_len:
-                raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={self.config.max_seq_len}")
-            out.append(ids)
-        return out
-
     async def _generate(self, prompt: list[int], request: CompletionRequest) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             "n": request.n,
@@ -621,7 +606,7 @@ class VllmPolicyServer:
             raise ValueError("max_tokens must be >= 1")
         if request.n < 1:
             raise ValueError("n must be >= 1")
-        prompts = self._prompts(request.prompt)
+        prompts = prompt_token_ids(request.prompt, self.tokenizer, self.config.max_seq_len)
         version_at_start = self.version
         start = time.time()
         outputs = await asyncio.gather(*(self._generate(p, request) for p in prompts))
@@ -663,19 +648,7 @@ class VllmPolicyServer:
                 )
                 total_completion += len(tokens)
         self._generated_tokens += total_completion
-        total_prompt = sum(len(p) for p in prompts) * request.n
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:12]}",
-            "object": "text_completion",
-            "created": int(start),
-            "model": request.model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": total_prompt,
-                "completion_tokens": total_completion,
-                "total_tokens": total_prompt + total_completion,
-            },
-        }
+        return completion_response(request, start, choices, prompts, total_completion)
 
 
 @ray.remote(num_cpus=0)

@@ -5,16 +5,18 @@ embeddings), randomly initialised; its float32 arrays (536 MB) are what the lear
 runs one whole hand-over in this process:
 
     publish   learner side: `transport.publish(version, model)` from the model's device arrays (the optional bf16
-              cast runs on the device), through the transport (the object store, a Flight server, files);
-    fetch     server side, through a transport object of its own: `latest()` (polled, for 'arrow_flight' and
-              'fsspec') and `fetch`: host arrays;
+              cast runs on the device), through the transport (shared-memory slots, the object store, a Flight
+              server, files);
+    fetch     server side, through a transport object of its own: `latest()` (polled, for 'shared_memory',
+              'arrow_flight' and 'fsspec') and `fetch`: host arrays;
     apply     `LevanterInferenceServer.apply_weights`: every array on the device in the served model's sharding and
               dtype (bf16 cast back to float32 on the device), swapped into the engine; it returns when the new
-              weights are being served.
+              weights are being served (then `transport.applied`, which lets 'shared_memory' reuse older slots).
 
 "Applied" is exactly that: device arrays inside a real embedded server's model, ready for the next decode step.
-In-host only: 'ray' fetches in the same process through the shared-memory store (a server actor on the same node
-reads it the same way), 'arrow_flight' over loopback gRPC, 'fsspec' through a local directory (page cache).
+In-host only: 'shared_memory' polls and maps slots in /dev/shm exactly as a server process would, 'ray' fetches
+in the same process through the shared-memory store (a server actor on the same node reads it the same way),
+'arrow_flight' over loopback gRPC, 'fsspec' through a local directory (page cache).
 
 Throughput counts the model's float32 bytes per second of publish → applied, so a bf16 broadcast gets credit for
 moving half the bytes. The baseline is `np.copyto` of a buffer of the model's size (best of 5) in the same run;
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import tempfile
 import time
 
@@ -80,7 +83,7 @@ def fresh_copy_bandwidth(nbytes: int, repeats: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed hand-overs per transport (after one warm-up)")
-    parser.add_argument("--transports", default="in_process,ray,arrow_flight,fsspec")
+    parser.add_argument("--transports", default="in_process,shared_memory,ray,arrow_flight,fsspec")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="broadcast.dtype values to measure")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -116,12 +119,14 @@ def main() -> None:
                 ray.init(num_cpus=2, object_store_memory=3 << 30, include_dashboard=False, log_to_driver=False)
             for dtype in args.dtypes.split(","):
                 cast = None if dtype == "float32" else dtype
-                cfg = BroadcastConfig(transport=name, dtype=cast, path=f"{tmp}/{name}-{dtype}")
+                # Slots belong on a memory filesystem; the others write files to the temporary directory.
+                root = tempfile.mkdtemp(dir="/dev/shm") if name == "shared_memory" else tmp
+                cfg = BroadcastConfig(transport=name, dtype=cast, path=f"{root}/{name}-{dtype}")
                 learner = make_transport(cfg)
                 if name == "arrow_flight":  # the server side knows only the learner's address
                     port = int(learner.location.rsplit(":", 1)[1])
                     receiver = make_transport(BroadcastConfig(transport=name, flight_port=port))
-                elif name == "fsspec":
+                elif name in ("fsspec", "shared_memory"):
                     receiver = make_transport(cfg)
                 else:
                     receiver = learner
@@ -136,6 +141,7 @@ def main() -> None:
                     fetched = receiver.fetch(update)
                     t2 = time.perf_counter()
                     server.apply_weights(version, fetched)
+                    receiver.applied(update)
                     t3 = time.perf_counter()
                     del fetched, update
                     if i > 0:  # the first hand-over compiles the casts and warms caches
@@ -147,6 +153,8 @@ def main() -> None:
                 if receiver is not learner:
                     receiver.close()
                 learner.close()
+                if name == "shared_memory":
+                    shutil.rmtree(root, ignore_errors=True)
             if name == "ray":
                 ray.shutdown()
     server.stop()

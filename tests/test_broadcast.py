@@ -23,7 +23,7 @@ from marin_rl.learner.model import ModelConfig, build_model, token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 
-LOCAL = ["in_process", "arrow_flight", "fsspec"]
+LOCAL = ["in_process", "shared_memory", "arrow_flight", "fsspec"]
 
 
 def _leaves(seed=0):
@@ -265,7 +265,7 @@ def _served_matches(address, model, prompt, seed):
     return float(np.abs(ref - np.asarray(choice["logprobs"]["token_logprobs"])).max()), choice
 
 
-@pytest.mark.parametrize("name", ["fsspec", "arrow_flight"])
+@pytest.mark.parametrize("name", ["fsspec", "arrow_flight", "shared_memory"])
 def test_server_follows_the_learner_back_to_a_lower_version(server, name, tmp_path):
     srv, address, model, tok = server
     prompt = tok("12+30=", add_special_tokens=False)["input_ids"]

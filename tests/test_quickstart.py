@@ -1,5 +1,6 @@
 """End to end: a shortened quickstart through Ray, the embedded server and the learner; the policy must learn."""
 
+import glob
 import json
 import subprocess
 import time
@@ -26,6 +27,7 @@ def test_shortened_quickstart_learns(tmp_path):
             "2",
         ]
     )
+    weight_dirs_before = set(glob.glob("/dev/shm/marin_rl-weights-*"))
     summary = run(config)
 
     # An untrained model answers none of these; the warm start alone is near 0.4 at temperature 1.
@@ -59,3 +61,6 @@ def test_shortened_quickstart_learns(tmp_path):
             break
         time.sleep(0.5)
     assert leftover == [], f"actor processes still running: {leftover}"
+    # broadcast.transport 'auto' chose shared memory (one machine); its slots are gone with the run
+    assert summary["broadcast_transport"] == "shared_memory"
+    assert set(glob.glob("/dev/shm/marin_rl-weights-*")) <= weight_dirs_before

@@ -2,18 +2,21 @@
 
 One interface, several transports that differ in how bytes travel:
 
-* 'in_process'   — host copies of the arrays (learner and server in one process: tests, benchmarks);
-* 'ray'          — one object in Ray's shared-memory object store, read zero-copy by servers on the same node and
-                   pulled by servers on other nodes;
-* 'arrow_flight' — an Arrow Flight server in the learner process serves the latest version's arrays as zero-copy
-                   record batches; servers fetch chunks in parallel threads (separate processes or machines);
-* 'fsspec'       — a checkpoint directory (local path or gs://) written before a `latest` pointer names it, for
-                   servers that load from disk.
+* 'in_process'    — host copies of the arrays (learner and server in one process: tests, benchmarks);
+* 'shared_memory' — slot files on a memory filesystem (/dev/shm) that the learner copies each version into and
+                    servers on the same machine serve from in place (the fastest in-host transport);
+* 'ray'           — one object in Ray's shared-memory object store, read zero-copy by servers on the same node and
+                    pulled by servers on other nodes;
+* 'arrow_flight'  — an Arrow Flight server in the learner process serves the latest version's arrays as zero-copy
+                    record batches; servers fetch chunks in parallel threads (separate processes or machines);
+* 'fsspec'        — a checkpoint directory (local path or gs://) written before a `latest` pointer names it, for
+                    servers that load from disk.
 
 Learner side: `publish(version, params)`. Server side: `latest()` (the last published update, for servers that
-poll), `fetch(update)` (its arrays), and a server's `apply_weights(version, leaves)`; `WeightSubscriber` wires the
-two. A server applies whatever was published last — by publish id, never by comparing versions — so a learner
-that restarts from an earlier checkpoint at a lower version is followed.
+poll), `fetch(update)` (its arrays), a server's `apply_weights(version, leaves)`, then `applied(update)` (memory
+held for older updates may be reused); `WeightSubscriber` wires them. 'auto' (the default) picks 'shared_memory'
+on one machine and 'ray' otherwise. A server applies whatever was published last — by publish id, never by
+comparing versions — so a learner that restarts from an earlier checkpoint at a lower version is followed.
 
 `broadcast.dtype` optionally casts floating parameters (on the learner's device when `params` are device arrays)
 before they travel; servers cast back to their own parameter dtype when they apply.
@@ -22,6 +25,10 @@ before they travel; servers cast back to their own parameter dtype when they app
 from __future__ import annotations
 
 import abc
+import dataclasses
+import logging
+import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -33,7 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TRANSPORT_NAMES = ("in_process", "ray", "arrow_flight", "fsspec")
+logger = logging.getLogger(__name__)
+
+TRANSPORT_NAMES = ("auto", "in_process", "shared_memory", "ray", "arrow_flight", "fsspec")
 DTYPES = ("bfloat16", "float32")
 
 
@@ -41,21 +50,25 @@ DTYPES = ("bfloat16", "float32")
 class BroadcastConfig:
     """How new weights reach the inference servers."""
 
-    transport: str = "ray"
-    """'ray' (object store; the default under the orchestrator), 'in_process', 'arrow_flight' (a Flight server in
-    the learner process, for servers in other processes or on other machines) or 'fsspec' (a checkpoint directory at
-    `path`, for servers that load from disk)."""
+    transport: str = "auto"
+    """'auto' (default: 'shared_memory' when the run is on one machine and /dev/shm has room for the slots, else
+    'ray'; decided at the first publish), 'shared_memory' (slots in /dev/shm: the fastest when every server runs on
+    the learner's machine), 'ray' (the object store, any number of machines), 'in_process', 'arrow_flight' (a
+    Flight server in the learner process, for servers in other processes or on other machines) or 'fsspec' (a
+    checkpoint directory at `path`, for servers that load from disk)."""
     sync_every: int = 1
     """Publish after every this many learner steps."""
     dtype: str | None = None
     """Cast floating parameters to this dtype before transfer ('bfloat16' halves the bytes; 'float32'); null sends
     them as they are. Servers cast back to their own parameter dtype when they apply."""
     path: str | None = None
-    """'fsspec' transport: directory (local path or gs://...) that holds the published versions and the `latest`
-    pointer. Required for 'fsspec'."""
+    """'fsspec': directory (local path or gs://...) that holds the published versions and the `latest` pointer
+    (required). 'shared_memory': directory on a memory filesystem for the slots and the `latest` pointer (default:
+    a private directory under /dev/shm; name one for servers that poll)."""
     keep: int = 2
     """'fsspec' and 'arrow_flight': how many of the most recent versions stay available (a server still fetching
-    one of them can finish); older ones are deleted."""
+    one of them can finish); older ones are deleted. 'shared_memory': how many model-sized slots may exist (at
+    least 2: the one being served and the one being published; a publish waits while every slot is in use)."""
     flight_host: str = "127.0.0.1"
     """'arrow_flight': interface the learner's Flight server binds to and the address servers connect to. Use the
     learner machine's address when servers run on other machines ('0.0.0.0' binds all interfaces and advertises
@@ -127,6 +140,10 @@ class WeightTransport(abc.ABC):
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
         """Server side: the arrays of a published update, flattened like `eqx.filter(model, eqx.is_array)`."""
 
+    def applied(self, update: WeightUpdate) -> None:  # noqa: B027 - most transports keep nothing after a fetch
+        """Server side: `update` is being served now, so memory that earlier fetches still hold may be reused
+        ('shared_memory' releases the slots of older updates)."""
+
     def close(self) -> None:  # noqa: B027 - most transports hold nothing to release
         """Release what the transport holds (servers, thread pools)."""
 
@@ -158,12 +175,13 @@ def cast_on_host(x: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def host_leaves(params: Any, dtype: str | None) -> list[np.ndarray]:
+def host_leaves(params: Any, dtype: str | None, cast_host_arrays: bool = True) -> list[np.ndarray]:
     """Host (NumPy) copies of the leaves of `params`, floating ones cast to `dtype` when given.
 
     Accelerator arrays are cast on their device before the transfer, so only the cast bytes cross to the host.
     Arrays on a CPU device are read in place (no copy: JAX arrays are immutable) and cast with NumPy, several
-    times faster there than XLA's CPU convert.
+    times faster there than XLA's CPU convert; `cast_host_arrays=False` leaves those uncast, for a caller that
+    casts while copying them anyway (see `leaf_dtype`).
     """
     leaves = flatten_params(params)
     target = None if dtype is None else jnp.dtype(dtype)
@@ -182,8 +200,15 @@ def host_leaves(params: Any, dtype: str | None) -> list[np.ndarray]:
     for i, x in enumerate(leaves):
         if out[i] is None:
             x = np.asarray(x)
-            out[i] = cast_on_host(x, target) if needs_cast(x) else x
+            out[i] = cast_on_host(x, target) if cast_host_arrays and needs_cast(x) else x
     return out
+
+
+def leaf_dtype(x, dtype: str | None) -> np.dtype:
+    """The dtype `x` travels in when `broadcast.dtype` is `dtype`: floating arrays cast, others as they are."""
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        return np.dtype(jnp.dtype(dtype))
+    return np.dtype(x.dtype)
 
 
 def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
@@ -248,15 +273,82 @@ class RayObjectStoreTransport(WeightTransport):
         return ray.get(update.payload[0])
 
 
+class AutoTransport(WeightTransport):
+    """'shared_memory' when it can work, 'ray' otherwise; the learner decides at its first publish.
+
+    Shared memory needs every server on the learner's machine and room for its slots: it is chosen when Ray is not
+    running or its cluster has one node, and the memory filesystem has room for `keep` slots of the model (with
+    10% to spare). Each update names the transport that made it, so the server side follows without configuration.
+    """
+
+    name = "auto"
+
+    def __init__(self, config: BroadcastConfig | None = None):
+        super().__init__(config)
+        self._transports: dict[str, WeightTransport] = {}
+        self.chosen: str | None = None
+
+    def _get(self, name: str) -> WeightTransport:
+        if name not in self._transports:
+            self._transports[name] = make_transport(dataclasses.replace(self.config, transport=name))
+        return self._transports[name]
+
+    def _choose(self, num_bytes: int) -> str:
+        import ray
+
+        from marin_rl.broadcast.shared_memory import DEFAULT_ROOT
+
+        nodes = len([n for n in ray.nodes() if n.get("Alive")]) if ray.is_initialized() else 1
+        root = self.config.path or DEFAULT_ROOT
+        while not os.path.exists(root) and os.path.dirname(root) != root:  # the slot directory is made later
+            root = os.path.dirname(root)
+        try:
+            free = shutil.disk_usage(root).free
+        except OSError:
+            free = 0
+        needed = int(max(2, self.config.keep) * num_bytes * 1.1)
+        if nodes == 1 and free >= needed:
+            choice = "shared_memory"
+        else:
+            choice = "ray"
+        logger.info("broadcast.transport auto -> %s (%d Ray node(s); %s: %.0f MB free, %.0f MB needed for slots)",
+                    choice, nodes, root, free / 1e6, needed / 1e6)  # fmt: skip
+        return choice
+
+    def publish(self, version: int, params: Any) -> WeightUpdate:
+        if self.chosen is None:
+            leaves = flatten_params(params)
+            self.chosen = self._choose(sum(np.dtype(leaf_dtype(x, self.config.dtype)).itemsize * int(np.size(x))
+                                           for x in leaves))  # fmt: skip
+        self._latest = self._get(self.chosen).publish(version, params)
+        return self._latest
+
+    def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
+        return self._get(update.transport).fetch(update)
+
+    def applied(self, update: WeightUpdate) -> None:
+        self._get(update.transport).applied(update)
+
+    def close(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+
+
 def make_transport(config: BroadcastConfig | str) -> WeightTransport:
     """The transport that `config` names (a bare name uses that transport's defaults)."""
     if isinstance(config, str):
         config = BroadcastConfig(transport=config)
     name = config.transport
+    if name == "auto":
+        return AutoTransport(config)
     if name == "in_process":
         return InProcessTransport(config)
     if name == "ray":
         return RayObjectStoreTransport(config)
+    if name == "shared_memory":
+        from marin_rl.broadcast.shared_memory import SharedMemoryTransport
+
+        return SharedMemoryTransport(config)
     if name == "arrow_flight":
         from marin_rl.broadcast.flight import ArrowFlightTransport
 
@@ -286,6 +378,7 @@ class WeightSubscriber:
         fetched = time.perf_counter()
         self.apply(update.version, leaves)
         done = time.perf_counter()
+        self.transport.applied(update)
         self.applied = update
         return {"version": update.version, "bytes": update.num_bytes, "fetch_s": fetched - start,
                 "apply_s": done - fetched}  # fmt: skip

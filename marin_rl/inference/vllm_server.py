@@ -690,6 +690,7 @@ class VllmServerActor:
         leaves = self.transport.fetch(update)
         fetched = time.time() - start
         timings = self.server.apply_weights(update.version, leaves)
+        self.transport.applied(update)
         return {
             "version": update.version,
             "fetch_s": fetched,

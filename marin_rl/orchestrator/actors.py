@@ -96,6 +96,10 @@ class LearnerActor:
     def version(self) -> int:
         return self.learner.version
 
+    def close(self) -> None:
+        """Release the broadcast transport (shared-memory slots, a Flight server)."""
+        self.transport.close()
+
     def export_hf(self, path: str) -> str:
         """Save the current policy as a Hugging Face checkpoint (local path or fsspec URL)."""
         self.learner.export_hf(path, self.tokenizer)

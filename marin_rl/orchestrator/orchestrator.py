@@ -230,6 +230,7 @@ class Orchestrator:
         self.last_eval: dict[str, float] = {}
         self.warm: dict[str, Any] = {}
         self.last_saved_step: int | None = None
+        self.broadcast_transport: str | None = None  # what weights travel through ('auto' decides at the first)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def _start_ray(self) -> None:
@@ -276,6 +277,11 @@ class Orchestrator:
                 ray.get(s.stop.remote(), timeout=10)
             except Exception:
                 pass
+        if self.learner is not None:
+            try:
+                ray.get(self.learner.close.remote(), timeout=10)  # frees the broadcast's shared memory
+            except Exception:
+                pass
         actors = [*self.servers, *([self.learner] if self.learner else [])]
         for pool in self.pools.values():
             actors.extend(pool.actors)
@@ -290,7 +296,11 @@ class Orchestrator:
     # ---- steps --------------------------------------------------------------------------------------
     def _broadcast(self) -> dict[str, float]:
         t = time.time()
-        update = self.learner.publish.remote()
+        update = ray.get(self.learner.publish.remote())  # a handle: the arrays travel through the transport
+        if update.transport != self.broadcast_transport:
+            logger.info("weights travel through broadcast transport %r (%.1f MB per version)",
+                        update.transport, update.num_bytes / 1e6)  # fmt: skip
+            self.broadcast_transport = update.transport
         results = ray.get([s.apply_update.remote(update) for s in self.servers])
         return {
             "broadcast/seconds": time.time() - t,
@@ -572,6 +582,7 @@ class Orchestrator:
             "generated_tokens": self.total_gen_tokens,
             "trained_tokens": self.total_trained_tokens,
             "env_restarts": sum(p.restarts for p in self.pools.values()),
+            "broadcast_transport": self.broadcast_transport,
             "final_checkpoint": os.path.join(self.output_dir, "hf", f"step-{self.step}"),
         }
         for n in self.env_names:

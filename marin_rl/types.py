@@ -47,6 +47,9 @@ class InferenceMetadata:
     """Policy version (learner step) of the weights when generation of the turn started."""
     version_end: int = -1
     """Policy version of the weights when generation of the turn finished."""
+    token_versions: list[int] | None = None
+    """Policy version that sampled each token of the turn (a turn generated across weight updates has several);
+    None: every token is attributed to `version_start`."""
     finish_reason: str = "stop"
     """'stop' (a stop token was sampled) or 'length' (hit `max_tokens`)."""
     latency_s: float = 0.0
@@ -141,13 +144,17 @@ class Rollout:
     def token_versions(self) -> np.ndarray:
         """Policy version that sampled each token (-1 on tokens that were not sampled).
 
-        A turn generated across a weight update is attributed to its oldest version (`version_start`),
-        which is the conservative choice for staleness.
+        Tokens of a turn generated across a weight update carry the version that sampled each of them when the
+        server reported it (`InferenceMetadata.token_versions`), else the turn's oldest version (`version_start`),
+        the conservative choice for staleness.
         """
         parts = []
         for t in self.turns:
-            v = t.inference_metadata.version_start if (t.is_sampled and t.inference_metadata) else -1
-            parts.append(np.full(len(t.token_ids), v, dtype=np.int32))
+            meta = t.inference_metadata if t.is_sampled else None
+            if meta is not None and meta.token_versions is not None:
+                parts.append(np.asarray(meta.token_versions, dtype=np.int32))
+            else:
+                parts.append(np.full(len(t.token_ids), -1 if meta is None else meta.version_start, dtype=np.int32))
         return np.concatenate(parts)
 
     @property
@@ -235,10 +242,23 @@ class Rollout:
                     raise RolloutFormatError(f"{where}: logprobs must be finite and <= 0", "bad_logprob")
                 if t.inference_metadata is None:
                     raise RolloutFormatError(f"{where}: sampled turn without inference metadata", "missing_metadata")
-                if t.inference_metadata.version_start < 0:
+                meta = t.inference_metadata
+                if meta.version_start < 0:
                     raise RolloutFormatError(
                         f"{where}: sampled turn without a policy version (version_start < 0)", "missing_metadata"
                     )
+                if meta.token_versions is not None:
+                    tv = np.asarray(meta.token_versions, dtype=np.int64)
+                    if tv.size != len(t.token_ids):
+                        raise RolloutFormatError(
+                            f"{where}: {tv.size} token versions for {len(t.token_ids)} sampled tokens", "bad_versions"
+                        )
+                    if tv.size and (tv.min() < meta.version_start or tv.max() > meta.version_end):
+                        raise RolloutFormatError(
+                            f"{where}: token versions outside [version_start, version_end] = "
+                            f"[{meta.version_start}, {meta.version_end}]",
+                            "bad_versions",
+                        )
 
 
 @dataclass

@@ -82,6 +82,12 @@ def test_rollout_round_trip_and_token_views():
     assert back.truncated and back.reward == 1.0 and back.oldest_version == 3
     g = RolloutGroup("e", "p", [r, _rollout()])
     assert RolloutGroup.from_dict(g.to_dict()) == g
+    # A turn sampled across a weight update: each token keeps the version that sampled it.
+    r.turns[1].inference_metadata.token_versions = [3, 4]
+    back = Rollout.from_dict(r.to_dict())
+    assert back == r
+    np.testing.assert_array_equal(back.token_versions(), [-1, -1, -1, -1, 3, 4])
+    assert back.oldest_version == 3
 
 
 @pytest.mark.parametrize(
@@ -92,6 +98,8 @@ def test_rollout_round_trip_and_token_views():
         (lambda d: d["turns"][0].update(role="robot"), "role"),
         (lambda d: d.pop("turns"), "malformed"),
         (lambda d: d["turns"][1].update(inference_metadata=None), "metadata"),
+        (lambda d: d["turns"][1]["inference_metadata"].update(token_versions=[3]), "1 token versions for 2"),
+        (lambda d: d["turns"][1]["inference_metadata"].update(token_versions=[3, 5]), r"outside \[version_start"),
     ],
 )
 def test_invalid_rollouts_are_reported(corrupt, msg):

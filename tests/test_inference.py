@@ -15,6 +15,7 @@ import pytest
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import SamplingParams, run_groups
+from marin_rl.inference.client import versions_from_spans
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
@@ -72,6 +73,7 @@ def test_samples_are_token_exact_and_versioned(setup):
         for r in g.rollouts:
             turn = r.turns[1]
             assert turn.inference_metadata.version_start == 0 == turn.inference_metadata.version_end
+            assert turn.inference_metadata.token_versions == [0] * len(turn.token_ids)
             assert tok.decode(turn.token_ids, skip_special_tokens=True) == turn.message
             eos_at = [i for i, t in enumerate(turn.token_ids) if t == tok.eos_token_id]
             # generation stops at EOS (explicit stop token), and 'length' is reported only without it
@@ -112,6 +114,7 @@ def test_apply_weights_changes_outputs_and_version_without_recompiling(setup):
     finally:
         jax.monitoring.clear_event_listeners()
     assert all(g.rollouts[0].turns[1].inference_metadata.version_start == 7 for g in after)
+    assert all(set(g.rollouts[0].turns[1].inference_metadata.token_versions) == {7} for g in after)
     assert [g.rollouts[0].turns[1].token_ids for g in before] != [g.rollouts[0].turns[1].token_ids for g in after]
     assert not compiles, f"applying weights recompiled: {compiles[:3]}"
     assert elapsed < 5.0
@@ -135,7 +138,8 @@ def _complete(address, prompt, **kwargs):
     out = []
     for c in sorted(r.json()["choices"], key=lambda c: c["index"]):
         ids = [int(t.split(":")[1]) for t in c["logprobs"]["tokens"]]
-        out.append((ids, c["logprobs"]["token_logprobs"], c["policy_version_start"], c["policy_version_end"]))
+        versions = versions_from_spans(c["policy_version_spans"], len(ids))
+        out.append((ids, c["logprobs"]["token_logprobs"], c["policy_version_start"], c["policy_version_end"], versions))
     return out
 
 
@@ -216,9 +220,10 @@ def test_weights_swapped_mid_generation_continue_with_exact_logprobs(setup):
         assert all(c[3] == 1 for c in choices), "every choice ended under the new weights"
         ref_old = _reference_logprobs(learner.model, prompt, [ids for ids, *_ in choices])
         ref_new = _reference_logprobs(_model_with(learner.model, new), prompt, [ids for ids, *_ in choices])
-        for (_, lps, start, _), lo, ln in zip(choices, ref_old, ref_new, strict=True):
+        for (_, lps, start, _, versions), lo, ln in zip(choices, ref_old, ref_new, strict=True):
             lps = np.asarray(lps)
             switch = SEGMENT if start == 0 else 0  # tokens sampled before the swap
+            assert versions == [0] * switch + [1] * (15 - switch), "each token reports the version that sampled it"
             assert np.abs(lps[:switch] - lo[:switch]).max(initial=0) <= 1e-4
             assert np.abs(lps[switch:] - ln[switch:]).max() <= 1e-4
             # the check has teeth: the two policies disagree on these tokens
@@ -226,11 +231,11 @@ def test_weights_swapped_mid_generation_continue_with_exact_logprobs(setup):
             if switch:
                 assert np.abs(lps[:switch] - ln[:switch]).max() > 1e-2
 
-        # The replay and batching path takes such turns: one version pair per turn, tokens attributed to the
-        # oldest version (version_start) for staleness.
+        # The replay and batching path takes such turns, and every trained token keeps the version that sampled it.
         rollouts = []
-        for i, (ids, lps, start, end) in enumerate(choices):
-            meta = InferenceMetadata(server=address, version_start=start, version_end=end, finish_reason="length")
+        for i, (ids, lps, start, end, versions) in enumerate(choices):
+            meta = InferenceMetadata(server=address, version_start=start, version_end=end, token_versions=versions,
+                                     finish_reason="length")  # fmt: skip
             turns = [Turn("user", "", list(prompt)), Turn("assistant", "", ids, logprobs=list(lps), reward=float(i % 2),
                                                           inference_metadata=meta)]  # fmt: skip
             rollouts.append(Rollout("addition", "p3", turns))
@@ -239,6 +244,7 @@ def test_weights_swapped_mid_generation_continue_with_exact_logprobs(setup):
         batch, _ = Batcher(BatcherConfig(total_token_budget=3 * 64, max_seq_len=64, min_fill=0.5),
                            {"addition": buffer}).try_make_batch(1)  # fmt: skip
         assert batch.loss_mask.sum() == 6 * 15
-        assert sorted(set(batch.version[batch.loss_mask].tolist())) == sorted({c[2] for c in choices})
+        assert sorted(batch.version[batch.loss_mask].tolist()) == sorted(v for c in choices for v in c[4])
+        assert (batch.version[batch.loss_mask] == 0).sum() == SEGMENT * len(straddling)
     finally:
         server.apply_weights(0, old)

@@ -257,6 +257,8 @@ def test_request_straddling_an_update_continues_under_new_weights(served):
         assert 0 < split < len(got)
         np.testing.assert_allclose(got[:split], lp_a[:split], atol=1e-4)
         np.testing.assert_allclose(got[split:], lp_b[split:], atol=1e-4)
+        # vLLM's per-token weight versions put the switch exactly where the logprobs switch
+        assert s.token_versions == [va] * split + [vb] * (len(got) - split)
     assert ray.get(actor.stats.remote())["version"] == vb
 
 

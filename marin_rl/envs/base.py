@@ -168,6 +168,7 @@ def policy_turn(
             max_tokens=sampling.max_tokens,
             version_start=sample.version_start,
             version_end=sample.version_end,
+            token_versions=None if sample.token_versions is None else list(sample.token_versions),
             finish_reason=sample.finish_reason,
             latency_s=sample.latency_s,
         ),

@@ -30,6 +30,32 @@ class Sample:
     """Address of the server that produced it."""
     latency_s: float
     """Wall time of the request."""
+    token_versions: list[int] | None = None
+    """Policy version that sampled each token (None when the server does not report `policy_version_spans`)."""
+
+
+def version_spans(versions: list[int]) -> list[dict[str, int]]:
+    """Run-length form of per-token policy versions, as servers report them: `{"version", "start", "end"}` for
+    the tokens `[start, end)` (vLLM's weight-version spans, with integer versions)."""
+    spans: list[dict[str, int]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": int(v), "start": i, "end": i + 1})
+    return spans
+
+
+def versions_from_spans(spans: list[dict] | None, num_tokens: int) -> list[int] | None:
+    """Per-token versions from `policy_version_spans` (None when absent); the spans must cover every token."""
+    if spans is None:
+        return None
+    out = [-1] * num_tokens
+    for span in spans:
+        out[int(span["start"]) : int(span["end"])] = [int(span["version"])] * (int(span["end"]) - int(span["start"]))
+    if len(out) != num_tokens or -1 in out:
+        raise RuntimeError(f"policy_version_spans {spans} do not cover the {num_tokens} sampled tokens")
+    return out
 
 
 class PolicyClient:
@@ -121,6 +147,7 @@ class PolicyClient:
                     finish_reason=choice.finish_reason or "stop",
                     version_start=int(extra.get("policy_version_start", -1)),
                     version_end=int(extra.get("policy_version_end", -1)),
+                    token_versions=versions_from_spans(extra.get("policy_version_spans"), len(choice.logprobs.tokens)),
                     server=server,
                     latency_s=latency,
                 )

@@ -41,6 +41,7 @@ from levanter.trainer import TrainerConfig
 from pydantic import BaseModel, Field
 
 from marin_rl.broadcast.broadcaster import cast_on_host
+from marin_rl.inference.client import version_spans
 from marin_rl.inference.config import InferenceConfig
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class _Sequence:
         self.logprobs: list[float] = []
         self.version_start: int | None = None
         self.version_end: int | None = None
+        self.versions: list[int] = []  # the version that sampled each token
         self.done = False
         self.error: Exception | None = None
 
@@ -144,7 +146,7 @@ class _VersionedContext(InferenceContext):
     ):
         super().__init__(model, tokenizer, engine, config)
         self.version = -1
-        self.request_versions: dict[str, tuple[int, int]] = {}
+        self.request_versions: dict[str, tuple[int, int, list[int]]] = {}
         self.max_stop_seqs = max_stop_seqs
         self.max_stop_tokens = max_stop_tokens
         self.segment_tokens = segment_tokens
@@ -332,6 +334,7 @@ class _VersionedContext(InferenceContext):
                 if seq.version_start is None:
                     seq.version_start = version
                 seq.version_end = version
+                seq.versions += [version] * len(new)
             seq.tokens += new
             seq.logprobs += lps
             stopped = bool(new) and seq.ends_with_stop()
@@ -349,6 +352,7 @@ class _VersionedContext(InferenceContext):
         self.request_versions[req.request_id] = (
             self.version if seq.version_start is None else seq.version_start,
             self.version if seq.version_end is None else seq.version_end,
+            seq.versions,
         )
         out = InferenceResponse(
             request_id=req.request_id,
@@ -588,7 +592,9 @@ class LevanterInferenceServer:
         choices = []
         total_completion = 0
         for idx, ((rid, _, max_tokens), [gen]) in enumerate(zip(jobs, results, strict=True)):
-            version_start, version_end = self.context.request_versions.pop(rid, (self.version, self.version))
+            version_start, version_end, versions = self.context.request_versions.pop(
+                rid, (self.version, self.version, [self.version] * len(gen.tokens))
+            )
             tokens = gen.tokens
             stopped = any(tuple(tokens[-len(s) :]) == s for s in stop_set if len(tokens) >= len(s))
             finish = "length" if (len(tokens) >= max_tokens and not stopped) else "stop"
@@ -612,6 +618,7 @@ class LevanterInferenceServer:
                     "logprobs": logprobs,
                     "policy_version_start": version_start,
                     "policy_version_end": version_end,
+                    "policy_version_spans": version_spans(versions),
                 }
             )
             total_completion += len(tokens)

@@ -11,8 +11,9 @@ Three layers:
   extension (`vllm_worker_extension.py`) called with `collective_rpc`, between `/pause` and `/resume`. vLLM labels
   every sampled token with its weight version (`/update_weight_version`), so the versions a choice reports come
   from the engine itself. A thin HTTP front end speaks the same `/v1/completions` dialect as the embedded server
-  (token-id prompts, `return_tokens_as_token_ids`, `stop_token_ids`, `policy_version_start`/`_end` per choice) by
-  calling vLLM's token-in/token-out `/inference/v1/generate`, so env code and `PolicyClient` are backend-agnostic.
+  (token-id prompts, `return_tokens_as_token_ids`, `stop_token_ids`, `policy_version_start`/`_end`/`_spans` per
+  choice) by calling vLLM's token-in/token-out `/inference/v1/generate`, so env code and `PolicyClient` are
+  backend-agnostic.
 * `VllmServerActor`, a Ray actor with the interface of the embedded server's actor.
 """
 
@@ -623,6 +624,9 @@ class VllmPolicyServer:
                     v_start, v_end = int(spans[0]["version"]), int(spans[-1]["version"])
                 else:  # nothing generated: the version served when the request arrived
                     v_start = v_end = version_at_start
+                # vLLM labels [start, end) token ranges with the engine's weight-version string: ours are integers
+                version_spans = [{"version": int(sp["version"]), "start": int(sp["start"]), "end": int(sp["end"])}
+                                 for sp in spans]  # fmt: skip
                 logprobs = None
                 if request.logprobs is not None:
                     if request.return_tokens_as_token_ids:
@@ -643,7 +647,7 @@ class VllmPolicyServer:
                         "logprobs": logprobs,
                         "policy_version_start": v_start,
                         "policy_version_end": v_end,
-                        "weight_versions": spans,
+                        "policy_version_spans": version_spans,
                     }
                 )
                 total_completion += len(tokens)

@@ -35,6 +35,7 @@ _META = pa.struct(
         ("max_tokens", pa.int64()),
         ("version_start", pa.int64()),
         ("version_end", pa.int64()),
+        ("token_versions", pa.list_(pa.int64())),
         ("finish_reason", pa.string()),
         ("latency_s", pa.float64()),
     ]

@@ -62,7 +62,7 @@ def test_server_logprobs_match_learner_on_packed_batch(setup):
     assert (last_segment[last_segment >= 0] >= 3).all(), "rows should be packed with several rollouts"
     learner_lp = learner.logprobs(batch)
     diff = np.abs(learner_lp - batch.policy_logprobs)[batch.loss_mask]
-    assert diff.size > 500
+    assert diff.size > 300  # 192 completions of 2-5 tokens (measured 562-960 over 25 draws)
     assert diff.max() <= 1e-4, f"sampler/learner logprob mismatch {diff.max()}"
 
 

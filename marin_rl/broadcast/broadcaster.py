@@ -187,7 +187,7 @@ def host_leaves(params: Any, dtype: str | None, cast_host_arrays: bool = True) -
     target = None if dtype is None else jnp.dtype(dtype)
 
     def needs_cast(x) -> bool:
-        return target is not None and x.dtype != target and jnp.issubdtype(x.dtype, jnp.floating)
+        return leaf_dtype(x, dtype) != x.dtype
 
     out: list[np.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
     on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not _on_cpu(x)]
@@ -296,7 +296,7 @@ class AutoTransport(WeightTransport):
     def _choose(self, num_bytes: int) -> str:
         import ray
 
-        from marin_rl.broadcast.shared_memory import DEFAULT_ROOT
+        from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, slot_count
 
         nodes = len([n for n in ray.nodes() if n.get("Alive")]) if ray.is_initialized() else 1
         root = self.config.path or DEFAULT_ROOT
@@ -306,7 +306,7 @@ class AutoTransport(WeightTransport):
             free = shutil.disk_usage(root).free
         except OSError:
             free = 0
-        needed = int(max(2, self.config.keep) * num_bytes * 1.1)
+        needed = int(slot_count(self.config) * num_bytes * 1.1)
         if nodes == 1 and free >= needed:
             choice = "shared_memory"
         else:

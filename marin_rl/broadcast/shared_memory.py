@@ -88,6 +88,11 @@ class _Mapping:
         os.close(self.fd)
 
 
+def slot_count(config: BroadcastConfig) -> int:
+    """How many slots a publisher may create: `broadcast.keep`, at least 2 (one served, one being written)."""
+    return max(2, config.keep)
+
+
 def _layout(dtypes: list[np.dtype], shapes: list[tuple[int, ...]]) -> tuple[list[list], int]:
     """[offset, shape, dtype name] of every tensor in a slot, and the slot's size (whole pages)."""
     entries, offset = [], HEADER_BYTES
@@ -167,7 +172,7 @@ class SharedMemoryTransport(WeightTransport):
     def __init__(self, config: BroadcastConfig | None = None):
         super().__init__(config)
         self.directory: str | None = self.config.path
-        self.max_slots = max(2, self.config.keep)
+        self.max_slots = slot_count(self.config)
         self._pool = ThreadPoolExecutor(
             max(1, min(self.config.fetch_threads, os.cpu_count() or 1)), thread_name_prefix="shm-weights"
         )

@@ -94,8 +94,6 @@ class _Sequence:
         self.stop = stop
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.version_start: int | None = None
-        self.version_end: int | None = None
         self.versions: list[int] = []  # the version that sampled each token
         self.done = False
         self.error: Exception | None = None
@@ -330,11 +328,7 @@ class _VersionedContext(InferenceContext):
             lps = list(result.logprobs[i]) if result.logprobs is not None else []
             if len(lps) != len(new):
                 raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(new)} tokens")
-            if new:
-                if seq.version_start is None:
-                    seq.version_start = version
-                seq.version_end = version
-                seq.versions += [version] * len(new)
+            seq.versions += [version] * len(new)
             seq.tokens += new
             seq.logprobs += lps
             stopped = bool(new) and seq.ends_with_stop()
@@ -349,11 +343,8 @@ class _VersionedContext(InferenceContext):
         if seq.error is not None:
             _resolve(req.future, error=seq.error)
             return
-        self.request_versions[req.request_id] = (
-            self.version if seq.version_start is None else seq.version_start,
-            self.version if seq.version_end is None else seq.version_end,
-            seq.versions,
-        )
+        versions = seq.versions or [self.version]  # nothing sampled: the version served now
+        self.request_versions[req.request_id] = (versions[0], versions[-1], seq.versions)
         out = InferenceResponse(
             request_id=req.request_id,
             text=self.tokenizer.decode(seq.tokens, skip_special_tokens=True),
@@ -395,6 +386,38 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
         new_leaves.append(_on_device_like(old, new))
     jax.block_until_ready(new_leaves)
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, new_leaves), static)
+
+
+class HttpServerThread:
+    """A FastAPI app served by uvicorn in a daemon thread (the embedded server and the vLLM front end)."""
+
+    def __init__(self, app: FastAPI, host: str, name: str):
+        self.app = app
+        self.host = host
+        self.name = name
+        self._uvicorn: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, port: int = 0) -> str:
+        """Serve on `port` (0: any free one); returns 'host:port' once the server accepts connections."""
+        cfg = uvicorn.Config(self.app, host=self.host, port=port, log_level="warning", access_log=False)
+        self._uvicorn = uvicorn.Server(cfg)
+        self._thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
+        self._thread.start()
+        deadline = time.time() + 60
+        while not self._uvicorn.started:
+            if time.time() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"{self.name}: HTTP server failed to start")
+            time.sleep(0.02)
+        sock = self._uvicorn.servers[0].sockets[0].getsockname()
+        return f"{sock[0]}:{sock[1]}"
+
+    def stop(self) -> None:
+        """Ask the server to exit and wait for its thread (at most 10 s)."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout=10)
 
 
 def completion_response(
@@ -471,31 +494,17 @@ class LevanterInferenceServer:
         )
         self.context.start()
         self.app = self._make_app()
-        self._uvicorn: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._http_server = HttpServerThread(self.app, self.config.host, self.name)
         self._outstanding = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, port: int = 0) -> str:
         """Start serving in a background thread; returns 'host:port'."""
-        cfg = uvicorn.Config(self.app, host=self.config.host, port=port, log_level="warning", access_log=False)
-        self._uvicorn = uvicorn.Server(cfg)
-        self._thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
-        self._thread.start()
-        deadline = time.time() + 60
-        while not self._uvicorn.started:
-            if time.time() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"{self.name}: HTTP server failed to start")
-            time.sleep(0.02)
-        sock = self._uvicorn.servers[0].sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
+        return self._http_server.start(port)
 
     def stop(self) -> None:
         """Stop the HTTP server and the engine threads."""
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
-            if self._thread is not None:
-                self._thread.join(timeout=10)
+        self._http_server.stop()
         self.context.shutdown()
 
     # ---- weights ------------------------------------------------------------------------------------

@@ -40,14 +40,18 @@ import httpx
 import jax
 import numpy as np
 import ray
-import uvicorn
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from haliax.state_dict import to_torch_compatible_state_dict
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl.inference.config import InferenceConfig, VllmConfig
-from marin_rl.inference.levanter_server import CompletionRequest, completion_response, prompt_token_ids
+from marin_rl.inference.levanter_server import (
+    CompletionRequest,
+    HttpServerThread,
+    completion_response,
+    prompt_token_ids,
+)
 from marin_rl.inference.vllm_env import vllm_python
 
 if TYPE_CHECKING:
@@ -400,8 +404,7 @@ class VllmPolicyServer:
         self._generated_tokens = 0
         self.last_update: dict[str, float] = {}
         self.app = self._make_app()
-        self._uvicorn: uvicorn.Server | None = None
-        self._http_thread: threading.Thread | None = None
+        self._http_server = HttpServerThread(self.app, self.config.host, self.name)
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: str | None = None
@@ -412,27 +415,15 @@ class VllmPolicyServer:
         """Start vLLM and the front end; returns the front end's 'host:port' (what clients use)."""
         self.server.start()
         self._set_version_label(self.version)
-        cfg = uvicorn.Config(self.app, host=self.config.host, port=port, log_level="warning", access_log=False)
-        self._uvicorn = uvicorn.Server(cfg)
-        self._http_thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
-        self._http_thread.start()
-        deadline = time.time() + 60
-        while not self._uvicorn.started:
-            if time.time() > deadline or not self._http_thread.is_alive():
-                raise RuntimeError(f"{self.name}: HTTP front end failed to start")
-            time.sleep(0.02)
+        address = self._http_server.start(port)
         self._monitor = threading.Thread(target=self._watch, name=f"{self.name}-health", daemon=True)
         self._monitor.start()
-        sock = self._uvicorn.servers[0].sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
+        return address
 
     def stop(self) -> None:
         """Stop the front end, the health monitor and vLLM (with its child processes)."""
         self._stopping.set()
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
-            if self._http_thread is not None:
-                self._http_thread.join(timeout=10)
+        self._http_server.stop()
         if self._monitor is not None:
             self._monitor.join(timeout=30)
         with self._lock:

@@ -391,16 +391,15 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
 class HttpServerThread:
     """A FastAPI app served by uvicorn in a daemon thread (the embedded server and the vLLM front end)."""
 
-    def __init__(self, app: FastAPI, host: str, name: str):
-        self.app = app
+    def __init__(self, host: str, name: str):
         self.host = host
         self.name = name
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, port: int = 0) -> str:
-        """Serve on `port` (0: any free one); returns 'host:port' once the server accepts connections."""
-        cfg = uvicorn.Config(self.app, host=self.host, port=port, log_level="warning", access_log=False)
+    def start(self, app, port: int = 0) -> str:
+        """Serve the ASGI `app` on `port` (0: any free one); returns 'host:port' once it accepts connections."""
+        cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
         self._uvicorn = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
         self._thread.start()
@@ -494,13 +493,13 @@ class LevanterInferenceServer:
         )
         self.context.start()
         self.app = self._make_app()
-        self._http_server = HttpServerThread(self.app, self.config.host, self.name)
+        self._http_server = HttpServerThread(self.config.host, self.name)
         self._outstanding = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, port: int = 0) -> str:
         """Start serving in a background thread; returns 'host:port'."""
-        return self._http_server.start(port)
+        return self._http_server.start(self.app, port)  # `app` as it is now (tests may wrap it)
 
     def stop(self) -> None:
         """Stop the HTTP server and the engine threads."""

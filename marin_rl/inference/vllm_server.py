@@ -404,7 +404,7 @@ class VllmPolicyServer:
         self._generated_tokens = 0
         self.last_update: dict[str, float] = {}
         self.app = self._make_app()
-        self._http_server = HttpServerThread(self.app, self.config.host, self.name)
+        self._http_server = HttpServerThread(self.config.host, self.name)
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: str | None = None
@@ -415,7 +415,7 @@ class VllmPolicyServer:
         """Start vLLM and the front end; returns the front end's 'host:port' (what clients use)."""
         self.server.start()
         self._set_version_label(self.version)
-        address = self._http_server.start(port)
+        address = self._http_server.start(self.app, port)
         self._monitor = threading.Thread(target=self._watch, name=f"{self.name}-health", daemon=True)
         self._monitor.start()
         return address

@@ -14,6 +14,7 @@ import time
 
 import equinox as eqx
 import haliax as hax
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -154,6 +155,12 @@ def _sample(address: str, prompt: list[int], **kwargs):
     return asyncio.run(go())
 
 
+def _vllm_generated_tokens(vllm_url: str) -> float:
+    """vLLM's own count of the tokens it has sampled (its Prometheus counter)."""
+    text = httpx.get(f"{vllm_url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+
+
 def _groups(served, problems, n=4, max_tokens=5):
     return asyncio.run(
         run_groups(
@@ -228,17 +235,21 @@ def test_request_straddling_an_update_continues_under_new_weights(served):
         for i, x in enumerate(a)
     ]
     prompt = tok("7+8=")["input_ids"]
+    vllm_url = ray.get(served["actor"].stats.remote())["vllm_url"]
     straddled = []
-    for attempt in range(6):  # the update must land while the generations run (~2 s); usually the first does
+    for attempt in range(3):
         va, vb = 10 + 2 * attempt, 11 + 2 * attempt
         push(va, a)
+        before = _vllm_generated_tokens(vllm_url)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(_sample, served["address"], prompt, n=16, max_tokens=MAX_SEQ_LEN - 8, seed=attempt)
-            deadline = time.time() + 30
-            while ray.get(served["actor"].stats.remote())["outstanding_requests"] == 0 and time.time() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.05)
-            push(vb, b)
+            # Freeze the generations as soon as vLLM has sampled tokens for them (the random weights rarely sample
+            # EOS, so each runs ~120 tokens): the update then lands mid-generation however busy the machine is.
+            deadline = time.time() + 120
+            while _vllm_generated_tokens(vllm_url) == before and time.time() < deadline:
+                time.sleep(0.002)
+            httpx.post(f"{vllm_url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+            push(vb, b)  # pauses again (a no-op), loads, drops the frozen requests' KV cache and resumes
             samples = future.result(timeout=300)
         for s in samples:
             assert (s.version_start, s.version_end) in ((va, va), (va, vb), (vb, vb))

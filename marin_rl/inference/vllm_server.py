@@ -512,7 +512,7 @@ class VllmPolicyServer:
         return self.last_update
 
     def stats(self) -> dict[str, Any]:
-        """Name, served version, request and token counts, restarts and the last update's timings."""
+        """Name, served version, request and token counts, restarts, vLLM's pid and URL, the last update's timings."""
         return {
             "name": self.name,
             "backend": "vllm",
@@ -522,6 +522,7 @@ class VllmPolicyServer:
             "outstanding_requests": self._outstanding,
             "restarts": self._restarts,
             "vllm_pid": None if self.server.proc is None else self.server.proc.pid,
+            "vllm_url": None if self.server.port is None else self.server.url,  # its /metrics, for instance
             "failure": self._failure,
             "last_update": dict(self.last_update),
         }

@@ -158,10 +158,7 @@ def flatten_params(params: Any) -> list:
     return jax.tree_util.tree_leaves(eqx.filter(params, eqx.is_array))
 
 
-_cast_on_device = jax.jit(
-    lambda leaves, dtype: [x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves],
-    static_argnums=1,
-)
+_cast_on_device = jax.jit(lambda leaves, dtype: [x.astype(leaf_dtype(x, dtype)) for x in leaves], static_argnums=1)
 
 
 def _on_cpu(x: jax.Array) -> bool:

@@ -23,7 +23,8 @@ moving half the bytes. The baseline is `np.copyto` of a buffer of the model's si
 a copy into newly allocated memory (page faults included) is printed as well.
 On a CPU device the float32 'in_process' hand-over moves nothing (the server's arrays alias the learner's, which
 is safe: JAX arrays are immutable), so it is printed but left out of the best ratio. The last line is
-`broadcast_over_memcpy=<best in-host ratio>`. Run: `python benchmarks/broadcast.py [--repeats 3]`.
+`broadcast_over_memcpy=<best in-host ratio>`. Run: `python benchmarks/broadcast.py [--repeats 3]`; `--smoke` hands a
+tiny model over once per transport (seconds; the test suite runs it so the benchmark cannot break unnoticed).
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ import numpy as np
 from levanter.models.llama import LlamaConfig
 
 from marin_rl.broadcast import BroadcastConfig, make_transport
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.model import parameter_count
+from marin_rl.model.build import parameter_count
 from marin_rl.tokenizer import build_char_tokenizer
 
 
-def llama_134m() -> LlamaConfig:
-    """A GPT-2-small-sized Llama: 134M parameters with a 32000-token vocabulary."""
+def llama_134m(smoke: bool = False) -> LlamaConfig:
+    """A GPT-2-small-sized Llama: 134M parameters with a 32000-token vocabulary (smoke: a tiny one)."""
+    if smoke:
+        return LlamaConfig(seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2,
+                           gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False)  # fmt: skip
     return LlamaConfig(
         seq_len=512, hidden_dim=768, intermediate_dim=2048, num_layers=12, num_heads=12, num_kv_heads=12,
         gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False,
@@ -80,24 +84,30 @@ def fresh_copy_bandwidth(nbytes: int, repeats: int = 3) -> float:
     return src.nbytes / best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed hand-overs per transport (after one warm-up)")
     parser.add_argument("--transports", default="in_process,shared_memory,ray,arrow_flight,fsspec")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="broadcast.dtype values to measure")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one hand-over each (seconds)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.repeats = 1
     logging.basicConfig(level=logging.WARNING)
 
     tok = build_char_tokenizer()
     t = time.perf_counter()
-    model = llama_134m().build(hax.Axis("vocab", 32000), key=jax.random.PRNGKey(0))
+    model = llama_134m(args.smoke).build(hax.Axis("vocab", 1024 if args.smoke else 32000), key=jax.random.PRNGKey(0))
     leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
     jax.block_until_ready(leaves)
     model_bytes = sum(x.nbytes for x in leaves)
     print(f"model: Llama {parameter_count(model) / 1e6:.1f}M parameters, {len(leaves)} arrays, "
           f"{model_bytes / 1e6:.0f} MB float32 (built in {time.perf_counter() - t:.1f} s)")  # fmt: skip
     server = LevanterInferenceServer(
-        model, tok, InferenceConfig(max_seqs=4, max_seq_len=128, page_size=64, prefill_tokens=512), name="bench"
+        model,
+        tok,
+        InferenceConfig(max_seqs=4, max_seq_len=128, levanter=LevanterServerConfig(page_size=64, prefill_tokens=512)),
+        name="bench",
     )
     memcpy = memcpy_bandwidth(model_bytes)
     print(f"memcpy (np.copyto, {model_bytes / 1e6:.0f} MB, best of 5): {memcpy / 1e9:.2f} GB/s")
@@ -116,7 +126,8 @@ def main() -> None:
                 # Pre-fault the object store's memory so that publishes do not pay first-touch page faults
                 # (measured here: 0.095 -> 0.27 of memcpy for 'ray' float32).
                 os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
-                ray.init(num_cpus=2, object_store_memory=3 << 30, include_dashboard=False, log_to_driver=False)
+                store = (256 << 20) if args.smoke else (3 << 30)
+                ray.init(num_cpus=2, object_store_memory=store, include_dashboard=False, log_to_driver=False)
             for dtype in args.dtypes.split(","):
                 cast = None if dtype == "float32" else dtype
                 # Slots belong on a memory filesystem; the others write files to the temporary directory.

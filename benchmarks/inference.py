@@ -18,7 +18,8 @@ Embedded vs vLLM (the clearly marked `vllm_comparison`): the same requests throu
 of the same weights — `--vllm-address HOST:PORT`, or else `VllmPolicyServer` started on the model exported as a
 Hugging Face checkpoint when the vLLM environment exists; otherwise skipped, and the reason printed.
 
-The last line is `http_over_engine=<value>`. Run: `python benchmarks/inference.py`.
+The last line is `http_over_engine=<value>`. Run: `python benchmarks/inference.py`; `--smoke` runs a tiny workload
+in seconds without vLLM (the test suite does, so the benchmark cannot break unnoticed).
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ from levanter.inference.jit_scheduler import SeqDecodingParams
 from levanter.models.llama import LlamaConfig
 
 from marin_rl.inference.client import PolicyClient
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.model import parameter_count
+from marin_rl.model.build import parameter_count
 from marin_rl.tokenizer import build_char_tokenizer
 
 
-def bench_model() -> LlamaConfig:
-    """A small Llama whose decode step costs more than the host-side bookkeeping around it."""
+def bench_model(smoke: bool = False) -> LlamaConfig:
+    """A small Llama whose decode step costs more than the host-side bookkeeping around it (smoke: a tiny one)."""
+    if smoke:
+        return LlamaConfig(seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2,
+                           gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False)  # fmt: skip
     return LlamaConfig(
         seq_len=256, hidden_dim=256, intermediate_dim=1024, num_layers=4, num_heads=8, num_kv_heads=8,
         gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False,
@@ -139,7 +143,7 @@ def vllm_comparison(args, model, tok, config: InferenceConfig, prompts, embedded
             print(f"embedded vs vLLM: skipped (no vLLM environment; create it with `{vllm_env.create_command()}`)")
             return
         from marin_rl.inference.vllm_server import VllmPolicyServer
-        from marin_rl.learner.hf_checkpoints import export_hf_checkpoint
+        from marin_rl.model.hf import export_hf_checkpoint
 
         model_dir = args.export_hf or tempfile.mkdtemp(prefix="inference-bench-hf-")
         export_hf_checkpoint(model, tok, model_dir)
@@ -161,7 +165,7 @@ def vllm_comparison(args, model, tok, config: InferenceConfig, prompts, embedded
     print(f"vLLM via http:        {tps:9.0f} tok/s ({seconds:.2f} s); embedded / vLLM = {embedded_tps / tps:.3f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (one request)")
@@ -173,15 +177,22 @@ def main() -> None:
     parser.add_argument("--vllm-address", default=None, help="HOST:PORT of a vLLM server of the same weights")
     parser.add_argument("--export-hf", default=None, help="write the benchmark model here as an HF checkpoint")
     parser.add_argument("--no-vllm", action="store_true", help="skip the embedded vs vLLM comparison")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a tiny workload without vLLM (seconds): checks it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.max_tokens, args.max_seqs, args.repeats = 8, 2, 8, 16, 1
+        args.segment_tokens, args.no_vllm = 4, True
     logging.basicConfig(level=logging.WARNING)
     for name in ("levanter", "httpx", "uvicorn"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
     tok = build_char_tokenizer()
-    model = bench_model().build(hax.Axis("vocab", len(tok)), key=jax.random.PRNGKey(0))
-    config = InferenceConfig(max_seqs=args.max_seqs, max_seq_len=128, page_size=16, prefill_tokens=4096,
-                             segment_tokens=None)  # fmt: skip
+    model = bench_model(args.smoke).build(hax.Axis("vocab", len(tok)), key=jax.random.PRNGKey(0))
+    config = InferenceConfig(
+        max_seqs=args.max_seqs,
+        max_seq_len=128,
+        levanter=LevanterServerConfig(page_size=16, prefill_tokens=4096, segment_tokens=None),
+    )
     server = LevanterInferenceServer(model, tok, config)
     address = server.start()
     prompts = make_prompts(args.prompts, len(tok), args.seed)

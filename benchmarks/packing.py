@@ -9,7 +9,8 @@ if generation kept pace; then the batcher makes a batch. Printed, measured in th
 - the batcher's time per batch, the learner's step time on such a batch (the quickstart model, tiny Llama, at
   seq_len = max_seq_len), and their ratio.
 
-The last line is `packing_efficiency=<value>`. Run: `python benchmarks/packing.py [--rows 8] [--batches 30]`.
+The last line is `packing_efficiency=<value>`. Run: `python benchmarks/packing.py [--rows 8] [--batches 30]`;
+`--smoke` runs a few small batches in seconds (the test suite does, so the benchmark cannot break unnoticed).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 import numpy as np
 
-from marin_rl.replay.batcher import Batcher, BatcherConfig
+from marin_rl.replay.batcher import Batcher, BatcherConfig, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
@@ -46,14 +47,14 @@ def make_group(env: str, version: int, rng: np.random.Generator, size: int = 8) 
         meta = InferenceMetadata(server="bench", version_start=version, version_end=version)
         turns = [
             Turn("user", "", list(prompt), timestamp=0.0),
-            Turn("assistant", "", gen, logprobs=[-0.5] * len(gen), reward=float(rng.random() < 0.5),
+            Turn("assistant", "", gen, sampler_logprobs=[-0.5] * len(gen), reward=float(rng.random() < 0.5),
                  inference_metadata=meta, timestamp=0.0),
         ]  # fmt: skip
         rollouts.append(Rollout(env, problem, turns))
     return RolloutGroup(env, problem, rollouts)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8, help="rows per batch (budget = rows × seq_len)")
     parser.add_argument("--seq-len", type=int, default=4096, help="max_seq_len of a packed row")
@@ -61,12 +62,18 @@ def main() -> None:
     parser.add_argument("--supply", type=float, default=1.5, help="buffer top-up before each batch, × share")
     parser.add_argument("--learner-steps", type=int, default=2, help="timed learner steps (after one to compile)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a few small batches (seconds): checks it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rows, args.batches, args.learner_steps, args.seq_len = 2, 3, 1, 1024
     logging.basicConfig(level=logging.WARNING)
     rng = np.random.default_rng(args.seed)
 
     budget = args.rows * args.seq_len
-    buffers = {n: ReplayBuffer(n, ReplayConfig(max_age=4, capacity=1 << 20), vocab_size=128) for n in ENVS}
+    buffers = {
+        n: ReplayBuffer(n, ReplayConfig(max_age=4, capacity=1 << 20), vocab_size=128, max_tokens=args.seq_len)
+        for n in ENVS
+    }
     batcher = Batcher(
         BatcherConfig(total_token_budget=budget, max_seq_len=args.seq_len),
         buffers,
@@ -77,14 +84,14 @@ def main() -> None:
     for version in range(args.batches):
         for n, (_, _, f) in ENVS.items():
             while buffers[n].num_tokens < args.supply * f * budget:
-                buffers[n].add(make_group(n, version, rng))
+                buffers[n].admit(make_group(n, version, rng))
         t = time.perf_counter()
         made = batcher.try_make_batch(version)
         times.append(time.perf_counter() - t)
-        assert made is not None, f"batcher blocked: {batcher.waiting_for}"
-        batch, m = made
+        assert isinstance(made, FormedBatch), f"batcher blocked: {made}"
+        batch, m = made.batch, made.metrics
         eff.append(m["batches/packing_efficiency"])
-        lens = [it.num_tokens for it, _ in batcher.last_items]
+        lens = [it.num_tokens for it, _ in made.placed]
         padded.append(sum(lens) / (len(lens) * max(lens)))
         for n in ENVS:
             shares[n].append(m[f"batches/{n}/tokens_used"] / budget)
@@ -103,7 +110,7 @@ def main() -> None:
 
     if args.learner_steps > 0:
         from marin_rl.learner.learner import Learner, LearnerConfig
-        from marin_rl.learner.model import ModelConfig, tiny_llama
+        from marin_rl.model.build import ModelConfig, tiny_llama
 
         arch = dataclasses.replace(tiny_llama(), seq_len=args.seq_len)
         learner = Learner(ModelConfig(architecture=arch), LearnerConfig(), vocab_size=128)

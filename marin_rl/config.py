@@ -1,16 +1,19 @@
-"""The experiment configuration: one YAML file (draccus) describes a whole run."""
+"""The experiment configuration: one YAML file (draccus) describes a whole run; `parse_config` reads it."""
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from marin_rl.broadcast.broadcaster import BroadcastConfig
-from marin_rl.envs.base import SamplingParams
+import draccus
+
+from marin_rl.broadcast.base import BroadcastConfig
+from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.learner.learner import LearnerConfig
-from marin_rl.learner.model import ModelConfig
+from marin_rl.model.build import ModelConfig
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.buffer import ReplayConfig
 from marin_rl.tokenizer import TokenizerConfig
@@ -56,8 +59,6 @@ class OrchestratorConfig:
     """η: no new episode starts once generation would run more than η versions ahead of the learner."""
     eval_every: int = 25
     """Evaluate on held-out problems every this many steps (and always at the start and the end)."""
-    batch_timeout_s: float = 600.0
-    """Give up if no batch can be formed for this long (it says which env it waits for)."""
     seed: int = 0
     """Seed for problem order (and, with `deterministic`, for sampling)."""
     deterministic: bool = False
@@ -163,10 +164,13 @@ class RunConfig:
                 )
         if self.tracking.wandb_mode not in ("disabled", "offline", "online"):
             raise ValueError("tracking.wandb_mode must be 'disabled', 'offline' or 'online'")
-        if self.inference.kv_cache_dtype not in ("float32", "bfloat16"):
-            raise ValueError("inference.kv_cache_dtype must be 'float32' or 'bfloat16'")
         if self.batcher.max_seq_len > self.inference.max_seq_len:
             raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
+        if self.replay.max_age < self.orchestrator.max_staleness:
+            raise ValueError(
+                f"replay.max_age={self.replay.max_age} < orchestrator.max_staleness={self.orchestrator.max_staleness}: "
+                "the batcher would drop data the staleness gate lets generation produce; set max_age >= max_staleness"
+            )
         if self.orchestrator.deterministic and self.orchestrator.max_staleness != 0:
             raise ValueError(
                 "orchestrator.deterministic requires orchestrator.max_staleness: 0 (groups sampled while the learner "
@@ -179,3 +183,39 @@ class RunConfig:
         free = [e.name for e in self.envs if e.fraction is None]
         rest = max(0.0, 1.0 - sum(fixed.values()))
         return {**fixed, **{n: rest / len(free) for n in free}}
+
+
+def make_environment(env_config: EnvConfig, tokenizer, seed: int) -> Environment:
+    """Instantiate an environment from its config."""
+    cls = load_environment_class(env_config.env_class)
+    try:
+        return cls(tokenizer, name=env_config.name, seed=seed, **env_config.args)
+    except TypeError as e:
+        raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
+
+
+def parse_config(args: list[str] | None = None) -> RunConfig:
+    """Parse `--config FILE` plus dotted overrides (default: the command line); exits with a message naming the bad
+    key or value."""
+    args = list(sys.argv[1:] if args is None else args)
+    config_path = None
+    for i, a in enumerate(args):
+        if a in ("--config", "--config_path") and i + 1 < len(args):
+            config_path = args[i + 1]
+            del args[i : i + 2]
+            break
+        if a.startswith(("--config=", "--config_path=")):
+            config_path = a.split("=", 1)[1]
+            del args[i]
+            break
+    try:
+        config = draccus.parse(RunConfig, config_path=config_path, args=args)
+    except (draccus.utils.DecodingError, FileNotFoundError) as e:
+        raise SystemExit(f"marin_rl: invalid configuration: {e}") from None
+    except draccus.utils.ParsingError as e:  # a config's own check (__post_init__) failed: its message names the field
+        raise SystemExit(f"marin_rl: invalid configuration: {e.__cause__ or e}") from None
+    try:
+        config.validate()
+    except ValueError as e:
+        raise SystemExit(f"marin_rl: invalid configuration: {e}") from None
+    return config

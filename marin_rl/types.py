@@ -66,7 +66,7 @@ class Turn:
     """Decoded text of the turn."""
     token_ids: list[int]
     """Token ids of the turn, exactly as sent to or sampled from the server."""
-    logprobs: list[float] | None = None
+    sampler_logprobs: list[float] | None = None
     """Sampler's log-probability of each token; present exactly for policy-sampled turns."""
     reward: float = 0.0
     """Scalar reward of this turn (the weighted sum of `rewards` when those are given)."""
@@ -80,19 +80,21 @@ class Turn:
     @property
     def is_sampled(self) -> bool:
         """Whether the policy sampled this turn (and so it is trained on)."""
-        return self.logprobs is not None
+        return self.sampler_logprobs is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Turn:
+        """Inverse of `to_dict`; also reads dicts written before the field was named `sampler_logprobs` ('logprobs')."""
         meta = d.get("inference_metadata")
+        lp = d["sampler_logprobs"] if "sampler_logprobs" in d else d.get("logprobs")
         return Turn(
             role=d["role"],
             message=d["message"],
             token_ids=[int(t) for t in d["token_ids"]],
-            logprobs=None if d.get("logprobs") is None else [float(x) for x in d["logprobs"]],
+            sampler_logprobs=None if lp is None else [float(x) for x in lp],
             reward=float(d.get("reward", 0.0)),
             rewards={str(k): float(v) for k, v in (d.get("rewards") or {}).items()},
             inference_metadata=None if meta is None else InferenceMetadata(**meta),
@@ -136,7 +138,7 @@ class Rollout:
     def sampler_logprobs(self) -> np.ndarray:
         """Sampler logprob per token (0 on tokens that were not sampled)."""
         parts = [
-            np.asarray(t.logprobs, dtype=np.float32) if t.is_sampled else np.zeros(len(t.token_ids), np.float32)
+            np.asarray(t.sampler_logprobs, dtype=np.float32) if t.is_sampled else np.zeros(len(t.token_ids), np.float32)
             for t in self.turns
         ]
         return np.concatenate(parts)
@@ -188,7 +190,9 @@ class Rollout:
         }
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> Rollout:
+    def from_dict(d: dict[str, Any], validate: bool = True) -> Rollout:
+        """Inverse of `to_dict`; raises `RolloutFormatError` for a malformed dict, and (`validate`) for a rollout
+        that fails `validate()` (without a vocabulary; callers that know one validate themselves)."""
         try:
             rollout = Rollout(
                 environment=str(d["environment"]),
@@ -199,7 +203,8 @@ class Rollout:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RolloutFormatError(f"malformed rollout: {type(e).__name__}: {e}") from e
-        rollout.validate()
+        if validate:
+            rollout.validate()
         return rollout
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -233,11 +238,12 @@ class Rollout:
                     f"{where}: non-finite reward {t.reward} (named rewards {t.rewards})", "nonfinite_reward"
                 )
             if t.is_sampled:
-                if len(t.logprobs) != len(t.token_ids):
+                if len(t.sampler_logprobs) != len(t.token_ids):
                     raise RolloutFormatError(
-                        f"{where}: {len(t.logprobs)} logprobs for {len(t.token_ids)} sampled tokens", "logprob_count"
+                        f"{where}: {len(t.sampler_logprobs)} logprobs for {len(t.token_ids)} sampled tokens",
+                        "logprob_count",
                     )
-                lp = np.asarray(t.logprobs, dtype=np.float64)
+                lp = np.asarray(t.sampler_logprobs, dtype=np.float64)
                 if lp.size and not (np.isfinite(lp).all() and lp.max() <= 1e-6):
                     raise RolloutFormatError(f"{where}: logprobs must be finite and <= 0", "bad_logprob")
                 if t.inference_metadata is None:
@@ -287,13 +293,14 @@ class RolloutGroup:
         }
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> RolloutGroup:
+    def from_dict(d: dict[str, Any], validate: bool = True) -> RolloutGroup:
+        """Inverse of `to_dict` (rollouts validated as `Rollout.from_dict` does, unless `validate` is false)."""
         try:
             group = RolloutGroup(
                 environment=str(d["environment"]),
                 problem_id=str(d["problem_id"]),
                 group_id=str(d["group_id"]),
-                rollouts=[Rollout.from_dict(r) for r in d["rollouts"]],
+                rollouts=[Rollout.from_dict(r, validate) for r in d["rollouts"]],
             )
         except (KeyError, TypeError) as e:
             raise RolloutFormatError(f"malformed rollout group: {type(e).__name__}: {e}") from e
@@ -319,8 +326,9 @@ class PackedBatch:
     segment_ids: np.ndarray
     loss_mask: np.ndarray
     advantages: np.ndarray
-    policy_logprobs: np.ndarray
-    version: np.ndarray
+    sampler_logprobs: np.ndarray
+    """The sampler's log-probability of each token (0 where the policy did not sample)."""
+    token_versions: np.ndarray
     """Policy version that sampled each token; -1 where the policy did not sample."""
 
     @property
@@ -335,7 +343,7 @@ class PackedBatch:
 class RlExample(eqx.Module):
     """A packed training batch of named arrays over `(batch, position)`.
 
-    `policy_logprobs[b, t]` is the sampler's log-probability of `input_ids[b, t]`; `loss_mask` is true only on
+    `sampler_logprobs[b, t]` is the sampler's log-probability of `input_ids[b, t]`; `loss_mask` is true only on
     tokens that the policy sampled. Several rollouts share a row, separated by `segment_ids`.
     """
 
@@ -344,8 +352,8 @@ class RlExample(eqx.Module):
     segment_ids: hax.NamedArray
     loss_mask: hax.NamedArray
     advantages: hax.NamedArray
-    policy_logprobs: hax.NamedArray
-    version: hax.NamedArray
+    sampler_logprobs: hax.NamedArray
+    token_versions: hax.NamedArray
     reference_logprobs: hax.NamedArray | None = None
     proximal_logprobs: hax.NamedArray | None = None
 
@@ -362,6 +370,6 @@ class RlExample(eqx.Module):
             segment_ids=named(batch.segment_ids, np.int32),
             loss_mask=named(batch.loss_mask, np.bool_),
             advantages=named(batch.advantages, np.float32),
-            policy_logprobs=named(batch.policy_logprobs, np.float32),
-            version=named(batch.version, np.int32),
+            sampler_logprobs=named(batch.sampler_logprobs, np.float32),
+            token_versions=named(batch.token_versions, np.int32),
         )

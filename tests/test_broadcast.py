@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from marin_rl.broadcast import BroadcastConfig, WeightSubscriber, make_transport
-from marin_rl.broadcast.broadcaster import _cast_on_device
-from marin_rl.broadcast.checkpoint import FsspecTransport
-from marin_rl.broadcast.flight import ArrowFlightTransport, _WeightFlightServer, plan_tickets
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.broadcast.arrow_flight import ArrowFlightTransport, _WeightFlightServer, plan_tickets
+from marin_rl.broadcast.base import _cast_on_device
+from marin_rl.broadcast.fsspec_checkpoint import FsspecTransport
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.model import ModelConfig, build_model, token_logprobs
+from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 
@@ -229,8 +230,15 @@ def test_fsspec_concurrent_publish_and_poll_see_only_complete_versions(tmp_path)
 def server():
     tok = build_char_tokenizer()
     model = build_model(ModelConfig(), len(tok))
-    srv = LevanterInferenceServer(model, tok, InferenceConfig(max_seqs=8, max_seq_len=64, page_size=16,
-                                                              prefill_tokens=512, segment_tokens=8))  # fmt: skip
+    srv = LevanterInferenceServer(
+        model,
+        tok,
+        InferenceConfig(
+            max_seqs=8,
+            max_seq_len=64,
+            levanter=LevanterServerConfig(page_size=16, prefill_tokens=512, segment_tokens=8),
+        ),
+    )
     address = srv.start()
     yield srv, address, model, tok
     srv.stop()

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 
 from marin_rl.broadcast import BroadcastConfig, WeightSubscriber, make_transport
-from marin_rl.broadcast.broadcaster import AutoTransport
+from marin_rl.broadcast.auto import AutoTransport
 from marin_rl.broadcast.shared_memory import (
     PRIVATE_PREFIX,
     SharedMemoryTransport,
     SupersededUpdate,
     remove_stale_directories,
 )
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.model import ModelConfig, build_model
+from marin_rl.model.build import ModelConfig, build_model
 from marin_rl.tokenizer import build_char_tokenizer
 
 
@@ -164,7 +164,9 @@ def test_slots_of_a_killed_learner_are_removed_by_the_next_one():
 def test_embedded_server_serves_straight_from_the_slot(shm_dir):
     tok = build_char_tokenizer()
     model = build_model(ModelConfig(), len(tok))
-    srv = LevanterInferenceServer(model, tok, InferenceConfig(max_seqs=2, max_seq_len=32, page_size=16), name="s")
+    srv = LevanterInferenceServer(
+        model, tok, InferenceConfig(max_seqs=2, max_seq_len=32, levanter=LevanterServerConfig(page_size=16)), name="s"
+    )
     learner = make_transport(BroadcastConfig(transport="shared_memory", path=shm_dir))
     subscriber = WeightSubscriber(make_transport(BroadcastConfig(transport="shared_memory", path=shm_dir)),
                                   srv.apply_weights)  # fmt: skip

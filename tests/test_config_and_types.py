@@ -64,7 +64,7 @@ def _rollout():
                 "assistant",
                 "2",
                 [10, 2],
-                logprobs=[-0.1, -0.2],
+                sampler_logprobs=[-0.1, -0.2],
                 reward=1.0,
                 rewards={"c": 1.0},
                 inference_metadata=meta,
@@ -93,8 +93,8 @@ def test_rollout_round_trip_and_token_views():
 @pytest.mark.parametrize(
     "corrupt,msg",
     [
-        (lambda d: d["turns"][1].update(logprobs=[-0.1]), "logprobs for 2"),
-        (lambda d: d["turns"][1].update(logprobs=[float("nan"), -0.1]), "finite"),
+        (lambda d: d["turns"][1].update(sampler_logprobs=[-0.1]), "logprobs for 2"),
+        (lambda d: d["turns"][1].update(sampler_logprobs=[float("nan"), -0.1]), "finite"),
         (lambda d: d["turns"][0].update(role="robot"), "role"),
         (lambda d: d.pop("turns"), "malformed"),
         (lambda d: d["turns"][1].update(inference_metadata=None), "metadata"),

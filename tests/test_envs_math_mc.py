@@ -11,15 +11,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from marin_rl.config import EnvConfig
+from marin_rl.config import EnvConfig, make_environment
 from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.envs.data import DataFormatError, load_gsm8k, load_qa, parse_gsm8k_answer, read_rows
 from marin_rl.envs.math import MathEnvironment, answers_match, extract_answer, verify
 from marin_rl.envs.multiple_choice import MultipleChoiceEnvironment, extract_choice
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.model import ModelConfig, build_model, tiny_llama
-from marin_rl.orchestrator.actors import make_environment
+from marin_rl.model.build import ModelConfig, build_model, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
 GSM8K_ROWS = [
@@ -280,7 +279,9 @@ def server():
     arch = dataclasses.replace(tiny_llama(), seq_len=128)
     model = build_model(ModelConfig(architecture=arch), len(tok))
     srv = LevanterInferenceServer(
-        model, tok, InferenceConfig(max_seqs=32, max_seq_len=128, page_size=16, prefill_tokens=512)
+        model,
+        tok,
+        InferenceConfig(max_seqs=32, max_seq_len=128, levanter=LevanterServerConfig(page_size=16, prefill_tokens=512)),
     )
     srv.apply_weights(0, [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))])
     address = srv.start()

@@ -29,9 +29,9 @@ from marin_rl.envs.rewards import (
     exact_match,
 )
 from marin_rl.inference.client import Sample
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.model import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import ModelConfig, build_model, tiny_llama
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 
@@ -70,7 +70,11 @@ def server():
     tok = build_char_tokenizer()
     model = build_model(ModelConfig(architecture=dataclasses.replace(tiny_llama(), seq_len=MAX_SEQ_LEN)), len(tok))
     srv = LevanterInferenceServer(
-        model, tok, InferenceConfig(max_seqs=16, max_seq_len=MAX_SEQ_LEN, page_size=16, prefill_tokens=1024)
+        model,
+        tok,
+        InferenceConfig(
+            max_seqs=16, max_seq_len=MAX_SEQ_LEN, levanter=LevanterServerConfig(page_size=16, prefill_tokens=1024)
+        ),
     )
     srv.apply_weights(0, [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))])
     recorder = RecordingApp(srv.app)
@@ -142,7 +146,7 @@ def test_multi_turn_tokens_match_the_server_view_and_loss_mask(server):
         for i, turn in enumerate(r.turns):
             if turn.is_sampled:
                 prefix = tuple(t for prev in r.turns[:i] for t in prev.token_ids)
-                assert (prefix, tuple(turn.token_ids), tuple(turn.logprobs)) in served
+                assert (prefix, tuple(turn.token_ids), tuple(turn.sampler_logprobs)) in served
         # environment turns: the rendered delta, with <eos> closing the policy turn only if it did not sample it
         for k, (policy, env_turn) in enumerate(zip(r.turns[1::2], r.turns[2::2], strict=False)):
             closed = policy.token_ids[-1] == tok.eos_token_id
@@ -164,9 +168,9 @@ def test_multi_turn_tokens_match_the_server_view_and_loss_mask(server):
                 sampled = np.concatenate([np.full(len(t.token_ids), t.is_sampled) for t in r.turns])
                 assert (batch.loss_mask[row, cols] == sampled).all()
                 served_lp = np.concatenate(
-                    [t.logprobs if t.is_sampled else np.zeros(len(t.token_ids)) for t in r.turns]
+                    [t.sampler_logprobs if t.is_sampled else np.zeros(len(t.token_ids)) for t in r.turns]
                 )
-                np.testing.assert_allclose(batch.policy_logprobs[row, cols], served_lp, rtol=0, atol=1e-6)
+                np.testing.assert_allclose(batch.sampler_logprobs[row, cols], served_lp, rtol=0, atol=1e-6)
                 matched += 1
                 break
     assert matched == len(rollouts)

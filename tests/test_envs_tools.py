@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from marin_rl.config import EnvConfig
+from marin_rl.config import EnvConfig, make_environment
 from marin_rl.envs.base import Problem, SamplingParams, run_groups
 from marin_rl.envs.calculator import (
     CalculatorEnvironment,
@@ -31,10 +31,9 @@ from marin_rl.envs.tools import (
     parse_tool_calls,
 )
 from marin_rl.inference.client import Sample
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.model import ModelConfig, build_model, tiny_llama
-from marin_rl.orchestrator.actors import make_environment
+from marin_rl.model.build import ModelConfig, build_model, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
 
@@ -433,7 +432,9 @@ def test_calculator_problems_reference_and_scoring(tok):
 def server(tok):
     model = build_model(ModelConfig(architecture=dataclasses.replace(tiny_llama(), seq_len=512)), len(tok))
     srv = LevanterInferenceServer(
-        model, tok, InferenceConfig(max_seqs=8, max_seq_len=512, page_size=16, prefill_tokens=2048)
+        model,
+        tok,
+        InferenceConfig(max_seqs=8, max_seq_len=512, levanter=LevanterServerConfig(page_size=16, prefill_tokens=2048)),
     )
     srv.apply_weights(0, [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))])
     address = srv.start()

@@ -1,4 +1,4 @@
-"""`python -m marin_rl.envs.try` runs episodes of one env against an embedded server and prints them."""
+"""`python -m marin_rl.try_env` runs episodes of one env against an embedded server and prints them."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 
 def test_try_prints_conversations_and_rewards():
     out = subprocess.run(
-        [sys.executable, "-m", "marin_rl.envs.try", "addition", "--config", "experiments/quickstart.yaml"]
+        [sys.executable, "-m", "marin_rl.try_env", "addition", "--config", "experiments/quickstart.yaml"]
         + ["--problems", "2", "--group-size", "3", "--held-out"],
         capture_output=True,
         text=True,
@@ -20,7 +20,7 @@ def test_try_prints_conversations_and_rewards():
 
 def test_try_names_unknown_env():
     out = subprocess.run(
-        [sys.executable, "-m", "marin_rl.envs.try", "nope", "--config", "experiments/quickstart.yaml"],
+        [sys.executable, "-m", "marin_rl.try_env", "nope", "--config", "experiments/quickstart.yaml"],
         capture_output=True,
         text=True,
         timeout=120,

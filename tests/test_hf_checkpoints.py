@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from marin_rl.learner.hf_checkpoints import export_hf_checkpoint
-from marin_rl.learner.model import ModelConfig, build_model, packed_attention_mask, tiny_llama, token_logprobs
+from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.hf import export_hf_checkpoint
+from marin_rl.model.logprobs import packed_attention_mask, token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 

@@ -16,10 +16,11 @@ import pytest
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.inference.client import versions_from_spans
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.learner.model import ModelConfig, tiny_llama, token_logprobs
+from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.batcher import Batcher, BatcherConfig
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.replay.packing import Sequence, pack
@@ -40,7 +41,11 @@ def setup():
     server = LevanterInferenceServer(
         learner.model,
         tok,
-        InferenceConfig(max_seqs=64, max_seq_len=64, page_size=16, prefill_tokens=512, segment_tokens=SEGMENT),
+        InferenceConfig(
+            max_seqs=64,
+            max_seq_len=64,
+            levanter=LevanterServerConfig(page_size=16, prefill_tokens=512, segment_tokens=SEGMENT),
+        ),
     )
     server.apply_weights(0, learner.weights())
     address = server.start()
@@ -61,7 +66,7 @@ def test_server_logprobs_match_learner_on_packed_batch(setup):
     last_segment = batch.segment_ids.max(axis=1)
     assert (last_segment[last_segment >= 0] >= 3).all(), "rows should be packed with several rollouts"
     learner_lp = learner.logprobs(batch)
-    diff = np.abs(learner_lp - batch.policy_logprobs)[batch.loss_mask]
+    diff = np.abs(learner_lp - batch.sampler_logprobs)[batch.loss_mask]
     assert diff.size > 300  # 192 completions of 2-5 tokens (measured 562-960 over 25 draws)
     assert diff.max() <= 1e-4, f"sampler/learner logprob mismatch {diff.max()}"
 
@@ -89,7 +94,7 @@ def test_concurrent_load_keeps_requests_apart(setup):
     rollouts = [r for g in groups for r in g.rollouts]
     assert all(len(r.turns[1].token_ids) <= 5 for r in rollouts)
     batch, placed = pack([Sequence.from_rollout(r, 0.0) for r in rollouts], 64, 64)
-    diff = np.abs(learner.logprobs(batch) - batch.policy_logprobs)[batch.loss_mask]
+    diff = np.abs(learner.logprobs(batch) - batch.sampler_logprobs)[batch.loss_mask]
     assert diff.max() <= 1e-4
 
 
@@ -236,15 +241,42 @@ def test_weights_swapped_mid_generation_continue_with_exact_logprobs(setup):
         for i, (ids, lps, start, end, versions) in enumerate(choices):
             meta = InferenceMetadata(server=address, version_start=start, version_end=end, token_versions=versions,
                                      finish_reason="length")  # fmt: skip
-            turns = [Turn("user", "", list(prompt)), Turn("assistant", "", ids, logprobs=list(lps), reward=float(i % 2),
-                                                          inference_metadata=meta)]  # fmt: skip
+            answer = Turn("assistant", "", ids, sampler_logprobs=list(lps), reward=i % 2, inference_metadata=meta)
+            turns = [Turn("user", "", list(prompt)), answer]
             rollouts.append(Rollout("addition", "p3", turns))
         buffer = ReplayBuffer("addition", ReplayConfig(max_age=4), vocab_size=len(tok))
-        assert buffer.add(RolloutGroup("addition", "p3", rollouts), max_version=1)
-        batch, _ = Batcher(BatcherConfig(total_token_budget=3 * 64, max_seq_len=64, min_fill=0.5),
-                           {"addition": buffer}).try_make_batch(1)  # fmt: skip
+        assert buffer.admit(RolloutGroup("addition", "p3", rollouts), max_version=1).accepted
+        batcher = Batcher(BatcherConfig(total_token_budget=3 * 64, max_seq_len=64, min_fill=0.5), {"addition": buffer})
+        batch = batcher.try_make_batch(1).batch
         assert batch.loss_mask.sum() == 6 * 15
-        assert sorted(batch.version[batch.loss_mask].tolist()) == sorted(v for c in choices for v in c[4])
-        assert (batch.version[batch.loss_mask] == 0).sum() == SEGMENT * len(straddling)
+        assert sorted(batch.token_versions[batch.loss_mask].tolist()) == sorted(v for c in choices for v in c[4])
+        assert (batch.token_versions[batch.loss_mask] == 0).sum() == SEGMENT * len(straddling)
     finally:
         server.apply_weights(0, old)
+
+
+def test_versions_from_spans_accepts_every_version_and_rejects_gaps():
+    assert versions_from_spans([{"version": -1, "start": 0, "end": 3}], 3) == [-1, -1, -1]
+    spans = [{"version": 2, "start": 0, "end": 2}, {"version": 3, "start": 2, "end": 3}]
+    assert versions_from_spans(spans, 3) == [2, 2, 3]
+    assert versions_from_spans([], 0) == [] and versions_from_spans(None, 5) is None
+    with pytest.raises(RuntimeError, match="do not cover"):
+        versions_from_spans([{"version": 0, "start": 0, "end": 2}], 3)
+    with pytest.raises(RuntimeError, match="reach outside"):
+        versions_from_spans([{"version": 0, "start": 0, "end": 4}], 3)
+
+
+def test_a_server_that_never_received_weights_samples_as_version_minus_one(setup):
+    """Version -1 ("never served weights") is a version like any other on the way back to the client."""
+    tok, env, _, server, address = setup
+    served = server.context.version
+    server.context.version = -1  # what a server is before its first `apply_weights`
+    try:
+        client_groups = _sample_groups(env, address, env.train_problems()[:2], 2, SamplingParams(max_tokens=5))
+    finally:
+        server.context.version = served
+    for group in client_groups:
+        for rollout in group.rollouts:
+            meta = rollout.turns[-1].inference_metadata
+            assert meta.version_start == meta.version_end == -1
+            assert meta.token_versions == [-1] * len(rollout.turns[-1].token_ids)

@@ -9,7 +9,8 @@ import pytest
 
 from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig, WarmStartConfig
 from marin_rl.learner.losses import LossConfig
-from marin_rl.learner.model import ModelConfig, packed_attention_mask, tiny_llama
+from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.model.logprobs import packed_attention_mask
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 
@@ -33,10 +34,10 @@ def _rl_batch(learner, tok, good: str, bad: str):
         ids = tok(completion)["input_ids"]
         s = Sequence.supervised(prompt, ids)
         s.advantages = np.where(s.loss_mask, adv, 0.0).astype(np.float32)
-        s.versions = np.where(s.loss_mask, learner.version, -1).astype(np.int32)
+        s.token_versions = np.where(s.loss_mask, learner.version, -1).astype(np.int32)
         seqs += [s] * 4
     batch, _ = pack(seqs, 4, 32)
-    batch.policy_logprobs = np.where(batch.loss_mask, learner.logprobs(batch), 0.0).astype(np.float32)
+    batch.sampler_logprobs = np.where(batch.loss_mask, learner.logprobs(batch), 0.0).astype(np.float32)
     return batch
 
 
@@ -52,7 +53,7 @@ def test_train_step_increments_version_and_ratio_is_exactly_one_on_policy():
     assert learner.version == 1
     assert metrics["learner/ratio/mean"] == 1.0
     assert metrics["learner/ratio/max"] == 1.0 and metrics["learner/ratio/min"] == 1.0
-    assert metrics["learner/logprob_diff_behaviour/max_abs"] < 1e-5
+    assert metrics["learner/logprob_diff_sampler/max_abs"] < 1e-5
     assert metrics["learner/trained_tokens"] == int(batch.loss_mask.sum())
 
 
@@ -96,12 +97,12 @@ def _full_batch(learner, tok, noise=0.0, seed=0):
     for i in range(8):
         s = Sequence.supervised(prompt, tok(["yes please", "no thanks"][i % 2])["input_ids"])
         s.advantages = np.where(s.loss_mask, rng.normal(), 0.0).astype(np.float32)
-        s.versions = np.where(s.loss_mask, learner.version, -1).astype(np.int32)
+        s.token_versions = np.where(s.loss_mask, learner.version, -1).astype(np.int32)
         seqs.append(s)
     batch, _ = pack(seqs, 4, 24)
     assert batch.loss_mask.any(axis=1).all()
     lp = learner.logprobs(batch) + noise * rng.normal(size=batch.loss_mask.shape)
-    batch.policy_logprobs = np.where(batch.loss_mask, np.minimum(lp, 0.0), 0.0).astype(np.float32)
+    batch.sampler_logprobs = np.where(batch.loss_mask, np.minimum(lp, 0.0), 0.0).astype(np.float32)
     return batch
 
 
@@ -174,7 +175,7 @@ def test_microbatch_accumulation_equals_the_full_batch_step(loss):
     m_full, m_acc = full.train_step(batch), accumulated.train_step(batch)
     for a, b in zip(full.weights(), accumulated.weights(), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-5)
-    for key in ("loss", "pg_loss", "grad_norm", "ratio/mean", "ratio/max", "entropy", "kl_behaviour", "masked_frac"):
+    for key in ("loss", "pg_loss", "grad_norm", "ratio/mean", "ratio/max", "entropy", "kl_sampler", "masked_frac"):
         np.testing.assert_allclose(m_acc[f"learner/{key}"], m_full[f"learner/{key}"], rtol=1e-4, atol=1e-6)
     assert m_full["learner/grad_norm"] > 0
 

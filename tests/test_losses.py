@@ -30,8 +30,8 @@ def _example(rng, with_prox=False, with_ref=False):
         segment_ids=hax.named(seg.astype(np.int32), (B, P)),
         loss_mask=hax.named(mask, (B, P)),
         advantages=hax.named(rng.normal(size=(2, 8)).astype(np.float32), (B, P)),
-        policy_logprobs=hax.named(-rng.random((2, 8)).astype(np.float32) * 3, (B, P)),
-        version=hax.named(np.zeros((2, 8), np.int32), (B, P)),
+        sampler_logprobs=hax.named(-rng.random((2, 8)).astype(np.float32) * 3, (B, P)),
+        token_versions=hax.named(np.zeros((2, 8), np.int32), (B, P)),
         proximal_logprobs=hax.named(-rng.random((2, 8)).astype(np.float32) * 3, (B, P)) if with_prox else None,
         reference_logprobs=hax.named(-rng.random((2, 8)).astype(np.float32) * 3, (B, P)) if with_ref else None,
     )
@@ -82,20 +82,20 @@ def test_ppo_objective_uses_sampler_logprobs():
     lp = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
     cfg = LossConfig(objective="ppo", clip_low=0.2, clip_high=0.3)
     loss, _ = policy_loss(hax.named(lp, (B, P)), hax.named(np.zeros((2, 8), np.float32), (B, P)), ex, cfg)
-    obj = _np_clip_obj(lp, np.asarray(ex.policy_logprobs.array), np.asarray(ex.advantages.array), 0.2, 0.3)
+    obj = _np_clip_obj(lp, np.asarray(ex.sampler_logprobs.array), np.asarray(ex.advantages.array), 0.2, 0.3)
     mask = np.asarray(ex.loss_mask.array)
     np.testing.assert_allclose(float(loss), -(obj * mask).sum() / mask.sum(), rtol=1e-5)
 
 
-def test_decoupled_objective_with_behaviour_weight_and_cap():
+def test_decoupled_objective_with_sampler_weight_and_cap():
     rng = np.random.default_rng(3)
     ex = _example(rng, with_prox=True)
     lp = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
-    cfg = LossConfig(objective="decoupled", clip_low=0.2, clip_high=0.28, behaviour_weight_cap=2.0)
+    cfg = LossConfig(objective="decoupled", clip_low=0.2, clip_high=0.28, sampler_weight_cap=2.0)
     loss, metrics = policy_loss(hax.named(lp, (B, P)), hax.named(np.zeros((2, 8), np.float32), (B, P)), ex, cfg)
-    prox, behav = np.asarray(ex.proximal_logprobs.array), np.asarray(ex.policy_logprobs.array)
+    prox, sampler = np.asarray(ex.proximal_logprobs.array), np.asarray(ex.sampler_logprobs.array)
     adv, mask = np.asarray(ex.advantages.array), np.asarray(ex.loss_mask.array)
-    w = np.exp(prox - behav)
+    w = np.exp(prox - sampler)
     kept = mask & (w <= 2.0)
     per_tok = -w * _np_clip_obj(lp, prox, adv, 0.2, 0.28)
     np.testing.assert_allclose(float(loss), (per_tok * kept).sum() / kept.sum(), rtol=1e-5)
@@ -107,14 +107,14 @@ def test_decoupled_gradient_is_weighted_policy_gradient():
     rng = np.random.default_rng(4)
     ex = _example(rng)
     lp0 = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
-    cfg = LossConfig(objective="decoupled", behaviour_weight_cap=1e9)
+    cfg = LossConfig(objective="decoupled", sampler_weight_cap=1e9)
 
     def f(lp):
         return policy_loss(hax.named(lp, (B, P)), hax.named(jnp.zeros((2, 8)), (B, P)), ex, cfg)[0]
 
     grad = np.asarray(jax.grad(f)(jnp.asarray(lp0)))
     mask, adv = np.asarray(ex.loss_mask.array), np.asarray(ex.advantages.array)
-    w = np.exp(lp0 - np.asarray(ex.policy_logprobs.array))
+    w = np.exp(lp0 - np.asarray(ex.sampler_logprobs.array))
     expected = np.where(mask, -w * adv / mask.sum(), 0.0)
     np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-7)
     _, metrics = policy_loss(hax.named(lp0, (B, P)), hax.named(jnp.zeros((2, 8)), (B, P)), ex, cfg)
@@ -148,28 +148,28 @@ def _zeros():
 
 @pytest.mark.parametrize("objective", ["ppo", "decoupled"])
 def test_truncated_importance_sampling_matches_formula(objective):
-    """w = min(exp(logp_prox - logp_behav), C) multiplies min(r·A, clip(r)·A), r = exp(logp - logp_prox); no masking."""
+    """w = min(exp(logp_prox - logp_sampler), C) times min(r·A, clip(r)·A), r = exp(logp - logp_prox); no masking."""
     rng = np.random.default_rng(6)
     ex = _example(rng, with_prox=True)
     lp = rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5
-    cfg = LossConfig(objective=objective, clip_low=0.2, clip_high=0.28, tis_cap=1.5, behaviour_weight_cap=1.0)
+    cfg = LossConfig(objective=objective, clip_low=0.2, clip_high=0.28, tis_cap=1.5, sampler_weight_cap=1.0)
     loss, metrics = policy_loss(hax.named(lp, (B, P)), _zeros(), ex, cfg)
-    prox, behav = np.asarray(ex.proximal_logprobs.array), np.asarray(ex.policy_logprobs.array)
+    prox, sampler = np.asarray(ex.proximal_logprobs.array), np.asarray(ex.sampler_logprobs.array)
     adv, mask = np.asarray(ex.advantages.array), np.asarray(ex.loss_mask.array)
-    w = np.minimum(np.exp(prox - behav), 1.5)
-    assert (np.exp(prox - behav)[mask] > 1.5).any() and (np.exp(prox - behav)[mask] < 1.5).any()
+    w = np.minimum(np.exp(prox - sampler), 1.5)
+    assert (np.exp(prox - sampler)[mask] > 1.5).any() and (np.exp(prox - sampler)[mask] < 1.5).any()
     per_tok = -w * _np_clip_obj(lp, prox, adv, 0.2, 0.28)
     np.testing.assert_allclose(float(loss), (per_tok * mask).sum() / mask.sum(), rtol=1e-5)
     assert float(metrics["masked_frac"]) == 0.0
     np.testing.assert_allclose(
-        float(metrics["tis/truncated_frac"]), (np.exp(prox - behav) > 1.5)[mask].mean(), rtol=1e-6
+        float(metrics["tis/truncated_frac"]), (np.exp(prox - sampler) > 1.5)[mask].mean(), rtol=1e-6
     )
 
 
 def test_truncated_importance_sampling_gradient_without_proximal_logprobs():
     """Without proximal logprobs, logp_prox = stop_gradient(logp).
 
-    Then d(loss)/d(logp) = -min(exp(logp - logp_behav), C)·A/N on sampled tokens.
+    Then d(loss)/d(logp) = -min(exp(logp - logp_sampler), C)·A/N on sampled tokens.
     """
     rng = np.random.default_rng(7)
     ex = _example(rng)
@@ -181,7 +181,7 @@ def test_truncated_importance_sampling_gradient_without_proximal_logprobs():
 
     grad = np.asarray(jax.grad(f)(jnp.asarray(lp0)))
     mask, adv = np.asarray(ex.loss_mask.array), np.asarray(ex.advantages.array)
-    w = np.minimum(np.exp(lp0 - np.asarray(ex.policy_logprobs.array)), 2.0)
+    w = np.minimum(np.exp(lp0 - np.asarray(ex.sampler_logprobs.array)), 2.0)
     np.testing.assert_allclose(grad, np.where(mask, -w * adv / mask.sum(), 0.0), rtol=1e-4, atol=1e-7)
 
 
@@ -200,7 +200,7 @@ def test_kl_to_reference_matches_formula(estimator, kind):
     loss, metrics = policy_loss(hax.named(lp, (B, P)), _zeros(), ex, cfg)
     mask, seg = np.asarray(ex.loss_mask.array), np.asarray(ex.segment_ids.array)
     kl = _np_aggregate(_np_kl(lp, np.asarray(ex.reference_logprobs.array), estimator), mask, seg, kind, 128)
-    obj = _np_clip_obj(lp, np.asarray(ex.policy_logprobs.array), np.asarray(ex.advantages.array), 0.2, 0.28)
+    obj = _np_clip_obj(lp, np.asarray(ex.sampler_logprobs.array), np.asarray(ex.advantages.array), 0.2, 0.28)
     pg = _np_aggregate(-obj, mask, seg, kind, 128)
     np.testing.assert_allclose(float(metrics["kl_reference"]), kl, rtol=1e-5)
     np.testing.assert_allclose(float(loss), pg + 0.3 * kl, rtol=1e-5)
@@ -240,9 +240,7 @@ def test_row_slices_with_batch_normalizers_add_up_to_the_batch(kind, objective):
     ex = _example(rng, with_prox=True, with_ref=True)
     lp = hax.named(rng.normal(size=(2, 8)).astype(np.float32) * 0.3 - 1.5, (B, P))
     ent = hax.named(rng.random((2, 8)).astype(np.float32), (B, P))
-    cfg = LossConfig(
-        objective=objective, aggregation=kind, behaviour_weight_cap=1.5, kl_coef=0.2, max_response_tokens=4
-    )
+    cfg = LossConfig(objective=objective, aggregation=kind, sampler_weight_cap=1.5, kl_coef=0.2, max_response_tokens=4)
     loss, metrics = policy_loss(lp, ent, ex, cfg)
     norm = loss_normalizers(ex, cfg)
     one = hax.Axis("batch", 1)

@@ -13,16 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.learner.model import (
-    LayoutAwareDotGeneral,
-    ModelConfig,
-    _contract,
-    build_model,
-    packed_attention_mask,
-    resolved_architecture,
-    tiny_llama,
-    token_logprobs,
-)
+from marin_rl.model.build import ModelConfig, build_model, resolved_architecture, tiny_llama
+from marin_rl.model.linear_gradients import LayoutAwareDotGeneral, _contract
+from marin_rl.model.logprobs import packed_attention_mask, token_logprobs
 
 VOCAB = 128
 

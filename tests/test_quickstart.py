@@ -47,7 +47,7 @@ def test_shortened_quickstart_learns(tmp_path):
         assert 0 <= r["batches/staleness/max"] <= config.replay.max_age
         assert r["learner/ratio/mean"] == 1.0
         if r["batches/staleness/max"] == 0:  # on-policy batch: sampler and learner agree token by token
-            assert r["learner/logprob_diff_behaviour/max_abs"] < 1e-4
+            assert r["learner/logprob_diff_sampler/max_abs"] < 1e-4
         assert r["batches/packing_efficiency"] > 0.8
     assert steps[0]["batches/staleness/max"] == 0, "the first batch is sampled entirely by version 0"
     evals = [r for r in rows if "eval/addition/reward" in r]

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marin_rl.replay.advantages import GroupAdvantages, combine_rewards, dr_grpo, ema_baseline, grpo, reinforce, rloo
-from marin_rl.replay.batcher import Batcher, BatcherConfig, BatchTimeoutError, env_targets
+from marin_rl.replay.advantages import GroupAdvantages, dr_grpo, ema_baseline, grpo, reinforce, rloo
+from marin_rl.replay.batcher import Batcher, BatcherConfig, BatchTimeoutError, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.replay.packing import Sequence, best_fit_decreasing, first_fit_decreasing, pack, pack_rows
+from marin_rl.replay.selection import env_targets
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
 
@@ -28,7 +29,7 @@ def make_rollout(env, prompt_len, gen_len, reward, version, rng, rewards=None):
                 "assistant",
                 "a",
                 gen,
-                logprobs=(-rng.random(gen_len)).tolist(),
+                sampler_logprobs=(-rng.random(gen_len)).tolist(),
                 reward=reward,
                 rewards=dict(rewards or {}),
                 inference_metadata=meta,
@@ -85,14 +86,13 @@ def test_reinforce_uses_a_running_baseline_that_excludes_the_current_group():
         ReplayConfig(advantage_estimator="ppo")
 
 
-def test_named_rewards_combine_linearly_with_configured_weights():
-    assert combine_rewards({"correct": 1.0, "format": 0.5, "other": 9.0}, {"correct": 2.0, "format": -1.0}) == 1.5
+def test_named_rewards_are_reported_and_the_turn_reward_is_what_advantages_use():
     rng = np.random.default_rng(0)
-    buf = ReplayBuffer("e", ReplayConfig(reward_weights={"correct": 1.0, "len": -0.1}))
-    rs = [make_rollout("e", 2, 3, 0.0, 0, rng, rewards={"correct": float(c), "len": 3.0}) for c in (1, 0, 1)]
-    assert buf.add(RolloutGroup("e", "p", rs))
-    np.testing.assert_allclose([it.rollout.reward for it in buf.items], [0.7, -0.3, 0.7])
-    np.testing.assert_allclose([it.advantage for it in buf.items], rloo(np.array([0.7, -0.3, 0.7])))
+    buf = ReplayBuffer("e", ReplayConfig())
+    rs = [make_rollout("e", 2, 3, 1.0 - 0.3 * c, 0, rng, rewards={"correct": float(c), "len": 3.0}) for c in (1, 0, 1)]
+    admission = buf.admit(RolloutGroup("e", "p", rs))
+    assert admission.accepted and admission.queued == 3 and admission.sampled_tokens == 9
+    np.testing.assert_allclose([it.advantage for it in buf.items], rloo(np.array([0.7, 1.0, 0.7])))
     m = buf.metrics(0)
     assert m["replays/e/rewards/correct/mean"] == pytest.approx(2 / 3)
     assert m["replays/e/rewards/len/std"] == 0.0
@@ -105,17 +105,17 @@ def _corrupt(kind):
     def f(g):
         t = g.rollouts[0].turns
         if kind == "logprob_count":
-            t[1].logprobs = t[1].logprobs[:-1]
+            t[1].sampler_logprobs = t[1].sampler_logprobs[:-1]
         elif kind == "token_out_of_vocab":
             t[0].token_ids[0] = 1000
         elif kind == "nonfinite_reward":
             t[1].rewards = {"x": float("nan")}
         elif kind == "bad_logprob":
-            t[1].logprobs[0] = float("-inf")
+            t[1].sampler_logprobs[0] = float("-inf")
         elif kind == "unknown_environment":
             g.environment = "other"
         elif kind == "no_sampled_tokens":
-            t[1].logprobs = None
+            t[1].sampler_logprobs = None
         elif kind == "inconsistent_group":
             g.rollouts[1].problem_id = "q"
         elif kind == "missing_metadata":
@@ -142,7 +142,8 @@ def test_buffer_rejects_each_kind_of_invalid_group_by_reason(reason, caplog):
     rng = np.random.default_rng(0)
     buf = ReplayBuffer("e", ReplayConfig(), vocab_size=100)
     with caplog.at_level(logging.WARNING):
-        assert not buf.add(_corrupt(reason)(make_group("e", 4, rng)))
+        admission = buf.admit(_corrupt(reason)(make_group("e", 4, rng)))
+    assert not admission.accepted and admission.reason == reason and admission.detail
     assert reason in caplog.text
     m = buf.metrics(0)
     assert m[f"replays/e/rejected/{reason}"] == 1 and m["replays/e/rejected"] == 1
@@ -152,17 +153,17 @@ def test_buffer_rejects_each_kind_of_invalid_group_by_reason(reason, caplog):
 def test_buffer_rejects_malformed_small_and_zero_variance_groups_and_counts_them():
     rng = np.random.default_rng(0)
     buf = ReplayBuffer("e", ReplayConfig(min_group_size=3, drop_zero_variance_groups=True), vocab_size=100)
-    assert not buf.add(make_group("e", 2, rng))
+    assert buf.admit(make_group("e", 2, rng)).reason == "group_too_small"
     bad = make_group("e", 4, rng).to_dict()
     del bad["rollouts"][0]["turns"]
-    assert not buf.add(bad)
+    assert buf.admit(bad).reason == "malformed"
     flat = make_group("e", 4, rng)
     for r in flat.rollouts:
         r.turns[1].reward = 1.0
-    assert not buf.add(flat)
+    assert buf.admit(flat).reason == "zero_variance"
     good = make_group("e", 4, rng)
     good.rollouts[0].turns[1].reward, good.rollouts[1].turns[1].reward = 0.0, 1.0
-    assert buf.add(good.to_dict())
+    assert buf.admit(good.to_dict()).accepted
     m = buf.metrics(0)
     assert m["replays/e/rejected/group_too_small"] == 1
     assert m["replays/e/rejected/malformed"] == 1
@@ -173,11 +174,12 @@ def test_buffer_rejects_malformed_small_and_zero_variance_groups_and_counts_them
 def test_buffer_drops_stale_rollouts_in_buffer_and_on_arrival():
     rng = np.random.default_rng(1)
     buf = ReplayBuffer("e", ReplayConfig(max_age=2))
-    buf.add(make_group("e", 4, rng, version=0))
-    buf.add(make_group("e", 4, rng, version=3))
+    buf.admit(make_group("e", 4, rng, version=0))
+    buf.admit(make_group("e", 4, rng, version=3))
     assert buf.drop_stale(learner_version=4) == 4
     assert all(it.oldest_version == 3 for it in buf.items)
-    assert buf.add(make_group("e", 4, rng, version=1))  # valid, but already too old for learner version 4
+    admission = buf.admit(make_group("e", 4, rng, version=1))  # valid, but already too old for learner version 4
+    assert admission.accepted and admission.discarded_stale == 4 and admission.queued == 0
     assert len(buf) == 4
     m = buf.metrics(4)
     assert m["replays/e/discarded_stale"] == 8 and m["replays/e/new_rollouts"] == 12
@@ -188,23 +190,25 @@ def test_buffer_evicts_oldest_first_past_capacity():
     buf = ReplayBuffer("e", ReplayConfig(capacity=6))
     groups = [make_group("e", 4, rng) for _ in range(3)]
     for g in groups:
-        buf.add(g)
+        buf.admit(g)
     kept = [it.rollout.rollout_uid for it in buf.items]
     assert kept == [r.rollout_uid for r in groups[1].rollouts[2:] + groups[2].rollouts]
     assert buf.metrics(0)["replays/e/evicted"] == 6
 
 
-def test_buffer_metrics_cover_the_window_since_last_call():
+def test_buffer_metrics_are_reads_that_cover_the_window_since_it_started():
     rng = np.random.default_rng(3)
     buf = ReplayBuffer("e", ReplayConfig())
     g = make_group("e", 4, rng, version=2, lens=(3, 5))
     g.rollouts[0].turns[1].inference_metadata.finish_reason = "length"
-    buf.add(g)
-    m = buf.metrics(2, used_in_batch=2)
+    buf.admit(g)
+    m = buf.metrics(2)
+    assert buf.metrics(2) == m  # reading changes nothing
     assert m["replays/e/new_tokens"] == 32 and m["replays/e/new_generated_tokens"] == 20
     assert m["replays/e/tokens_in_buffer"] == 32 and m["replays/e/frac_on_policy"] == 1.0
-    assert m["replays/e/frac_truncated"] == 0.25 and m["replays/e/frac_used_in_batch"] == 0.5
+    assert m["replays/e/frac_truncated"] == 0.25
     assert m["replays/e/reward/mean"] == pytest.approx(np.mean([r.reward for r in g.rollouts]))
+    buf.start_window()
     m = buf.metrics(3)
     assert m["replays/e/new_rollouts"] == 0 and m["replays/e/frac_on_policy"] == 0.0
 
@@ -282,7 +286,7 @@ def _fill(bufs, rng, version, tokens, mean_len, group_size=4):
                         env, p, n - p, float(rng.integers(0, 2)), max(0, version - int(rng.integers(0, 3))), rng
                     )
                 )
-            buf.add(RolloutGroup(env, "p", rs))
+            buf.admit(RolloutGroup(env, "p", rs))
             added += sum(r.num_tokens for r in rs)
 
 
@@ -311,23 +315,25 @@ def test_batcher_properties_over_random_groups(seed, raw, total, max_age, max_re
         _fill(bufs, rng, version, {n: supply * fractions[n] * 512 for n in names}, mean_len)
         by_uid = {it.rollout.rollout_uid: it for b in bufs.values() for it in b.items}
         made = batcher.try_make_batch(version)
-        if made is None:
-            assert batcher.waiting_for
-            assert all(bufs[n].num_tokens < 0.5 * fractions[n] * 512 for n in batcher.waiting_for)
+        if isinstance(made, BatchWait):
+            assert made.missing
+            assert all(bufs[n].num_tokens < 0.5 * fractions[n] * 512 for n in made.missing)
             continue
+        assert isinstance(made, FormedBatch)
         emitted += 1
-        batch, m = made
+        batch, m, placed = made.batch, made.metrics, made.placed
+        assert {n: u.rollouts for n, u in made.usage.items()} == {n: m[f"batches/{n}/rollouts_used"] for n in names}
         # packing: each placed rollout appears exactly once, whole, at its row; nothing else is in the batch
         segs = _segments(batch)
-        assert sorted(segs.values()) == sorted(tuple(it.rollout.token_ids) for it, _ in batcher.last_items)
-        assert len(segs) == len(batcher.last_items) == m["batches/rollouts"]
-        for it, row in batcher.last_items:
+        assert sorted(segs.values()) == sorted(tuple(it.rollout.token_ids) for it, _ in placed)
+        assert len(segs) == len(placed) == m["batches/rollouts"]
+        for it, row in placed:
             assert tuple(it.rollout.token_ids) in {v for (r, _), v in segs.items() if r == row}
         # staleness: no token older than max_age is trained on
-        assert (batch.version[batch.loss_mask] >= version - max_age).all()
+        assert (batch.token_versions[batch.loss_mask] >= version - max_age).all()
         assert m["batches/staleness/max"] <= max_age
         # reuse
-        for it, _ in batcher.last_items:
+        for it, _ in placed:
             uid = it.rollout.rollout_uid
             uses[uid] = uses.get(uid, 0) + 1
             assert uses[uid] <= max_reuse
@@ -335,7 +341,7 @@ def test_batcher_properties_over_random_groups(seed, raw, total, max_age, max_re
         # shares: never above target; below it by more than one rollout only if none of the env's unused
         # rollouts fits into the space left (neither the largest free gap nor the remaining deficit)
         free = cfg.max_seq_len - (batch.segment_ids >= 0).sum(axis=1)
-        in_batch = {id(it) for it, _ in batcher.last_items}
+        in_batch = {id(it) for it, _ in placed}
         for n in names:
             target, got = m[f"batches/{n}/target_tokens"], m[f"batches/{n}/tokens_used"]
             assert (
@@ -347,10 +353,10 @@ def test_batcher_properties_over_random_groups(seed, raw, total, max_age, max_re
                 - 1e-6
                 or remainder == "none"
             )
-            mine = [it.num_tokens for it, _ in batcher.last_items if it.rollout.environment == n]
+            mine = [it.num_tokens for it, _ in placed if it.rollout.environment == n]
             assert got <= target + 1e-6 or got - max(mine) < target  # above target by less than one rollout
             assert m[f"batches/{n}/tokens_used"] == sum(
-                it.num_tokens for it, _ in batcher.last_items if it.rollout.environment == n
+                it.num_tokens for it, _ in placed if it.rollout.environment == n
             )
             left = [it for it in bufs[n].items if id(it) not in in_batch]
             for it in left:
@@ -384,7 +390,8 @@ def test_batcher_reaches_each_share_within_one_rollout_when_data_is_plentiful():
     fractions = {"a": 0.5, "b": 0.3, "c": 0.2}
     _fill(bufs, rng, 5, {n: 3 * 4096 for n in names}, {"a": 6, "b": 12, "c": 30})
     batcher = Batcher(BatcherConfig(total_token_budget=4096, max_seq_len=128), bufs, fractions)
-    batch, m = batcher.try_make_batch(5)
+    made = batcher.try_make_batch(5)
+    m = made.metrics
     for n, f in fractions.items():
         longest = max(it.num_tokens for it in bufs[n].items)
         assert abs(m[f"batches/{n}/tokens_used"] - f * 4096) < longest
@@ -394,11 +401,11 @@ def test_batcher_reaches_each_share_within_one_rollout_when_data_is_plentiful():
 def test_batcher_waits_says_for_which_env_and_times_out(caplog):
     rng = np.random.default_rng(0)
     bufs = {n: ReplayBuffer(n, ReplayConfig()) for n in ("a", "b")}
-    bufs["a"].add(make_group("a", 8, rng))
+    bufs["a"].admit(make_group("a", 8, rng))
     batcher = Batcher(BatcherConfig(total_token_budget=128, max_seq_len=32, block_timeout_s=0.05), bufs)
     with caplog.at_level(logging.INFO):
-        assert batcher.try_make_batch(0) is None
-    assert set(batcher.waiting_for) == {"b"} and batcher.waiting_for["b"] == math.ceil(0.9 * 64)
+        wait = batcher.try_make_batch(0)
+    assert isinstance(wait, BatchWait) and wait.missing == {"b": math.ceil(0.9 * 64)}
     assert "waiting" in caplog.text and "b (58 tokens missing" in caplog.text
     import time
 
@@ -411,41 +418,42 @@ def test_batcher_fill_policy_lets_other_envs_cover_a_shortfall():
     rng = np.random.default_rng(0)
     bufs = {n: ReplayBuffer(n, ReplayConfig()) for n in ("a", "b")}
     for _ in range(8):
-        bufs["a"].add(make_group("a", 4, rng))
-    bufs["b"].add(make_group("b", 2, rng))
+        bufs["a"].admit(make_group("a", 4, rng))
+    bufs["b"].admit(make_group("b", 2, rng))
     batcher = Batcher(BatcherConfig(total_token_budget=256, max_seq_len=32, shortfall="fill"), bufs)
-    batch, m = batcher.try_make_batch(0)
+    made = batcher.try_make_batch(0)
+    assert isinstance(made, FormedBatch)
+    m = made.metrics
     assert m["batches/b/tokens_used"] == 16 and m["batches/a/tokens_used"] == 240
     assert m["batches/packing_efficiency"] == pytest.approx(1.0)
-    assert batcher.waiting_for == {}
 
 
-def test_too_long_rollouts_are_dropped_or_truncated_and_marked():
+def test_too_long_rollouts_are_dropped_or_truncated_on_admission():
     rng = np.random.default_rng(0)
     for policy in ("drop", "truncate"):
-        buf = ReplayBuffer("a", ReplayConfig())
+        buf = ReplayBuffer("a", ReplayConfig(), max_tokens=32, too_long=policy)
         g = make_group("a", 4, rng, lens=(10, 10))
         g.rollouts[0] = make_rollout("a", 20, 30, 1.0, 0, rng)  # 50 tokens: sampled ones survive a cut at 32
         g.rollouts[1] = make_rollout("a", 40, 5, 0.0, 0, rng)  # only prompt survives: always dropped
-        buf.add(g)
-        batcher = Batcher(
-            BatcherConfig(total_token_budget=128, max_seq_len=32, min_fill=0.1, too_long=policy), {"a": buf}
-        )
-        batch, m = batcher.try_make_batch(0)
-        segs = sorted(_segments(batch).values(), key=len)
+        admission = buf.admit(g)
+        batcher = Batcher(BatcherConfig(total_token_budget=128, max_seq_len=32, min_fill=0.1), {"a": buf})
+        made = batcher.try_make_batch(0)
+        segs = sorted(_segments(made.batch).values(), key=len)
+        m = buf.metrics(0)
         if policy == "drop":
-            assert m["batches/a/dropped_too_long"] == 2 and len(segs) == 2
+            assert admission.dropped_too_long == 2 and admission.queued == 2 and len(segs) == 2
+            assert m["replays/a/dropped/too_long"] == 2 and m["replays/a/truncated_too_long"] == 0
         else:
-            assert m["batches/a/dropped_too_long"] == 1 and m["batches/a/truncated_too_long"] == 1
+            assert admission.dropped_too_long == 1 and admission.truncated_too_long == 1 and admission.queued == 3
+            assert m["replays/a/dropped/too_long"] == 1 and m["replays/a/truncated_too_long"] == 1
             assert segs[-1] == tuple(g.rollouts[0].token_ids[:32])
-            cut = next(it for it, _ in batcher.last_items if it.max_len is not None)
-            assert cut.rollout.metadata["truncated"] and cut.rollout.truncated
-            row = next(r for it, r in batcher.last_items if it is cut)
-            seg = batch.segment_ids[row] == next(
-                s for s in range(4) if tuple(batch.input_ids[row, batch.segment_ids[row] == s]) == segs[-1]
+            cut = next(it for it, _ in made.placed if it.max_len is not None)
+            assert cut.num_tokens == 32 and cut.rollout.num_tokens == 50  # the stored rollout is whole
+            row = next(r for it, r in made.placed if it is cut)
+            seg = made.batch.segment_ids[row] == next(
+                s for s in range(4) if tuple(made.batch.input_ids[row, made.batch.segment_ids[row] == s]) == segs[-1]
             )
-            assert batch.loss_mask[row, seg].sum() == 12  # the 12 sampled tokens that survive the cut
-        assert m["replays/a/dropped/too_long"] == m["batches/a/dropped_too_long"]
+            assert made.batch.loss_mask[row, seg].sum() == 12  # the 12 sampled tokens that survive the cut
 
 
 def test_batcher_rejects_shares_that_do_not_match_envs():

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from marin_rl.replay import inspect as inspect_cli
+from marin_rl import inspect_rollouts as inspect_cli
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.replay.store import ROLLOUT_SCHEMA, RolloutWriter, read_rollouts, rollout_to_row
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
@@ -34,7 +34,7 @@ def _group(env, rng, n=4, version=3):
                         "assistant",
                         "4",
                         gen,
-                        logprobs=(-rng.random(len(gen)) * 3).tolist(),
+                        sampler_logprobs=(-rng.random(len(gen)) * 3).tolist(),
                         reward=float(i % 2),
                         rewards={"correct": float(i % 2), "format": 0.5},
                         inference_metadata=meta,
@@ -54,10 +54,10 @@ def test_buffer_persists_every_accepted_rollout_and_reads_back_identical(tmp_pat
     buf = ReplayBuffer("addition", ReplayConfig(persist_flush_rows=6), vocab_size=100, rollout_dir=root)
     groups = [_group("addition", rng) for _ in range(3)]
     for g in groups:
-        assert buf.add(g.to_dict())
+        assert buf.admit(g.to_dict()).accepted
     bad = _group("addition", rng)
-    bad.rollouts[0].turns[2].logprobs = []
-    assert not buf.add(bad)  # rejected: not persisted
+    bad.rollouts[0].turns[2].sampler_logprobs = []
+    assert not buf.admit(bad).accepted  # rejected: not persisted
     buf.flush()
     files = sorted(os.listdir(root))
     assert len(files) == 2 and all(f.endswith(".parquet") for f in files)  # 8 rows at flush_rows=6, then 4
@@ -84,7 +84,7 @@ def test_writer_works_through_fsspec_urls():
 def test_corrupt_and_foreign_files_are_reported_not_crashed_on(tmp_path):
     rng = np.random.default_rng(2)
     buf = ReplayBuffer("e", ReplayConfig(), rollout_dir=str(tmp_path / "e"))
-    buf.add(_group("e", rng))
+    buf.admit(_group("e", rng))
     buf.flush()
     good = os.listdir(tmp_path / "e")[0]
     data = (tmp_path / "e" / good).read_bytes()
@@ -93,7 +93,7 @@ def test_corrupt_and_foreign_files_are_reported_not_crashed_on(tmp_path):
     pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "e" / "foreign.parquet")
     rows = [rollout_to_row(r, "g", 0.0, 0.0) for r in _group("e", rng).rollouts]
     rows[0]["turns"][1]["token_ids"] = []  # invalid: prompt turn fine, but make a sampled turn inconsistent
-    rows[0]["turns"][2]["logprobs"] = [0.5]
+    rows[0]["turns"][2]["sampler_logprobs"] = [0.5]
     pq.write_table(pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), tmp_path / "e" / "invalid.parquet")
     result = read_rollouts(str(tmp_path))
     assert len(result.rollouts) == 4
@@ -112,7 +112,7 @@ def test_inspect_prints_counts_reward_stats_and_samples(tmp_path, capsys):
     for env in ("a", "b"):
         buf = ReplayBuffer(env, ReplayConfig(), rollout_dir=str(tmp_path / env))
         for _ in range(2):
-            buf.add(_group(env, rng))
+            buf.admit(_group(env, rng))
         buf.flush()
     assert inspect_cli.main([str(tmp_path), "--samples", "1"]) == 0
     text = capsys.readouterr().out

@@ -15,11 +15,12 @@ import pytest
 from marin_rl.config import RunConfig
 from marin_rl.envs.data import DataFormatError
 from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig, SftConfig
-from marin_rl.learner.model import ModelConfig, build_model, packed_attention_mask, tiny_llama
-from marin_rl.learner.sft import SftTrainer, build_batch, encode_records, load_records, plan_batches
+from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.logprobs import packed_attention_mask
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.run import parse_config, run
+from marin_rl.sft import SftTrainer, build_batch, encode_records, load_records, plan_batches
 from marin_rl.tokenizer import build_char_tokenizer
 
 SEQ = 32
@@ -201,8 +202,8 @@ import json, sys
 import jax
 from marin_rl.config import RunConfig
 from marin_rl.learner.learner import LearnerConfig, MeshConfig, OptimizerConfig, SftConfig
-from marin_rl.learner.model import ModelConfig, tiny_llama
-from marin_rl.learner.sft import SftTrainer
+from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.sft import SftTrainer
 from marin_rl.replay.batcher import BatcherConfig
 
 assert jax.device_count() == 4, jax.devices()

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, OptimizerConfig
 from marin_rl.learner.losses import LossConfig
-from marin_rl.learner.model import ModelConfig, tiny_llama
+from marin_rl.model.build import ModelConfig, tiny_llama
 from marin_rl.types import PackedBatch
 
 out_dir, cases = sys.argv[1], json.loads(sys.argv[2])
@@ -56,8 +56,8 @@ def batch(seed):
         segment_ids=segs,
         loss_mask=loss_mask,
         advantages=np.where(loss_mask, rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
-        policy_logprobs=np.where(loss_mask, -np.log(VOCAB) + 0.1 * rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
-        version=np.where(loss_mask, 0, -1).astype(np.int32),
+        sampler_logprobs=np.where(loss_mask, -np.log(VOCAB) + 0.1 * rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
+        token_versions=np.where(loss_mask, 0, -1).astype(np.int32),
     )
 
 
@@ -93,7 +93,7 @@ with open(f"{out_dir}/errors.json", "w") as f:
 print("done")
 """
 
-COMPARED = ("learner/loss", "learner/pg_loss", "learner/entropy", "learner/kl_behaviour", "learner/grad_norm")
+COMPARED = ("learner/loss", "learner/pg_loss", "learner/entropy", "learner/kl_sampler", "learner/grad_norm")
 LOSS_RTOL = 1e-5
 # Adam divides each gradient element by its own magnitude, so elements with near-zero gradients turn the (different)
 # float summation order of the sharded reductions into update differences of a few 1e-5 at lr 1e-3 (measured:

@@ -20,16 +20,18 @@ import numpy as np
 import pytest
 import ray
 
-from marin_rl.broadcast.broadcaster import BroadcastConfig, make_transport
+from marin_rl.broadcast.base import BroadcastConfig, make_transport
 from marin_rl.config import RunConfig
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.inference.client import PolicyClient
 from marin_rl.inference.config import InferenceConfig, VllmConfig
 from marin_rl.inference.vllm_env import ENV_VAR, ensure_vllm_env, vllm_python
-from marin_rl.inference.vllm_server import VllmServerActor, _in_use, _shm_entries
+from marin_rl.inference.vllm_server import _in_use, _shm_entries
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.learner.model import ModelConfig, build_model, tiny_llama, token_logprobs, with_seq_len
+from marin_rl.model.build import ModelConfig, build_model, tiny_llama, with_seq_len
+from marin_rl.model.logprobs import token_logprobs
+from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import TokenizerConfig, build_char_tokenizer
 
@@ -97,7 +99,7 @@ class _Reference:
 
 @pytest.fixture(scope="module")
 def served(vllm_env, tmp_path_factory):
-    """A warm-started tiny Llama served by `VllmServerActor` (the orchestrator's interface), version 0."""
+    """A warm-started tiny Llama served by `ServerActor` (the orchestrator's interface), version 0."""
     tok = build_char_tokenizer()
     env = AdditionEnvironment(tok, max_operand=49, num_eval=50)
     model_config = with_seq_len(ModelConfig(architecture=tiny_llama()), MAX_SEQ_LEN)
@@ -119,7 +121,7 @@ def served(vllm_env, tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     shm_at_start = _shm_entries()
     started = time.time()
-    actor = VllmServerActor.remote(config, "vllm-test")
+    actor = ServerActor.remote(config, "vllm-test")
     address = ray.get(actor.get_address.remote())
     startup_s = time.time() - started
     transport = make_transport("in_process")
@@ -206,10 +208,10 @@ def test_tokens_exact_and_logprobs_match_learner(served):
         assert eos_at in ([], [len(turn.token_ids) - 1])
         assert (meta.finish_reason == "length") == (not eos_at)
     assert sum(len(r.turns[1].token_ids) for r in rollouts) > 300
-    diff = np.abs(learner.logprobs(batch) - batch.policy_logprobs)[batch.loss_mask]
+    diff = np.abs(learner.logprobs(batch) - batch.sampler_logprobs)[batch.loss_mask]
     assert diff.max() <= 1e-4, f"vLLM/learner logprob mismatch {diff.max()}"
     # the policy is far from uniform, so matching is not trivial
-    assert np.std(batch.policy_logprobs[batch.loss_mask]) > 0.3
+    assert np.std(batch.sampler_logprobs[batch.loss_mask]) > 0.3
 
 
 @pytest.mark.slow
@@ -229,14 +231,14 @@ def test_weight_updates_new_and_lower_versions(served):
     assert all(
         r.turns[1].inference_metadata.version_start == 1 == r.turns[1].inference_metadata.version_end for r in rollouts
     )
-    sampled = batch.policy_logprobs[batch.loss_mask]
+    sampled = batch.sampler_logprobs[batch.loss_mask]
     assert np.abs(ref.packed(new, batch)[batch.loss_mask] - sampled).max() <= 1e-4
     assert np.abs(ref.packed(old, batch)[batch.loss_mask] - sampled).max() > 1e-2  # really the new weights
 
     push(0, old)  # a lower version (a learner restored from an older checkpoint) is served as given
     rollouts, batch = _packed(_groups(served, problems))
     assert all(r.turns[1].inference_metadata.version_end == 0 for r in rollouts)
-    assert np.abs(ref.packed(old, batch)[batch.loss_mask] - batch.policy_logprobs[batch.loss_mask]).max() <= 1e-4
+    assert np.abs(ref.packed(old, batch)[batch.loss_mask] - batch.sampler_logprobs[batch.loss_mask]).max() <= 1e-4
 
 
 @pytest.mark.slow
@@ -288,7 +290,7 @@ def test_request_straddling_an_update_continues_under_new_weights(served):
     for s in straddled:
         lp_a = ref.sequence(a, prompt, s.token_ids)
         lp_b = ref.sequence(b, prompt, s.token_ids)
-        got = np.array(s.logprobs)
+        got = np.array(s.sampler_logprobs)
         # the first tokens match only the old weights, the last ones only the new
         assert abs(got[0] - lp_a[0]) <= 1e-4 and abs(got[-1] - lp_b[-1]) <= 1e-4
         split = next(i for i in range(len(got) + 1) if i == len(got) or abs(got[i] - lp_a[i]) > 1e-4)
@@ -322,5 +324,5 @@ def test_dead_vllm_is_restarted_with_current_weights(served):
     samples = _sample(served["address"], prompt, n=4, max_tokens=6)
     assert {(s.version_start, s.version_end) for s in samples} == {(3, 3)}
     for s in samples:
-        np.testing.assert_allclose(s.logprobs, ref.sequence(weights, prompt, s.token_ids), atol=1e-4)
+        np.testing.assert_allclose(s.sampler_logprobs, ref.sequence(weights, prompt, s.token_ids), atol=1e-4)
         assert tok.decode(s.token_ids, skip_special_tokens=True) == s.text

@@ -47,6 +47,6 @@ def test_run_on_the_vllm_backend(tmp_path):
         assert 0 <= r["batches/staleness/max"] <= config.replay.max_age
         assert r["broadcast/bytes"] > 0
         if r["batches/staleness/max"] == 0:  # on-policy: vLLM's logprobs equal the learner's token by token
-            assert r["learner/logprob_diff_behaviour/max_abs"] < 1e-4
+            assert r["learner/logprob_diff_sampler/max_abs"] < 1e-4
     assert steps[0]["batches/staleness/max"] == 0
     assert (out / "hf" / "step-4" / "config.json").exists()

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from marin_rl.broadcast.broadcaster import (
+from marin_rl.broadcast.base import (
     BroadcastConfig,
     WeightTransport,
     WeightUpdate,
@@ -50,6 +50,7 @@ from marin_rl.broadcast.broadcaster import (
     dtype_name,
     host_leaves,
     leaf_dtype,
+    register_transport,
 )
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ def _remove_published(directory: str, created: list[str], owned: bool) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@register_transport
 class SharedMemoryTransport(WeightTransport):
     """Publishes into model-sized slots on a memory filesystem; servers on the same machine read them in place."""
 

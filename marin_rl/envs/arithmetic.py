@@ -27,11 +27,12 @@ class AdditionEnvironment(SingleTurnEnvironment):
         *,
         name: str | None = None,
         seed: int = 0,
+        reward_weights: dict[str, float] | None = None,
         max_operand: int = 99,
         num_eval: int = 200,
         demo_error_rate: float = 0.0,
     ):
-        super().__init__(tokenizer, name=name, seed=seed)
+        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
         if max_operand < 1:
             raise ValueError("max_operand must be >= 1")
         if not 0.0 <= demo_error_rate < 1.0:

@@ -42,15 +42,23 @@ class Environment(abc.ABC):
     """A task: training and held-out problems, and an episode that turns a problem into a scored `Rollout`.
 
     Subclasses take the tokenizer and their own keyword arguments (from the env's `args` in the config).
+    `reward_weights` (a class attribute, or the `reward_weights` argument, which replaces it) combines a turn's
+    named rewards into its reward: Σ weight · named reward, names without a weight counting 0.
     """
 
     name: str = "env"
+    reward_weights: dict[str, float] = {"correct": 1.0}
 
-    def __init__(self, tokenizer, *, name: str | None = None, seed: int = 0):
+    def __init__(
+        self, tokenizer, *, name: str | None = None, seed: int = 0, reward_weights: dict[str, float] | None = None
+    ):
         self.tokenizer = tokenizer
         self.seed = seed
         if name is not None:
             self.name = name
+        if reward_weights is not None:
+            self.reward_weights = dict(reward_weights)
+        check_reward_weights(self.reward_weights, where=self.name)
 
     @abc.abstractmethod
     def train_problems(self) -> list[Problem]:
@@ -83,7 +91,6 @@ class SingleTurnEnvironment(Environment):
     see `marin_rl.envs.rewards`); the named rewards are combined with `reward_weights` into the turn's reward.
     """
 
-    reward_weights: dict[str, float] = {"correct": 1.0}
     reward_functions: dict[str, RewardFunction] = {}
 
     def encode_prompt(self, problem: Problem) -> list[int]:
@@ -159,7 +166,7 @@ def policy_turn(
         role="assistant",
         message=text,
         token_ids=list(sample.token_ids),
-        logprobs=list(sample.logprobs),
+        sampler_logprobs=list(sample.sampler_logprobs),
         reward=float(reward),
         rewards=dict(rewards or {}),
         inference_metadata=InferenceMetadata(

@@ -5,7 +5,7 @@ An episode: the prompt asks for e.g. 347*5821; the policy calls
 tool turn, and answers. The last number of the final answer (a turn without a tool call) is compared with the
 exact result: '2,019,887', '2019887.0' and 'The answer is 2019887.' are all correct.
 
-    python -m marin_rl.envs.try calculator --config experiments/calculator.yaml
+    python -m marin_rl.try_env calculator --config experiments/calculator.yaml
 """
 
 from __future__ import annotations
@@ -137,8 +137,9 @@ class CalculatorEnvironment(ToolEnvironment):
     'correct' (exact final answer) and 'used_tool' (a calculate call succeeded; weight 0 unless `reward_weights`
     gives it one). The reference completion, for warm start, is a correct tool-using transcript.
 
-    Args (besides `ToolEnvironment`'s): min_digits, max_digits, operations, num_train, num_eval, prompt_template
-    (with `{expression}`).
+    Args (besides `ToolEnvironment`'s, whose defaults here are max_turns 3, tool_timeout_s 5, max_tool_calls_per_turn
+    2, max_tool_output_chars 200): min_digits, max_digits, operations, num_train, num_eval, prompt_template (with
+    `{expression}`).
     """
 
     name = "calculator"
@@ -148,7 +149,6 @@ class CalculatorEnvironment(ToolEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
         seed: int = 0,
         min_digits: int = 3,
         max_digits: int = 4,
@@ -156,30 +156,10 @@ class CalculatorEnvironment(ToolEnvironment):
         num_train: int = 5000,
         num_eval: int = 200,
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
-        max_turns: int = 3,
-        max_episode_tokens: int | None = None,
-        reward_weights: dict[str, float] | None = None,
-        system_prompt: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        tool_timeout_s: float = 5.0,
-        max_tool_calls_per_turn: int = 2,
-        max_tool_output_chars: int = 200,
-        show_tools: bool = True,
+        **options,
     ):
-        super().__init__(
-            tokenizer,
-            name=name,
-            seed=seed,
-            max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens,
-            reward_weights=reward_weights,
-            system_prompt=system_prompt,
-            stop_token_ids=stop_token_ids,
-            tool_timeout_s=tool_timeout_s,
-            max_tool_calls_per_turn=max_tool_calls_per_turn,
-            max_tool_output_chars=max_tool_output_chars,
-            show_tools=show_tools,
-        )
+        defaults = {"max_turns": 3, "tool_timeout_s": 5.0, "max_tool_calls_per_turn": 2, "max_tool_output_chars": 200}
+        super().__init__(tokenizer, seed=seed, **{**defaults, **options})
         if not 1 <= min_digits <= max_digits <= 12:
             raise ValueError(f"need 1 <= min_digits <= max_digits <= 12, got {min_digits} and {max_digits}")
         if not operations or any(op not in OPERATIONS for op in operations):

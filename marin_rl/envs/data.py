@@ -118,6 +118,57 @@ def _problem_id(row: dict[str, Any], path: str, index: int) -> str:
     return f"{stem}-{index}"
 
 
+def source_rows(
+    path: str | None,
+    inline: list[dict[str, Any]] | None,
+    what: str,
+    storage_options: dict[str, Any] | None = None,
+    path_arg: str = "path",
+) -> list[tuple[str, dict[str, Any]]]:
+    """`(location, row)` pairs from a file (`path`, see `read_rows`) or from rows given inline (a list of dicts,
+    located as `what[i]`); exactly one of the two must be given (`path_arg` and `what` name them in the error)."""
+    if (path is None) == (inline is None):
+        raise ValueError(f"give exactly one of `{path_arg}` and `{what}`")
+    if path is not None:
+        return read_rows(path, storage_options=storage_options)
+    if not isinstance(inline, list) or not all(isinstance(r, dict) for r in inline):
+        raise ValueError(f"`{what}` must be a list of dicts (one per problem)")
+    return [(f"{what}[{i}]", r) for i, r in enumerate(inline)]
+
+
+def qa_problems(
+    rows: list[tuple[str, dict[str, Any]]],
+    source: str,
+    *,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    prompt_template: str = "{question}",
+    gsm8k: bool = False,
+) -> list[Problem]:
+    """Question/answer problems from `(location, row)` pairs read from `source` (a path, or a name for inline rows).
+
+    The prompt is `prompt_template` filled with `question` (the question field) and the row's other fields. With
+    `gsm8k=True` the answer field is a GSM8K solution and the reference answer is the number after '####'. The
+    problem id is the row's `id` field if it has one, else '<source stem>-<row index>'. `fields` keeps the question
+    and the raw answer ('solution').
+    """
+    problems = []
+    for i, (where, row) in enumerate(rows):
+        question = str(require_field(row, question_field, where))
+        raw_answer = require_field(row, answer_field, where)
+        answer = parse_gsm8k_answer(str(raw_answer), where) if gsm8k else str(raw_answer).strip()
+        prompt = format_prompt(prompt_template, {**row, "question": question}, where)
+        problems.append(
+            Problem(
+                id=_problem_id(row, source, i),
+                prompt=prompt,
+                answer=answer,
+                fields={"question": question, "solution": raw_answer},
+            )
+        )
+    return problems
+
+
 def load_qa(
     path: str,
     *,
@@ -127,28 +178,16 @@ def load_qa(
     gsm8k: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> list[Problem]:
-    """Question/answer problems from a JSONL or Parquet file.
-
-    The prompt is `prompt_template` filled with `question` (the question field) and the row's other fields. With
-    `gsm8k=True` the answer field is a GSM8K solution and the reference answer is the number after '####'. The
-    problem id is the row's `id` field if it has one, else '<file stem>-<row index>'. `fields` keeps the question
-    and the raw answer ('solution').
-    """
-    problems = []
-    for i, (where, row) in enumerate(read_rows(path, storage_options=storage_options)):
-        question = str(require_field(row, question_field, where))
-        raw_answer = require_field(row, answer_field, where)
-        answer = parse_gsm8k_answer(str(raw_answer), where) if gsm8k else str(raw_answer).strip()
-        prompt = format_prompt(prompt_template, {**row, "question": question}, where)
-        problems.append(
-            Problem(
-                id=_problem_id(row, path, i),
-                prompt=prompt,
-                answer=answer,
-                fields={"question": question, "solution": raw_answer},
-            )
-        )
-    return problems
+    """Question/answer problems from a JSONL or Parquet file (see `qa_problems`)."""
+    rows = read_rows(path, storage_options=storage_options)
+    return qa_problems(
+        rows,
+        path,
+        question_field=question_field,
+        answer_field=answer_field,
+        prompt_template=prompt_template,
+        gsm8k=gsm8k,
+    )
 
 
 def load_gsm8k(
@@ -173,6 +212,19 @@ def split_problems(problems: Sequence[Problem], eval_fraction: float, seed: int)
     return shuffled[n_eval:], shuffled[:n_eval]
 
 
+def train_eval_split(
+    train: list[Problem], held_out: list[Problem] | None, eval_fraction: float, seed: int, name: str, source: str
+) -> tuple[list[Problem], list[Problem]]:
+    """`train` and `held_out`, or a seeded `eval_fraction` split of `train` when `held_out` is None; raises when
+    either is empty or two problems share an id."""
+    if held_out is None:
+        train, held_out = split_problems(train, eval_fraction, seed)
+    if not train or not held_out:
+        raise ValueError(f"{name}: no training or no eval problems ({source})")
+    check_unique_ids(train + held_out, source)
+    return train, held_out
+
+
 def check_unique_ids(problems: Sequence[Problem], what: str) -> None:
     """Raise if two problems share an id (ids key replay groups and metrics)."""
     seen: set[str] = set()
@@ -192,12 +244,7 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
         self, train: list[Problem], held_out: list[Problem] | None, eval_fraction: float, source: str
     ) -> None:
         """Use `train` and `held_out` (or a seeded `eval_fraction` split of `train` when None); ids must be unique."""
-        if held_out is None:
-            train, held_out = split_problems(train, eval_fraction, self.seed)
-        if not train or not held_out:
-            raise ValueError(f"{self.name}: no training or no eval problems ({source})")
-        check_unique_ids(train + held_out, source)
-        self._train, self._eval = train, held_out
+        self._train, self._eval = train_eval_split(train, held_out, eval_fraction, self.seed, self.name, source)
 
     def train_problems(self) -> list[Problem]:
         return self._train

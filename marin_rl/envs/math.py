@@ -187,6 +187,7 @@ class MathEnvironment(ProblemSetEnvironment):
         *,
         name: str | None = None,
         seed: int = 0,
+        reward_weights: dict[str, float] | None = None,
         train_path: str,
         eval_path: str | None = None,
         eval_fraction: float = 0.1,
@@ -196,7 +197,7 @@ class MathEnvironment(ProblemSetEnvironment):
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
         storage_options: dict[str, Any] | None = None,
     ):
-        super().__init__(tokenizer, name=name, seed=seed)
+        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         if format == "gsm8k" and (question_field, answer_field) != ("question", "answer"):

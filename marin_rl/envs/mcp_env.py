@@ -24,7 +24,7 @@ from typing import Any
 from mcp import Client, StdioServerParameters
 
 from marin_rl.envs.base import Problem
-from marin_rl.envs.data import check_unique_ids, load_qa, split_problems
+from marin_rl.envs.data import qa_problems, source_rows, train_eval_split
 from marin_rl.envs.math import verify
 from marin_rl.envs.multi_turn import Conversation
 from marin_rl.envs.tools import Tool, ToolEnvironment
@@ -163,7 +163,6 @@ class McpToolEnvironment(ToolEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
         seed: int = 0,
         mcp_command: list[str] | str | None = None,
         mcp_url: str | None = None,
@@ -178,45 +177,23 @@ class McpToolEnvironment(ToolEnvironment):
         answer_field: str = "answer",
         prompt_template: str = "{question}",
         connect_timeout_s: float = 60.0,
-        max_turns: int = 4,
-        max_episode_tokens: int | None = None,
-        reward_weights: dict[str, float] | None = None,
-        system_prompt: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        tool_timeout_s: float = 30.0,
-        max_tool_calls_per_turn: int = 4,
-        max_tool_output_chars: int = 2000,
-        show_tools: bool = True,
+        **options,
     ):
-        super().__init__(
-            tokenizer,
-            name=name,
-            seed=seed,
-            max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens,
-            reward_weights=reward_weights,
-            system_prompt=system_prompt,
-            stop_token_ids=stop_token_ids,
-            tool_timeout_s=tool_timeout_s,
-            max_tool_calls_per_turn=max_tool_calls_per_turn,
-            max_tool_output_chars=max_tool_output_chars,
-            show_tools=show_tools,
-        )
-        if (problems is None) == (path is None):
-            raise ValueError(f"{self.name}: give exactly one of `problems` and `path`")
+        super().__init__(tokenizer, seed=seed, **options)
         if eval_problems is not None and eval_path is not None:
             raise ValueError(f"{self.name}: give at most one of `eval_problems` and `eval_path`")
         fields = dict(question_field=question_field, answer_field=answer_field, prompt_template=prompt_template)
-        train = self._load(problems, path, "problems", fields)
+
+        def load(source_path: str | None, inline: list[dict] | None, what: str) -> list[Problem]:
+            rows = source_rows(source_path, inline, what, path_arg=what.replace("problems", "path"))
+            return qa_problems(rows, source_path or what, **fields)
+
         held_out = (
-            None
-            if eval_problems is None and eval_path is None
-            else self._load(eval_problems, eval_path, "eval_problems", fields)
+            None if eval_problems is None and eval_path is None else load(eval_path, eval_problems, "eval_problems")
         )
-        if held_out is None:
-            train, held_out = split_problems(train, eval_fraction, seed)
-        check_unique_ids(train + held_out, self.name)
-        self._train, self._eval = train, held_out
+        self._train, self._eval = train_eval_split(
+            load(path, problems, "problems"), held_out, eval_fraction, seed, self.name, self.name
+        )
 
         self.connection = McpConnection(
             command=mcp_command, url=mcp_url, env=mcp_env, connect_timeout_s=connect_timeout_s
@@ -239,27 +216,6 @@ class McpToolEnvironment(ToolEnvironment):
             return await self.connection.acall(tool_name, arguments)
 
         return call
-
-    @staticmethod
-    def _load(inline, path, what: str, fields: dict) -> list[Problem]:
-        if path is not None:
-            return load_qa(path, **fields)
-        if not isinstance(inline, list) or not all(isinstance(r, dict) for r in inline):
-            raise ValueError(f"`{what}` must be a list of dicts with the question and answer fields")
-        q, a, template = fields["question_field"], fields["answer_field"], fields["prompt_template"]
-        out = []
-        for i, row in enumerate(inline):
-            if q not in row or a not in row:
-                raise ValueError(f"{what}[{i}] needs fields {q!r} and {a!r}, has {sorted(row)}")
-            out.append(
-                Problem(
-                    id=str(row.get("id", f"{what}-{i}")),
-                    prompt=template.format_map({**row, "question": row[q]}),
-                    answer=str(row[a]).strip(),
-                    fields={"question": str(row[q])},
-                )
-            )
-        return out
 
     def train_problems(self) -> list[Problem]:
         return self._train

@@ -35,7 +35,6 @@ from marin_rl.envs.base import Environment, Problem, SamplingParams, policy_turn
 from marin_rl.envs.rewards import (
     RewardFunction,
     aevaluate_rewards,
-    check_reward_weights,
     combine_rewards,
 )
 from marin_rl.inference.client import PolicyClient, Sample
@@ -244,7 +243,6 @@ class MultiTurnEnvironment(Environment):
     server's `max_seq_len` and the batcher's `max_seq_len`.
     """
 
-    reward_weights: dict[str, float] = {"correct": 1.0}
     reward_functions: dict[str, RewardFunction] = {}
 
     def __init__(
@@ -259,14 +257,11 @@ class MultiTurnEnvironment(Environment):
         system_prompt: str | None = None,
         stop_token_ids: list[int] | None = None,
     ):
-        super().__init__(tokenizer, name=name, seed=seed)
+        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_episode_tokens is not None and max_episode_tokens < 2:
             raise ValueError(f"max_episode_tokens must be >= 2 (or None), got {max_episode_tokens}")
-        if reward_weights is not None:
-            self.reward_weights = dict(reward_weights)
-        check_reward_weights(self.reward_weights, where=self.name)
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.system_prompt = system_prompt

@@ -7,7 +7,7 @@ import string
 from typing import Any
 
 from marin_rl.envs.base import Problem
-from marin_rl.envs.data import DataFormatError, ProblemSetEnvironment, read_rows, require_field
+from marin_rl.envs.data import DataFormatError, ProblemSetEnvironment, require_field, source_rows
 
 LETTERS = string.ascii_uppercase
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\n{options}\nAnswer:"
@@ -91,6 +91,7 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
         *,
         name: str | None = None,
         seed: int = 0,
+        reward_weights: dict[str, float] | None = None,
         path: str | None = None,
         problems: list[dict[str, Any]] | None = None,
         eval_path: str | None = None,
@@ -102,9 +103,7 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
         storage_options: dict[str, Any] | None = None,
     ):
-        super().__init__(tokenizer, name=name, seed=seed)
-        if (path is None) == (problems is None):
-            raise ValueError("give exactly one of `path` and `problems`")
+        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
         if eval_path is not None and eval_problems is not None:
             raise ValueError("give at most one of `eval_path` and `eval_problems`")
         fields = dict(
@@ -115,12 +114,9 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
         )
 
         def load(source_path: str | None, inline: list[dict] | None, prefix: str) -> list[Problem]:
-            if source_path is not None:
-                rows = read_rows(source_path, storage_options=storage_options)
-            else:
-                if not isinstance(inline, list) or not all(isinstance(r, dict) for r in inline):
-                    raise ValueError(f"`{prefix}` must be a list of dicts with question/choices/answer")
-                rows = [(f"{prefix}[{i}]", r) for i, r in enumerate(inline)]
+            rows = source_rows(
+                source_path, inline, prefix, storage_options, path_arg=prefix.replace("problems", "path")
+            )
             return [make_problem(r, where, i, id_prefix=prefix, **fields) for i, (where, r) in enumerate(rows)]
 
         held_out = (

@@ -188,28 +188,13 @@ class ToolEnvironment(MultiTurnEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
-        seed: int = 0,
-        max_turns: int = 4,
-        max_episode_tokens: int | None = None,
-        reward_weights: dict[str, float] | None = None,
-        system_prompt: str | None = None,
-        stop_token_ids: list[int] | None = None,
         tool_timeout_s: float = 30.0,
         max_tool_calls_per_turn: int = 4,
         max_tool_output_chars: int = 2000,
         show_tools: bool = True,
+        **options,
     ):
-        super().__init__(
-            tokenizer,
-            name=name,
-            seed=seed,
-            max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens,
-            reward_weights=reward_weights,
-            system_prompt=system_prompt,
-            stop_token_ids=stop_token_ids,
-        )
+        super().__init__(tokenizer, **options)
         if tool_timeout_s <= 0:
             raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
         if max_tool_calls_per_turn < 1:

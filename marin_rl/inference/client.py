@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 from openai import AsyncOpenAI
 
 
@@ -16,7 +17,7 @@ class Sample:
 
     token_ids: list[int]
     """Sampled token ids (the stop token included when one was sampled)."""
-    logprobs: list[float]
+    sampler_logprobs: list[float]
     """Sampler's log-probability of each sampled token."""
     text: str
     """Decoded completion text (special tokens skipped)."""
@@ -34,28 +35,21 @@ class Sample:
     """Policy version that sampled each token (None when the server does not report `policy_version_spans`)."""
 
 
-def version_spans(versions: list[int]) -> list[dict[str, int]]:
-    """Run-length form of per-token policy versions, as servers report them: `{"version", "start", "end"}` for
-    the tokens `[start, end)` (vLLM's weight-version spans, with integer versions)."""
-    spans: list[dict[str, int]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == v:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": int(v), "start": i, "end": i + 1})
-    return spans
-
-
 def versions_from_spans(spans: list[dict] | None, num_tokens: int) -> list[int] | None:
-    """Per-token versions from `policy_version_spans` (None when absent); the spans must cover every token."""
+    """Per-token versions from `policy_version_spans` (None when absent); the spans must cover every token exactly.
+
+    Any integer is a version, -1 included (a server that has never received weights)."""
     if spans is None:
         return None
-    out = [-1] * num_tokens
+    out: list[int | None] = [None] * num_tokens
     for span in spans:
-        out[int(span["start"]) : int(span["end"])] = [int(span["version"])] * (int(span["end"]) - int(span["start"]))
-    if len(out) != num_tokens or -1 in out:
+        start, end = int(span["start"]), int(span["end"])
+        if not 0 <= start <= end <= num_tokens:
+            raise RuntimeError(f"policy_version_spans {spans} reach outside the {num_tokens} sampled tokens")
+        out[start:end] = [int(span["version"])] * (end - start)
+    if None in out:
         raise RuntimeError(f"policy_version_spans {spans} do not cover the {num_tokens} sampled tokens")
-    return out
+    return out  # type: ignore[return-value]
 
 
 class PolicyClient:
@@ -142,7 +136,7 @@ class PolicyClient:
             samples.append(
                 Sample(
                     token_ids=[_parse_token_id(t) for t in choice.logprobs.tokens],
-                    logprobs=[float(x) for x in choice.logprobs.token_logprobs],
+                    sampler_logprobs=[float(x) for x in choice.logprobs.token_logprobs],
                     text=choice.text,
                     finish_reason=choice.finish_reason or "stop",
                     version_start=int(extra.get("policy_version_start", -1)),
@@ -163,3 +157,28 @@ def _parse_token_id(token: str) -> int:
     if not token.startswith("token_id:"):
         raise ValueError(f"server returned token {token!r} instead of 'token_id:N'; it must honour token ids")
     return int(token.split(":", 1)[1])
+
+
+class SeededPolicy:
+    """A policy client whose `sample` calls carry seeds: the group's `seed` for the first call, then seeds derived
+    from (seed, call number). A server samples choice k of a call with seed + k (the embedded server and vLLM both
+    honour per-request seeds), so a group's samples are a function of its seed and the weights. Calls are numbered
+    in the order they are made, which is deterministic for single-turn environments (one call per group)."""
+
+    def __init__(self, client: PolicyClient, seed: int):
+        self._client = client
+        self._seed = int(seed)
+        self._calls = 0
+
+    async def sample(self, prompt_ids: list[int], **kwargs) -> list[Sample]:
+        """`PolicyClient.sample` with the next seed (an explicit `seed` argument wins)."""
+        if kwargs.get("seed") is None:
+            seed = self._seed
+            if self._calls:
+                seed = int(np.random.SeedSequence([self._seed, self._calls]).generate_state(1)[0]) >> 2
+            kwargs["seed"] = seed
+        self._calls += 1
+        return await self._client.sample(prompt_ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)

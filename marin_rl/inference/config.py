@@ -32,8 +32,6 @@ class VllmConfig:
     """More `vllm serve` arguments, e.g. ['--tensor-parallel-size', '2']."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the vLLM process."""
-    startup_timeout_s: float = 900.0
-    """How long to wait for vLLM to answer /health after launching it."""
     health_check_interval_s: float = 10.0
     """How often the server is checked; a dead or unresponsive vLLM is restarted and given the current weights."""
     max_restarts: int = 5
@@ -51,27 +49,19 @@ class VllmConfig:
             raise ValueError(
                 f"inference.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.startup_timeout_s <= 0:
-            raise ValueError(f"inference.vllm.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.health_check_interval_s <= 0:
             raise ValueError(f"inference.vllm.health_check_interval_s must be > 0, got {self.health_check_interval_s}")
         if self.max_restarts < 0:
             raise ValueError(f"inference.vllm.max_restarts must be >= 0, got {self.max_restarts}")
 
 
-@dataclass
-class InferenceConfig:
-    """Inference servers that env actors sample from (OpenAI-compatible completions API)."""
+KV_CACHE_DTYPES = ("float32", "bfloat16")
 
-    backend: str = "levanter"
-    """'levanter': the embedded JAX engine (shares the learner's model code); 'vllm': `vllm serve` in its own Python
-    environment (settings under `vllm`)."""
-    num_servers: int = 1
-    """How many server replicas to start; clients route each request to the least-loaded one."""
-    max_seqs: int = 64
-    """Sequences decoded concurrently by one server."""
-    max_seq_len: int = 256
-    """Longest prompt + completion a server accepts, in tokens."""
+
+@dataclass
+class LevanterServerConfig:
+    """The embedded server (backend 'levanter'): Levanter's JAX inference engine in the server's process."""
+
     prefill_tokens: int = 4096
     """Prompt tokens prefilled together; one engine call admits at most this many (and at most `max_seqs`)."""
     page_size: int = 64
@@ -85,19 +75,61 @@ class InferenceConfig:
     max_rounds: int = 16
     """Decode-loop iterations per engine call (larger: more throughput, more latency)."""
     segment_tokens: int | None = 256
-    """Embedded server: decode long generations in segments of at most this many tokens and apply new weights
-    between segments, so a generation that straddles a weight update continues under the new weights (each token's
-    logprob from the weights that sampled it; the choice reports both versions). Each segment re-prefills prompt +
-    tokens so far. null: a generation runs under the weights it started with, and updates wait for it."""
+    """Decode long generations in segments of at most this many tokens and apply new weights between segments, so a
+    generation that straddles a weight update continues under the new weights (each token's logprob from the
+    weights that sampled it; the choice reports both versions). Each segment re-prefills prompt + tokens so far.
+    null: a generation runs under the weights it started with, and updates wait for it."""
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"inference.levanter.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")  # fmt: skip
+        seg = self.segment_tokens
+        if seg is not None and (not isinstance(seg, int) or isinstance(seg, bool) or seg < 1):
+            raise ValueError(f"inference.levanter.segment_tokens must be a positive integer or null, got {seg!r}")
+        for name in ("prefill_tokens", "page_size", "max_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"inference.levanter.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_timeout_s < 0:
+            raise ValueError(f"inference.levanter.batch_timeout_s must be >= 0, got {self.batch_timeout_s}")
+
+
+@dataclass
+class InferenceConfig:
+    """Inference servers that env actors sample from (OpenAI-compatible completions API)."""
+
+    backend: str = "levanter"
+    """'levanter': the embedded JAX engine (shares the learner's model code; settings under `levanter`); 'vllm':
+    `vllm serve` in its own Python environment (settings under `vllm`)."""
+    num_servers: int = 1
+    """How many server replicas to start; clients route each request to the least-loaded one."""
+    max_seqs: int = 64
+    """Sequences decoded concurrently by one server (vLLM: `--max-num-seqs`)."""
+    max_seq_len: int = 256
+    """Longest prompt + completion a server accepts, in tokens (vLLM: `--max-model-len`)."""
     host: str = "127.0.0.1"
     """Interface the HTTP servers bind to."""
     request_timeout_s: float = 600.0
     """Client-side timeout of one request."""
-    startup_timeout_s: float = 300.0
-    """How long to wait for a server to become healthy."""
+    startup_timeout_s: float = 900.0
+    """How long to wait for a server to become healthy after starting it (vLLM takes minutes to start)."""
+    levanter: LevanterServerConfig = field(default_factory=LevanterServerConfig)
+    """Settings of the embedded server (used when `backend` is 'levanter')."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the vLLM backend (used when `backend` is 'vllm')."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"inference.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.num_servers < 1 or self.max_seqs < 1 or self.max_seq_len < 2:
+            raise ValueError("inference: num_servers and max_seqs must be >= 1 and max_seq_len >= 2")
+        if (
+            self.backend == "levanter"
+            and self.levanter.segment_tokens is not None
+            and self.levanter.prefill_tokens < self.max_seq_len
+        ):
+            raise ValueError(
+                f"inference.levanter.prefill_tokens ({self.levanter.prefill_tokens}) must be >= inference.max_seq_len "
+                f"({self.max_seq_len}) when inference.levanter.segment_tokens is set: a continued sequence is "
+                "prefilled with its prompt and the tokens sampled so far"
+            )

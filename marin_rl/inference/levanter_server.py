@@ -1,9 +1,9 @@
-"""The embedded inference server: Levanter's JAX engine behind an OpenAI-compatible HTTP API.
+"""The embedded inference server: Levanter's JAX engine behind the OpenAI dialect of `openai_api`.
 
 It differs from `levanter.inference.openai.InferenceServer` where RL needs exactness:
 
-* prompts may be token ids (`prompt: [1, 2, 3]`), so nothing is re-tokenized between sampling and training;
-* `return_tokens_as_token_ids` and `stop_token_ids` behave as in vLLM, so one client serves both backends;
+* token-id prompts, token ids back, `stop_token_ids` and per-choice policy versions (the dialect of `openai_api`,
+  which the vLLM front end speaks too, so one client serves both backends);
 * several stop sequences stay separate (Levanter's route merges them into one);
 * `n > 1` is served as n single-sample requests (the engine's `n > 1` path mis-reports logprobs on long prompts);
 * `finish_reason` is 'length' when the token limit was hit;
@@ -11,7 +11,7 @@ It differs from `levanter.inference.openai.InferenceServer` where RL needs exact
   often sends the first request of a burst through a whole decode alone);
 * every choice carries the policy versions that sampled its first and last tokens: new weights are applied with
   `apply_weights(version, leaves)` between engine calls (keeping shardings, so nothing recompiles), and long
-  generations are decoded in segments of `inference.segment_tokens`, so one that straddles an update continues
+  generations are decoded in segments of `inference.levanter.segment_tokens`, so one that straddles an update continues
   under the new weights, each token's logprob that of the weights that sampled it (partial rollouts).
 """
 
@@ -22,7 +22,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from typing import Any
 
 import equinox as eqx
@@ -30,59 +29,29 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import uvicorn
-from fastapi import FastAPI, HTTPException
 from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Request
 from levanter.inference.jit_scheduler import SeqDecodingParams
 from levanter.inference.openai import InferenceContext, InferenceResponse, InferenceServerConfig
 from levanter.inference.utils import INVALID
 from levanter.models.lm_model import LmHeadModel
 from levanter.trainer import TrainerConfig
-from pydantic import BaseModel, Field
 
-from marin_rl.broadcast.broadcaster import cast_on_host
-from marin_rl.inference.client import version_spans
+from marin_rl.broadcast.base import cast_on_host
 from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.http_server import HttpServerThread
+from marin_rl.inference.openai_api import (
+    Completion,
+    CompletionBackend,
+    CompletionRequest,
+    FrontEndCounters,
+    openai_app,
+)
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BATCH_WINDOW_CAP = 10
 """A batch stops growing this many `inference.batch_timeout_s` after its first request arrived."""
-
-
-def prompt_token_ids(prompt, tokenizer, max_seq_len: int) -> list[list[int]]:
-    """The token ids of each prompt of a completions request (a string, token ids, or a list of either); raises
-    ValueError for an empty prompt or one that leaves no room to generate within `max_seq_len`."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
-    out = []
-    for p in prompt:
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-        if not ids:
-            raise ValueError("empty prompt")
-        if len(ids) >= max_seq_len:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={max_seq_len}")
-        out.append(ids)
-    return out
-
-
-class CompletionRequest(BaseModel):
-    """OpenAI completions request, plus vLLM's `stop_token_ids` and `return_tokens_as_token_ids`."""
-
-    model: str = "policy"
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logprobs: int | None = None
-    seed: int | None = None
-    return_tokens_as_token_ids: bool = False
-    top_p: float | None = Field(default=None, description="Accepted for compatibility; only 1.0 is supported.")
 
 
 class _Sequence:
@@ -94,7 +63,7 @@ class _Sequence:
         self.stop = stop
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.versions: list[int] = []  # the version that sampled each token
+        self.token_versions: list[int] = []  # the version that sampled each token
         self.done = False
         self.error: Exception | None = None
 
@@ -144,7 +113,8 @@ class _VersionedContext(InferenceContext):
     ):
         super().__init__(model, tokenizer, engine, config)
         self.version = -1
-        self.request_versions: dict[str, tuple[int, int, list[int]]] = {}
+        self.token_versions: dict[str, list[int]] = {}
+        """Per finished request id: the version that sampled each of its tokens (taken by the front end)."""
         self.max_stop_seqs = max_stop_seqs
         self.max_stop_tokens = max_stop_tokens
         self.segment_tokens = segment_tokens
@@ -328,7 +298,7 @@ class _VersionedContext(InferenceContext):
             lps = list(result.logprobs[i]) if result.logprobs is not None else []
             if len(lps) != len(new):
                 raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(new)} tokens")
-            seq.versions += [version] * len(new)
+            seq.token_versions += [version] * len(new)
             seq.tokens += new
             seq.logprobs += lps
             stopped = bool(new) and seq.ends_with_stop()
@@ -343,8 +313,7 @@ class _VersionedContext(InferenceContext):
         if seq.error is not None:
             _resolve(req.future, error=seq.error)
             return
-        versions = seq.versions or [self.version]  # nothing sampled: the version served now
-        self.request_versions[req.request_id] = (versions[0], versions[-1], seq.versions)
+        self.token_versions[req.request_id] = list(seq.token_versions)
         out = InferenceResponse(
             request_id=req.request_id,
             text=self.tokenizer.decode(seq.tokens, skip_special_tokens=True),
@@ -388,90 +357,33 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, new_leaves), static)
 
 
-class HttpServerThread:
-    """A FastAPI app served by uvicorn in a daemon thread (the embedded server and the vLLM front end)."""
-
-    def __init__(self, host: str, name: str):
-        self.host = host
-        self.name = name
-        self._uvicorn: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, app, port: int = 0) -> str:
-        """Serve the ASGI `app` on `port` (0: any free one); returns 'host:port' once it accepts connections."""
-        cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
-        self._uvicorn = uvicorn.Server(cfg)
-        self._thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
-        self._thread.start()
-        deadline = time.time() + 60
-        while not self._uvicorn.started:
-            if time.time() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"{self.name}: HTTP server failed to start")
-            time.sleep(0.02)
-        sock = self._uvicorn.servers[0].sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
-
-    def stop(self) -> None:
-        """Ask the server to exit and wait for its thread (at most 10 s)."""
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
-            if self._thread is not None:
-                self._thread.join(timeout=10)
-
-
-def completion_response(
-    request: CompletionRequest, created: float, choices: list[dict], prompts: list[list[int]], completion_tokens: int
-) -> dict[str, Any]:
-    """The OpenAI `text_completion` body for `choices`, with token usage (each prompt counted `n` times)."""
-    prompt_tokens = sum(len(p) for p in prompts) * request.n
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
-        "object": "text_completion",
-        "created": int(created),
-        "model": request.model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
-
-
-class LevanterInferenceServer:
-    """Levanter's engine serving one policy over HTTP. Run it in-process or as a Ray actor."""
+class LevanterInferenceServer(CompletionBackend):
+    """Levanter's engine serving one policy over HTTP (`openai_api`'s dialect). Run it in-process or as a Ray actor."""
 
     def __init__(self, model: LmHeadModel, tokenizer, config: InferenceConfig, name: str = "server-0"):
         self.config = config
         self.name = name
         self.tokenizer = tokenizer
-        segment_tokens = getattr(config, "segment_tokens", None)
-        if segment_tokens is not None and (not isinstance(segment_tokens, int) or segment_tokens < 1):
-            raise ValueError(f"inference.segment_tokens must be a positive integer or null, got {segment_tokens!r}")
-        if segment_tokens is not None and config.prefill_tokens < config.max_seq_len:
-            raise ValueError(
-                f"inference.prefill_tokens ({config.prefill_tokens}) must be >= inference.max_seq_len "
-                f"({config.max_seq_len}) when inference.segment_tokens is set: a continued sequence is prefilled "
-                "with its prompt and the tokens sampled so far"
-            )
-        max_pages_per_seq = -(-config.max_seq_len // config.page_size)
-        max_pages = config.max_pages or config.max_seqs * max_pages_per_seq
+        self.max_seq_len = config.max_seq_len
+        lev = config.levanter
+        max_pages_per_seq = -(-config.max_seq_len // lev.page_size)
+        max_pages = lev.max_pages or config.max_seqs * max_pages_per_seq
         engine_config = InferenceEngineConfig(
             max_seq_len=config.max_seq_len,
-            page_size=config.page_size,
+            page_size=lev.page_size,
             max_pages=max_pages,
             max_seqs=config.max_seqs,
-            max_rounds=config.max_rounds,
+            max_rounds=lev.max_rounds,
             max_queued_tokens=max(512, config.max_seqs),
             max_seqs_in_prefill=config.max_seqs,
-            max_prefill_size=config.prefill_tokens,
-            compute_dtype=_DTYPES[config.kv_cache_dtype],
+            max_prefill_size=lev.prefill_tokens,
+            compute_dtype=_DTYPES[lev.kv_cache_dtype],
             enable_logprobs=True,
             max_stop_seqs=4,
             max_stop_tokens=16,
         )
         self._server_config = InferenceServerConfig(
-            trainer=TrainerConfig(), service=engine_config, batch_timeout=config.batch_timeout_s
+            trainer=TrainerConfig(), service=engine_config, batch_timeout=lev.batch_timeout_s
         )
         # Place the first weights exactly as `apply_weights` places later ones (committed arrays with the same
         # shardings), so that swapping weights reuses the compiled decode functions.
@@ -489,12 +401,12 @@ class LevanterInferenceServer:
             self._server_config,
             engine_config.max_stop_seqs,
             engine_config.max_stop_tokens,
-            segment_tokens,
+            lev.segment_tokens,
         )
         self.context.start()
-        self.app = self._make_app()
+        self.counters = FrontEndCounters()
+        self.app = openai_app(self, "marin_rl embedded inference server", self.counters)
         self._http_server = HttpServerThread(self.config.host, self.name)
-        self._outstanding = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, port: int = 0) -> str:
@@ -518,66 +430,39 @@ class LevanterInferenceServer:
         The arrays are placed on the devices while decoding goes on, each with the sharding of the one it replaces
         (so nothing recompiles) and cast to its dtype (so a bf16 broadcast is served at the model's precision);
         the swap happens between two engine calls. Generations in progress continue under the new weights from
-        their next segment (`inference.segment_tokens`). Any version is applied, lower ones too. Returns the
-        seconds until the new weights were being served.
+        their next segment (`inference.levanter.segment_tokens`). Any version is applied, lower ones too. Returns
+        the seconds until the new weights were being served.
         """
         start = time.time()
         model = _replace_leaves(self.context.model, leaves, self.name)
         self.context.swap_weights(version, model)
         return time.time() - start
 
-    # ---- HTTP ---------------------------------------------------------------------------------------
+    # ---- serving ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        """Name, served version, engine calls, weight swaps, sampled tokens and the front end's request counts."""
         return {
             "name": self.name,
+            "backend": "levanter",
             "version": self.version,
             "batches": self.context.num_batches,
             "weight_swaps": self.context.num_weight_swaps,
             "generated_tokens": self.context.generated_tokens,
-            "outstanding_requests": self._outstanding,
+            "requests": self.counters.requests,
+            "outstanding_requests": self.counters.outstanding,
         }
 
-    def _make_app(self) -> FastAPI:
-        app = FastAPI(title="marin_rl embedded inference server")
-
-        @app.get("/health")
-        async def health():
-            return {"status": "healthy", "version": self.version}
-
-        @app.get("/v1/version")
-        async def version():
-            return {"version": self.version}
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "marin_rl"}]}
-
-        @app.post("/v1/completions")
-        async def completions(request: CompletionRequest):
-            self._outstanding += 1
-            try:
-                return await self._complete(request)
-            except ValueError as e:
-                raise HTTPException(status_code=400, detail=str(e)) from e
-            finally:
-                self._outstanding -= 1
-
-        return app
-
-    async def _complete(self, request: CompletionRequest) -> dict[str, Any]:
+    async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
+        """`request.n` single-sample engine requests per prompt (the engine's own `n > 1` mis-reports logprobs on
+        long prompts); several stop strings stay separate, `stop_token_ids` are single-token stops."""
         if request.top_p not in (None, 1.0):
             raise ValueError("top_p is not supported by the embedded server")
-        if request.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        prompts = prompt_token_ids(request.prompt, self.tokenizer, self.config.max_seq_len)
         stop_seqs: list[list[int]] = []
-        stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
-        for s in stops:
+        for s in request.stop_strings:
             ids = self.tokenizer(s, add_special_tokens=False)["input_ids"]
             if ids:
                 stop_seqs.append(ids)
         stop_seqs += [[t] for t in (request.stop_token_ids or [])]
-        start = time.time()
         jobs = []
         for prompt in prompts:
             max_tokens = min(request.max_tokens, self.config.max_seq_len - len(prompt))
@@ -597,37 +482,19 @@ class LevanterInferenceServer:
                 jobs.append((rid, fut, max_tokens))
         results = await asyncio.gather(*(f for _, f, _ in jobs))
         stop_set = {tuple(s) for s in stop_seqs}
-        choices = []
-        total_completion = 0
-        for idx, ((rid, _, max_tokens), [gen]) in enumerate(zip(jobs, results, strict=True)):
-            version_start, version_end, versions = self.context.request_versions.pop(
-                rid, (self.version, self.version, [self.version] * len(gen.tokens))
-            )
-            tokens = gen.tokens
+        out = []
+        for (rid, _, max_tokens), [gen] in zip(jobs, results, strict=True):
+            versions = self.context.token_versions.pop(rid, [self.version] * len(gen.tokens))
+            tokens = list(gen.tokens)
             stopped = any(tuple(tokens[-len(s) :]) == s for s in stop_set if len(tokens) >= len(s))
             finish = "length" if (len(tokens) >= max_tokens and not stopped) else "stop"
-            logprobs = None
-            if request.logprobs is not None:
-                if request.return_tokens_as_token_ids:
-                    token_strs = [f"token_id:{t}" for t in tokens]
-                else:
-                    token_strs = self.tokenizer.convert_ids_to_tokens(tokens)
-                logprobs = {
-                    "tokens": token_strs,
-                    "token_logprobs": [float(x) for x in gen.logprobs],
-                    "text_offset": None,
-                    "top_logprobs": None,
-                }
-            choices.append(
-                {
-                    "index": idx,
-                    "text": gen.text,
-                    "finish_reason": finish,
-                    "logprobs": logprobs,
-                    "policy_version_start": version_start,
-                    "policy_version_end": version_end,
-                    "policy_version_spans": version_spans(versions),
-                }
+            out.append(
+                Completion(
+                    token_ids=tokens,
+                    sampler_logprobs=[float(x) for x in gen.logprobs],
+                    text=gen.text,
+                    finish_reason=finish,
+                    token_versions=list(versions),
+                )
             )
-            total_completion += len(tokens)
-        return completion_response(request, start, choices, prompts, total_completion)
+        return out

@@ -1,6 +1,6 @@
 """vLLM as an inference backend: `vllm serve` in its own environment, new weights without restarts, versions.
 
-Three layers:
+Two layers (the orchestrator's server actor runs either backend):
 
 * `VllmServer` runs the vLLM OpenAI server as a subprocess of the vLLM environment's interpreter (see
   `vllm_env`): a free port, `--dtype float32` by default, health-checked before use, restarted when it dies,
@@ -10,11 +10,8 @@ Three layers:
   written as one safetensors file (in /dev/shm when available), and loaded by every vLLM worker through a worker
   extension (`vllm_worker_extension.py`) called with `collective_rpc`, between `/pause` and `/resume`. vLLM labels
   every sampled token with its weight version (`/update_weight_version`), so the versions a choice reports come
-  from the engine itself. A thin HTTP front end speaks the same `/v1/completions` dialect as the embedded server
-  (token-id prompts, `return_tokens_as_token_ids`, `stop_token_ids`, `policy_version_start`/`_end`/`_spans` per
-  choice) by calling vLLM's token-in/token-out `/inference/v1/generate`, so env code and `PolicyClient` are
-  backend-agnostic.
-* `VllmServerActor`, a Ray actor with the interface of the embedded server's actor.
+  from the engine itself. Its HTTP front end is `openai_api`'s app, the embedded server's dialect, over vLLM's
+  token-in/token-out `/inference/v1/generate`, so env code and `PolicyClient` are backend-agnostic.
 """
 
 from __future__ import annotations
@@ -33,30 +30,27 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import equinox as eqx
 import httpx
 import jax
 import numpy as np
-import ray
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import JSONResponse
 from haliax.state_dict import to_torch_compatible_state_dict
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl.inference.config import InferenceConfig, VllmConfig
-from marin_rl.inference.levanter_server import (
+from marin_rl.inference.http_server import HttpServerThread
+from marin_rl.inference.openai_api import (
+    SERVED_MODEL_NAME,
+    BackendUnavailable,
+    Completion,
+    CompletionBackend,
     CompletionRequest,
-    HttpServerThread,
-    completion_response,
-    prompt_token_ids,
+    FrontEndCounters,
+    openai_app,
 )
 from marin_rl.inference.vllm_env import vllm_python
-
-if TYPE_CHECKING:
-    from marin_rl.broadcast.broadcaster import WeightUpdate
-    from marin_rl.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +58,6 @@ _EXTENSION_SOURCE = Path(__file__).with_name("vllm_worker_extension.py")
 _EXTENSION_MODULE = "marin_rl_vllm_worker_extension"
 EXTENSION_CLASS = f"{_EXTENSION_MODULE}.WeightLoader"
 """Qualified name vLLM imports the worker extension by (from the directory put on its PYTHONPATH)."""
-SERVED_MODEL_NAME = "policy"
 
 
 def _free_port(host: str) -> int:
@@ -121,8 +114,10 @@ class VllmServer:
         name: str = "vllm-0",
         host: str = "127.0.0.1",
         log_dir: str | None = None,
+        startup_timeout_s: float = 900.0,
     ):
         self.model_dir = str(model_dir)
+        self.startup_timeout_s = float(startup_timeout_s)
         self.config = config
         self.max_model_len = int(max_model_len)
         self.max_num_seqs = int(max_num_seqs)
@@ -197,7 +192,7 @@ class VllmServer:
         """Launch vLLM and wait until `/health` answers; returns its base URL.
 
         Raises RuntimeError with the tail of its log when it exits or does not become healthy within
-        `inference.vllm.startup_timeout_s`.
+        `startup_timeout_s` (`inference.startup_timeout_s`).
         """
         self.port = _free_port(self.host)
         if self._log_file is None:
@@ -215,7 +210,7 @@ class VllmServer:
             start_new_session=True,  # its own process group: stop() ends the engine and workers too
         )
         logger.info("%s: launched vLLM (pid %d) on port %d, log %s", self.name, self.proc.pid, self.port, self.log_path)
-        deadline = start + self.config.startup_timeout_s
+        deadline = start + self.startup_timeout_s
         while True:
             code = self.proc.poll()
             if code is not None:
@@ -226,8 +221,8 @@ class VllmServer:
             if time.time() > deadline:
                 self._kill_group()
                 raise RuntimeError(
-                    f"{self.name}: vLLM did not become healthy within inference.vllm.startup_timeout_s="
-                    f"{self.config.startup_timeout_s}s\n{self.log_tail()}"
+                    f"{self.name}: vLLM did not become healthy within inference.startup_timeout_s="
+                    f"{self.startup_timeout_s}s\n{self.log_tail()}"
                 )
             time.sleep(0.5)
         logger.info("%s: vLLM healthy after %.1fs", self.name, time.time() - start)
@@ -373,18 +368,19 @@ def _save_safetensors(state: dict[str, np.ndarray], path: str) -> None:
     os.replace(tmp, path)
 
 
-class VllmPolicyServer:
+class VllmPolicyServer(CompletionBackend):
     """The policy served by vLLM behind an HTTP front end that speaks the embedded server's dialect.
 
     `model` is the Levanter model whose weights `model_dir` (an HF checkpoint, e.g. from `export_hf_checkpoint`)
-    holds; it gives the layout of the flat leaves that `apply_weights` receives. Run it in-process or inside
-    `VllmServerActor`.
+    holds; it gives the layout of the flat leaves that `apply_weights` receives. Run it in-process or inside a
+    server actor.
     """
 
     def __init__(self, model: LmHeadModel, model_dir: str, tokenizer, config: InferenceConfig, name: str = "vllm-0"):
         self.config = config
         self.name = name
         self.tokenizer = tokenizer
+        self.max_seq_len = config.max_seq_len
         self.converter = _LeafConverter(model)
         self.server = VllmServer(
             model_dir,
@@ -392,23 +388,30 @@ class VllmPolicyServer:
             max_model_len=config.max_seq_len,
             max_num_seqs=config.max_seqs,
             name=name,
+            startup_timeout_s=config.startup_timeout_s,
         )
-        self.version = -1
-        """Policy version of the weights being served (-1: the checkpoint the server started from)."""
+        self._version = -1
         self.weights_dir = config.vllm.weights_dir or _default_weights_dir()
         self._weights_path: str | None = None  # the latest update, reloaded after a restart
         self._lock = threading.RLock()  # weight updates and restarts exclude each other
-        self._outstanding = 0
         self._restarts = 0  # completed restarts: vLLM back up with the current weights
-        self._requests = 0
-        self._generated_tokens = 0
         self.last_update: dict[str, float] = {}
-        self.app = self._make_app()
+        self.counters = FrontEndCounters()
+        self.app = openai_app(self, "marin_rl vLLM front end", self.counters)
         self._http_server = HttpServerThread(self.config.host, self.name)
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: str | None = None
         self._client: httpx.AsyncClient | None = None
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights being served (-1: the checkpoint the server started from)."""
+        return self._version
+
+    def failure(self) -> str | None:
+        """Why vLLM is down for good (restarts exhausted), or None."""
+        return self._failure
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self, port: int = 0) -> str:
@@ -493,7 +496,7 @@ class VllmPolicyServer:
                 self.server.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
                 self._set_version_label(version)
                 previous, self._weights_path = self._weights_path, path
-                self.version = int(version)
+                self._version = int(version)
             finally:
                 self.server.post("/resume")
             t5 = time.perf_counter()
@@ -517,9 +520,9 @@ class VllmPolicyServer:
             "name": self.name,
             "backend": "vllm",
             "version": self.version,
-            "requests": self._requests,
-            "generated_tokens": self._generated_tokens,
-            "outstanding_requests": self._outstanding,
+            "requests": self.counters.requests,
+            "generated_tokens": self.counters.generated_tokens,
+            "outstanding_requests": self.counters.outstanding,
             "restarts": self._restarts,
             "vllm_pid": None if self.server.proc is None else self.server.proc.pid,
             "vllm_url": None if self.server.port is None else self.server.url,  # its /metrics, for instance
@@ -527,39 +530,7 @@ class VllmPolicyServer:
             "last_update": dict(self.last_update),
         }
 
-    # ---- HTTP front end -----------------------------------------------------------------------------------
-    def _make_app(self) -> FastAPI:
-        app = FastAPI(title="marin_rl vLLM front end")
-
-        @app.get("/health")
-        async def health():
-            if self._failure is not None:
-                return JSONResponse({"status": "failed", "error": self._failure}, status_code=503)
-            return {"status": "healthy", "version": self.version}
-
-        @app.get("/v1/version")
-        async def version():
-            return {"version": self.version}
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": SERVED_MODEL_NAME, "object": "model", "owned_by": "marin_rl"}]}
-
-        @app.post("/v1/completions")
-        async def completions(request: CompletionRequest):
-            self._outstanding += 1
-            self._requests += 1
-            try:
-                return await self._complete(request)
-            except ValueError as e:
-                raise HTTPException(status_code=400, detail=str(e)) from e
-            except httpx.HTTPError as e:  # vLLM is down or restarting; the client retries
-                raise HTTPException(status_code=503, detail=f"{self.name}: vLLM unavailable: {e}") from e
-            finally:
-                self._outstanding -= 1
-
-        return app
-
+    # ---- serving ----------------------------------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:  # created inside the front end's event loop
             self._client = httpx.AsyncClient(
@@ -594,114 +565,35 @@ class VllmPolicyServer:
             )
         return resp.json()
 
-    async def _complete(self, request: CompletionRequest) -> dict[str, Any]:
-        if request.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if request.n < 1:
-            raise ValueError("n must be >= 1")
-        prompts = prompt_token_ids(request.prompt, self.tokenizer, self.config.max_seq_len)
-        version_at_start = self.version
-        start = time.time()
-        outputs = await asyncio.gather(*(self._generate(p, request) for p in prompts))
-        choices = []
-        total_completion = 0
-        for out in outputs:
-            for choice in sorted(out["choices"], key=lambda c: c["index"]):
+    async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
+        """Each prompt through vLLM's token-in/token-out API (`n` samples in one call); the per-token versions come
+        from vLLM's weight-version spans."""
+        try:
+            outputs = await asyncio.gather(*(self._generate(p, request) for p in prompts))
+        except httpx.HTTPError as e:  # vLLM is down or restarting; the client retries
+            raise BackendUnavailable(f"vLLM unavailable: {e}") from e
+        out = []
+        for result in outputs:
+            for choice in sorted(result["choices"], key=lambda c: c["index"]):
                 tokens = list(choice["token_ids"] or [])
                 content = (choice.get("logprobs") or {}).get("content") or []
                 if len(content) != len(tokens):
                     raise RuntimeError(f"{self.name}: vLLM returned {len(content)} logprobs for {len(tokens)} tokens")
-                spans = choice.get("weight_versions") or []
-                if spans:
-                    v_start, v_end = int(spans[0]["version"]), int(spans[-1]["version"])
-                else:  # nothing generated: the version served when the request arrived
-                    v_start = v_end = version_at_start
                 # vLLM labels [start, end) token ranges with the engine's weight-version string: ours are integers
-                version_spans = [{"version": int(sp["version"]), "start": int(sp["start"]), "end": int(sp["end"])}
-                                 for sp in spans]  # fmt: skip
-                logprobs = None
-                if request.logprobs is not None:
-                    if request.return_tokens_as_token_ids:
-                        token_strs = [f"token_id:{t}" for t in tokens]
-                    else:
-                        token_strs = self.tokenizer.convert_ids_to_tokens(tokens)
-                    logprobs = {
-                        "tokens": token_strs,
-                        "token_logprobs": [float(c["logprob"]) for c in content],
-                        "text_offset": None,
-                        "top_logprobs": None,
-                    }
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": choice.get("text", ""),
-                        "finish_reason": choice.get("finish_reason") or "stop",
-                        "logprobs": logprobs,
-                        "policy_version_start": v_start,
-                        "policy_version_end": v_end,
-                        "policy_version_spans": version_spans,
-                    }
+                versions: list[int | None] = [None] * len(tokens)
+                for span in choice.get("weight_versions") or []:
+                    start, end = int(span["start"]), int(span["end"])
+                    versions[start:end] = [int(span["version"])] * (end - start)
+                if None in versions:
+                    raise RuntimeError(f"{self.name}: vLLM's weight_versions {choice.get('weight_versions')} do not "
+                                       f"cover the {len(tokens)} sampled tokens")  # fmt: skip
+                out.append(
+                    Completion(
+                        token_ids=tokens,
+                        sampler_logprobs=[float(c["logprob"]) for c in content],
+                        text=choice.get("text", ""),
+                        finish_reason=choice.get("finish_reason") or "stop",
+                        token_versions=versions,
+                    )
                 )
-                total_completion += len(tokens)
-        self._generated_tokens += total_completion
-        return completion_response(request, start, choices, prompts, total_completion)
-
-
-@ray.remote(num_cpus=0)
-class VllmServerActor:
-    """A vLLM inference server; the interface of the embedded server's actor (`get_address`, `apply_update`,
-    `stats`, `stop`), so the orchestrator can start either.
-
-    `hf_checkpoint` is the Hugging Face checkpoint vLLM starts from (local directory). None exports the run's
-    initial policy (`config.model`: `init_from_hf` or its seeded random initialisation) to a private directory
-    first. Either way the version is -1 until the first `apply_update`.
-    """
-
-    def __init__(self, config: RunConfig, name: str, hf_checkpoint: str | None = None):
-        from marin_rl.broadcast.broadcaster import make_transport
-        from marin_rl.learner.hf_checkpoints import export_hf_checkpoint
-        from marin_rl.learner.model import build_model, with_seq_len
-        from marin_rl.orchestrator.actors import configure_logging
-        from marin_rl.tokenizer import load_tokenizer
-
-        configure_logging()
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        model = build_model(with_seq_len(config.model, config.inference.max_seq_len), len(self.tokenizer))
-        self._export_dir = None
-        if hf_checkpoint is None:
-            self._export_dir = tempfile.mkdtemp(prefix=f"marin_rl_{name}_hf_")
-            hf_checkpoint = export_hf_checkpoint(model, self.tokenizer, self._export_dir)
-        self.server = VllmPolicyServer(model, hf_checkpoint, self.tokenizer, config.inference, name=name)
-        del model
-        self.transport = make_transport(config.broadcast)
-        self.address = self.server.start()
-
-    def get_address(self) -> str:
-        """'host:port' of the front end that clients send requests to."""
-        return self.address
-
-    def apply_update(self, update: WeightUpdate) -> dict:
-        """Fetch a `WeightUpdate` and serve it; returns its version, timings and size."""
-        start = time.time()
-        leaves = self.transport.fetch(update)
-        fetched = time.time() - start
-        timings = self.server.apply_weights(update.version, leaves)
-        self.transport.applied(update)
-        return {
-            "version": update.version,
-            "fetch_s": fetched,
-            "apply_s": timings["total_s"],
-            "bytes": update.num_bytes,
-            **{f"vllm_{k}": v for k, v in timings.items() if k not in ("version", "bytes")},
-        }
-
-    def stats(self) -> dict:
-        """The server's counters (see `VllmPolicyServer.stats`)."""
-        return self.server.stats()
-
-    def stop(self) -> None:
-        """Stop vLLM and remove the exported checkpoint."""
-        self.server.stop()
-        self.transport.close()
-        if self._export_dir is not None:
-            shutil.rmtree(self._export_dir, ignore_errors=True)
+        return out

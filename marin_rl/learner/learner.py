@@ -18,9 +18,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from marin_rl.learner.hf_checkpoints import export_hf_checkpoint
 from marin_rl.learner.losses import LossConfig, combine_metrics, loss_normalizers, policy_loss, sft_loss
-from marin_rl.learner.model import ModelConfig, build_model, parameter_count, token_logprobs
+from marin_rl.model.build import ModelConfig, build_model, parameter_count
+from marin_rl.model.hf import export_hf_checkpoint
+from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.types import PackedBatch, RlExample
 
@@ -80,7 +81,7 @@ LEARNER_MODES = ("rl", "sft")
 
 @dataclass
 class SftConfig:
-    """Supervised fine-tuning (`learner.mode: sft`, see `marin_rl.learner.sft`): prompt/completion records, packed
+    """Supervised fine-tuning (`learner.mode: sft`, see `marin_rl.sft`): prompt/completion records, packed
     into rows of `batcher.max_seq_len` tokens like RL batches, trained with the loss on completion tokens only."""
 
     train_files: list[str] = field(default_factory=list)
@@ -297,18 +298,6 @@ def _rows(ex: RlExample, start: int, stop: int) -> RlExample:
     return _from_raw({k: v[start:stop] for k, v in _raw_fields(ex).items()})
 
 
-def _mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
-    """One batch's metrics from those of its optimizer steps: max of maxima, min of minima, mean of the rest."""
-    out = {}
-    for k in steps[0]:
-        values = [m[k] for m in steps]
-        last = k.rsplit("/", 1)[-1]
-        out[k] = (
-            max(values) if last.startswith("max") else min(values) if last.startswith("min") else float(np.mean(values))
-        )
-    return out
-
-
 class Learner:
     """Holds the policy and its optimizer state; each `train_step` consumes one batch and makes one new version.
 
@@ -484,7 +473,8 @@ class Learner:
         with self._sharding():
             device_metrics = self._run_steps(batch)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
-        out = _mean_over_steps(self.step_metrics)
+        stacked = {k: np.asarray([m[k] for m in self.step_metrics]) for k in self.step_metrics[0]}
+        out = {k: float(v) for k, v in combine_metrics(stacked, rest="mean").items()}
         out["learner/trained_tokens"] = float(np.sum(batch.loss_mask))  # the batch's, not a minibatch's
         self.optimizer_steps += m * e
         out["learner/optimizer_steps"] = float(self.optimizer_steps)
@@ -538,9 +528,6 @@ class Learner:
     def weights(self) -> list[np.ndarray]:
         """Current parameters as host arrays, flattened like `eqx.filter(model, eqx.is_array)`."""
         return [np.asarray(x) for x in jax.device_get(jax.tree_util.tree_leaves(eqx.filter(self.model, eqx.is_array)))]
-
-    def get_version(self) -> int:
-        return self.version
 
     def export_hf(self, path: str, tokenizer) -> str:
         """Save the current policy and `tokenizer` as a Hugging Face checkpoint at `path` (local or fsspec URL)."""

@@ -1,24 +1,24 @@
 """Policy-gradient losses: pure functions of per-token logprobs and the batch.
 
 Notation (per token t, only where `loss_mask` is true):
-  logp        learner's logprob under the weights being trained
-  logp_prox   proximal policy's logprob: the learner's logprob under the weights before this batch's first
-              optimizer step (`RlExample.proximal_logprobs`). When the batch carries none, the weights being trained
-              *are* the proximal policy, so logp_prox = stop_gradient(logp) and the ratio below is exactly 1.
-  logp_behav  sampler's logprob (what the inference server reported, `RlExample.policy_logprobs`)
-  logp_ref    frozen reference model's logprob (`RlExample.reference_logprobs`)
-  A           advantage of the rollout the token belongs to
+  logp          learner's logprob under the weights being trained
+  logp_prox     proximal policy's logprob: the learner's logprob under the weights before this batch's first
+                optimizer step (`RlExample.proximal_logprobs`). When the batch carries none, the weights being
+                trained *are* the proximal policy, so logp_prox = stop_gradient(logp) and the ratio below is exactly 1.
+  logp_sampler  sampler's logprob (what the inference server reported, `RlExample.sampler_logprobs`)
+  logp_ref      frozen reference model's logprob (`RlExample.reference_logprobs`)
+  A             advantage of the rollout the token belongs to
 
 Clipped objective: r = exp(logp - logp_old), J = min(r·A, clip(r, 1-ε_low, 1+ε_high)·A), times a per-token weight w
 (always under stop_gradient):
-* objective='ppo', tis_cap=None:   logp_old = logp_behav, w = 1.
-* objective='decoupled', tis_cap=None: logp_old = logp_prox, w = exp(logp_prox - logp_behav) (AReaL's decoupled PPO);
-  tokens with w > `behaviour_weight_cap` are *masked* (w = 0 and they leave the normaliser).
+* objective='ppo', tis_cap=None:   logp_old = logp_sampler, w = 1.
+* objective='decoupled', tis_cap=None: logp_old = logp_prox, w = exp(logp_prox - logp_sampler) (AReaL's decoupled PPO);
+  tokens with w > `sampler_weight_cap` are *masked* (w = 0 and they leave the normaliser).
 * tis_cap=C (either objective): truncated importance sampling for the sampler/learner mismatch (Yao et al. 2025).
-  logp_old = logp_prox and w = min(exp(logp_prox - logp_behav), C): the mismatch between the learner at the proximal
+  logp_old = logp_prox and w = min(exp(logp_prox - logp_sampler), C): the mismatch between the learner at the proximal
   weights and the sampler is *truncated* instead of masked, and no token is dropped. The ratio is taken to logp_prox
-  for 'ppo' too: with a ratio to logp_behav the factor exp(logp_prox - logp_behav) would be counted twice (once in
-  r, once in w). With TIS on, 'ppo' and 'decoupled' are therefore the same loss and `behaviour_weight_cap` is unused.
+  for 'ppo' too: with a ratio to logp_sampler the factor exp(logp_prox - logp_sampler) would be counted twice (once in
+  r, once in w). With TIS on, 'ppo' and 'decoupled' are therefore the same loss and `sampler_weight_cap` is unused.
 
 KL to a frozen reference (added when kl_coef = β > 0): with x = logp_ref - logp on each sampled token, Schulman's
 estimators of KL(π || π_ref) are k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x. The loss is
@@ -51,17 +51,17 @@ class LossConfig:
     """The clipped policy-gradient objective."""
 
     objective: str = "decoupled"
-    """'decoupled' (ratio to the proximal policy, times a capped behaviour weight) or 'ppo' (ratio to the sampler)."""
+    """'decoupled' (ratio to the proximal policy, times a capped sampler weight) or 'ppo' (ratio to the sampler)."""
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.28
     """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when larger than clip_low)."""
-    behaviour_weight_cap: float = 5.0
-    """Decoupled objective without TIS: tokens whose weight exp(logp_prox - logp_behav) exceeds this are masked."""
+    sampler_weight_cap: float = 5.0
+    """Decoupled objective without TIS: tokens whose weight exp(logp_prox - logp_sampler) exceeds this are masked."""
     tis_cap: float | None = None
     """Truncated importance sampling (None: off). Each token's objective is multiplied by
-    stop_gradient(min(exp(logp_prox - logp_behav), tis_cap)), logp_prox being the learner's logprob at the proximal
-    weights and logp_behav the sampler's; the ratio is then taken to logp_prox for either objective."""
+    stop_gradient(min(exp(logp_prox - logp_sampler), tis_cap)), logp_prox being the learner's logprob at the proximal
+    weights and logp_sampler the sampler's; the ratio is then taken to logp_prox for either objective."""
     kl_coef: float = 0.0
     """β of the KL penalty to a frozen reference model (the initial policy). 0: no penalty, and no reference model
     is kept or evaluated."""
@@ -81,8 +81,8 @@ class LossConfig:
             raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError("loss.clip_low and loss.clip_high must be >= 0")
-        if not self.behaviour_weight_cap > 0:
-            raise ValueError(f"loss.behaviour_weight_cap must be > 0, got {self.behaviour_weight_cap}")
+        if not self.sampler_weight_cap > 0:
+            raise ValueError(f"loss.sampler_weight_cap must be > 0, got {self.sampler_weight_cap}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"loss.tis_cap must be > 0 (or None to turn TIS off), got {self.tis_cap}")
         if not self.kl_coef >= 0:
@@ -99,7 +99,7 @@ class LossConfig:
 
     @property
     def kept_depends_on_proximal(self) -> bool:
-        """Whether the set of trained tokens depends on logp_prox (decoupled masking by `behaviour_weight_cap`)."""
+        """Whether the set of trained tokens depends on logp_prox (decoupled masking by `sampler_weight_cap`)."""
         return self.objective == "decoupled" and self.tis_cap is None
 
 
@@ -124,7 +124,7 @@ def clipped_objective(
 
 
 def importance_weights(
-    logp_prox: jnp.ndarray, logp_behav: jnp.ndarray, mask: jnp.ndarray, config: LossConfig
+    logp_prox: jnp.ndarray, logp_sampler: jnp.ndarray, mask: jnp.ndarray, config: LossConfig
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Per-token weight w (under stop_gradient) and the kept-token mask, as described in the module docstring.
 
@@ -132,10 +132,10 @@ def importance_weights(
     """
     if not config.uses_proximal:
         return jnp.ones(mask.shape, jnp.float32), mask
-    raw = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_behav))
+    raw = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_sampler))
     if config.tis_cap is not None:
         return jnp.where(mask, jnp.minimum(raw, config.tis_cap), 0.0), mask
-    kept = mask & (raw <= config.behaviour_weight_cap)
+    kept = mask & (raw <= config.sampler_weight_cap)
     return jnp.where(kept, raw, 0.0), kept
 
 
@@ -214,7 +214,7 @@ def loss_normalizers(batch: RlExample, config: LossConfig, logp: jnp.ndarray | N
         )
     if config.kept_depends_on_proximal:
         prox = batch.proximal_logprobs.array if batch.proximal_logprobs is not None else logp
-        _, kept = importance_weights(prox, batch.policy_logprobs.array, mask, config)
+        _, kept = importance_weights(prox, batch.sampler_logprobs.array, mask, config)
     else:
         kept = mask
     kind, budget = config.aggregation, config.max_response_tokens
@@ -242,11 +242,11 @@ def policy_loss(
     lp = logp.array
     mask = batch.loss_mask.array
     adv = batch.advantages.array
-    behav = batch.policy_logprobs.array
+    sampler = batch.sampler_logprobs.array
     seg = batch.segment_ids.array
     prox = _proximal(lp, batch)
-    weight, kept = importance_weights(prox, behav, mask, config)
-    old = prox if config.uses_proximal else behav
+    weight, kept = importance_weights(prox, sampler, mask, config)
+    old = prox if config.uses_proximal else sampler
     if normalizers is None:
         normalizers = loss_normalizers(batch, config, prox)
     objective, ratio = clipped_objective(lp, old, adv, config.clip_low, config.clip_high)
@@ -259,7 +259,7 @@ def policy_loss(
     def mean(x):
         return jnp.sum(x * fmask) / n
 
-    log_ratio_behav = lp - behav
+    log_ratio_sampler = lp - sampler
     metrics = {
         "pg_loss": pg_loss,
         "ratio/mean": mean(ratio),
@@ -267,10 +267,10 @@ def policy_loss(
         "ratio/min": jnp.min(jnp.where(mask, ratio, jnp.inf)),
         "clip_frac/low": mean(((ratio < 1.0 - config.clip_low) & (adv < 0)).astype(jnp.float32)),
         "clip_frac/high": mean(((ratio > 1.0 + config.clip_high) & (adv > 0)).astype(jnp.float32)),
-        # k3 estimator of KL(behaviour || learner) on the sampled tokens (drawn from the behaviour policy):
-        # with ρ = π_learner / π_behav = exp(x), E_behav[ρ - 1 - log ρ] = KL(behav || learner).
-        "kl_behaviour": mean(jnp.exp(log_ratio_behav) - 1.0 - log_ratio_behav),
-        "logprob_diff_behaviour/max_abs": jnp.max(jnp.where(mask, jnp.abs(log_ratio_behav), 0.0)),
+        # k3 estimator of KL(sampler || learner) on the sampled tokens (drawn from the sampler):
+        # with ρ = π_learner / π_sampler = exp(x), E_sampler[ρ - 1 - log ρ] = KL(sampler || learner).
+        "kl_sampler": mean(jnp.exp(log_ratio_sampler) - 1.0 - log_ratio_sampler),
+        "logprob_diff_sampler/max_abs": jnp.max(jnp.where(mask, jnp.abs(log_ratio_sampler), 0.0)),
         "entropy": mean(entropy.array),
         "masked_frac": mean((mask & ~kept).astype(jnp.float32)),
         "trained_tokens": jnp.sum(fmask),
@@ -278,7 +278,7 @@ def policy_loss(
     if config.uses_proximal:
         metrics["importance_weight/mean"] = mean(weight)
     if config.tis_cap is not None:
-        raw = jnp.exp(prox - behav)
+        raw = jnp.exp(prox - sampler)
         metrics["tis/truncated_frac"] = mean((raw > config.tis_cap).astype(jnp.float32))
     loss = pg_loss
     if config.kl_coef > 0:
@@ -292,12 +292,16 @@ def policy_loss(
     return loss, metrics
 
 
-def combine_metrics(stacked: dict[str, jnp.ndarray]) -> dict[str, jnp.ndarray]:
-    """Combine `policy_loss` metrics of row slices (leading axis) computed with the whole batch's normalisers.
+def combine_metrics(stacked: dict[str, jnp.ndarray], rest: str = "sum") -> dict[str, jnp.ndarray]:
+    """Combine metrics stacked along a leading axis: those whose last name component starts with 'max'
+    ('ratio/max', '.../max_abs') by max, 'min' by min, every other one by `rest`.
 
-    Metrics whose last name component starts with 'max' ('ratio/max', '.../max_abs') combine by max, 'min' by min;
-    every other metric is a sum over the batch divided by a batch normaliser, so the slices' values add up.
+    'sum': the values are `policy_loss` metrics of row slices computed with the whole batch's normalisers (each a
+    sum over the batch divided by a batch normaliser), so the slices' values add up. 'mean': the values are those
+    of whole batches (e.g. the optimizer steps of one train step), averaged.
     """
+    if rest not in ("sum", "mean"):
+        raise ValueError(f"rest must be 'sum' or 'mean', got {rest!r}")
     out = {}
     for k, v in stacked.items():
         last = k.rsplit("/", 1)[-1]
@@ -306,7 +310,7 @@ def combine_metrics(stacked: dict[str, jnp.ndarray]) -> dict[str, jnp.ndarray]:
         elif last.startswith("min"):
             out[k] = jnp.min(v, axis=0)
         else:
-            out[k] = jnp.sum(v, axis=0)
+            out[k] = jnp.sum(v, axis=0) if rest == "sum" else jnp.mean(v, axis=0)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Ray actors: the learner, the inference servers and the environment workers.
+"""Ray actors: the learner, the inference servers (either backend) and the environment workers.
 
 Each wraps a plain class that tests use in-process. Rollouts leave env actors as JSON-compatible dicts
 (`RolloutGroup.to_dict`), which the replay buffer validates on the way in.
@@ -7,64 +7,24 @@ Each wraps a plain class that tests use in-process. Rollouts leave env actors as
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
 import ray
 
-from marin_rl.broadcast.broadcaster import WeightSubscriber, WeightUpdate, make_transport
-from marin_rl.config import EnvConfig, RunConfig
-from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
-from marin_rl.inference.client import PolicyClient
+from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
+from marin_rl.config import RunConfig, make_environment
+from marin_rl.envs.base import SamplingParams
+from marin_rl.inference.client import PolicyClient, SeededPolicy
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 from marin_rl.learner.learner import Learner
-from marin_rl.learner.model import build_model
+from marin_rl.logs import configure_logging
+from marin_rl.model.build import build_model, with_seq_len
+from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import PackedBatch
-
-
-def configure_logging() -> None:
-    """Quiet third-party loggers inside actors; keep ours at INFO."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for name in ("levanter", "jax", "absl", "httpx", "uvicorn", "openai", "urllib3", "ray", "tqdm_loggable"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("levanter.inference.openai").setLevel(logging.CRITICAL)
-
-
-def make_environment(env_config: EnvConfig, tokenizer, seed: int) -> Environment:
-    """Instantiate an environment from its config."""
-    cls = load_environment_class(env_config.env_class)
-    try:
-        return cls(tokenizer, name=env_config.name, seed=seed, **env_config.args)
-    except TypeError as e:
-        raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
-
-
-class SeededPolicy:
-    """A policy client whose `sample` calls carry seeds: the group's `seed` for the first call, then seeds derived
-    from (seed, call number). A server samples choice k of a call with seed + k (the embedded server and vLLM both
-    honour per-request seeds), so a group's samples are a function of its seed and the weights. Calls are numbered
-    in the order they are made, which is deterministic for single-turn environments (one call per group)."""
-
-    def __init__(self, client: PolicyClient, seed: int):
-        self._client = client
-        self._seed = int(seed)
-        self._calls = 0
-
-    async def sample(self, prompt_ids: list[int], **kwargs):
-        """`PolicyClient.sample` with the next seed (an explicit `seed` argument wins)."""
-        if kwargs.get("seed") is None:
-            seed = self._seed
-            if self._calls:
-                seed = int(np.random.SeedSequence([self._seed, self._calls]).generate_state(1)[0]) >> 2
-            kwargs["seed"] = seed
-        self._calls += 1
-        return await self._client.sample(prompt_ids, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
 
 
 @ray.remote(num_cpus=0)
@@ -93,9 +53,6 @@ class LearnerActor:
         """Publish the current policy (cast on its device when `broadcast.dtype` asks) as its version."""
         return self.transport.publish(self.learner.version, self.learner.model)
 
-    def version(self) -> int:
-        return self.learner.version
-
     def close(self) -> None:
         """Release the broadcast transport (shared-memory slots, a Flight server)."""
         self.transport.close()
@@ -118,21 +75,38 @@ class LearnerActor:
 
 
 @ray.remote(num_cpus=0)
-class InferenceServerActor:
-    """An embedded Levanter inference server; weights arrive through `apply_update`."""
+class ServerActor:
+    """An inference server of the configured backend: the embedded Levanter engine, or vLLM (`inference.backend`).
 
-    def __init__(self, config: RunConfig, name: str):
+    Both start from the run's initial policy (`config.model`: `init_from_hf` or its seeded random initialisation)
+    labelled version -1; weights arrive through `apply_update`. vLLM starts from that policy exported as a Hugging
+    Face checkpoint to a private directory (or from `hf_checkpoint` when given).
+    """
+
+    def __init__(self, config: RunConfig, name: str, hf_checkpoint: str | None = None):
         configure_logging()
-        from marin_rl.inference.levanter_server import LevanterInferenceServer
-
         self.tokenizer = load_tokenizer(config.tokenizer)
-        model = build_model(config.model, len(self.tokenizer))  # placeholder weights until the first update
-        self.server = LevanterInferenceServer(model, self.tokenizer, config.inference, name=name)
+        self._export_dir: str | None = None
+        if config.inference.backend == "vllm":
+            from marin_rl.inference.vllm_server import VllmPolicyServer
+
+            model = build_model(with_seq_len(config.model, config.inference.max_seq_len), len(self.tokenizer))
+            if hf_checkpoint is None:
+                self._export_dir = tempfile.mkdtemp(prefix=f"marin_rl_{name}_hf_")
+                hf_checkpoint = export_hf_checkpoint(model, self.tokenizer, self._export_dir)
+            self.server = VllmPolicyServer(model, hf_checkpoint, self.tokenizer, config.inference, name=name)
+            del model
+        else:
+            from marin_rl.inference.levanter_server import LevanterInferenceServer
+
+            model = build_model(config.model, len(self.tokenizer))
+            self.server = LevanterInferenceServer(model, self.tokenizer, config.inference, name=name)
         self.transport = make_transport(config.broadcast)
         self.subscriber = WeightSubscriber(self.transport, self.server.apply_weights)
         self.address = self.server.start()
 
     def get_address(self) -> str:
+        """'host:port' that clients send requests to."""
         return self.address
 
     def apply_update(self, update: WeightUpdate) -> dict:
@@ -140,11 +114,15 @@ class InferenceServerActor:
         return self.subscriber.apply_update(update)
 
     def stats(self) -> dict:
+        """The server's counters (served version, requests, tokens, ...)."""
         return self.server.stats()
 
     def stop(self) -> None:
+        """Stop the server (and vLLM's processes) and remove the exported checkpoint."""
         self.server.stop()
         self.transport.close()
+        if self._export_dir is not None:
+            shutil.rmtree(self._export_dir, ignore_errors=True)
 
 
 @ray.remote(num_cpus=0)
@@ -214,6 +192,3 @@ class EnvActor:
             f"eval/{name}/greedy_reward": float(greedy_rewards.mean()),
             f"eval/{name}/problems": len(problems),
         }
-
-    def pid(self) -> int:
-        return os.getpid()

@@ -1,15 +1,14 @@
 """The Ray driver: starts every component from one config, runs the asynchronous loop, and shuts it all down.
 
-Loop (one driver thread, everything else in actors):
-  env actors generate groups → replay buffers (validate, advantages, staleness) → batcher (token budget, packing)
-  → learner step (new version) → weights published to the servers every `broadcast.sync_every` steps.
-Staleness is bounded AReaL-style: with version v served and b batches formed, a new group starts only while the
-rollouts in flight or buffered fill at most (v + η + 1 − b) batches; `replay.max_age` drops whatever still gets
-too old.
+Loop (one driver thread, everything else in actors), `Orchestrator._loop`:
+  env actors generate groups → replay buffers admit them (validation, advantages, staleness) → the batcher forms a
+  batch (token budget, packing) when the learner is idle → learner step (a new version) → step hooks: weights
+  published to the servers every `broadcast.sync_every` steps, evaluation, HF export, checkpoint.
+New groups start as the staleness gate allows (`marin_rl.orchestrator.staleness`, which states the bound).
 
-Problem order: the driver owns a `ProblemIterator` per environment and hands problem indices to the env actors.
-Checkpoints (`checkpoint.*`): after a learner step, every `checkpoint.every` steps and when the run ends or is
-interrupted, the driver writes its state (replay buffers, batcher, problem iterators, counters) and the learner
+Problem order: the driver owns a `ProblemIterator` per environment (in its `EnvPool`) and hands problem indices to
+the env actors. Checkpoints (`checkpoint.*`): after a learner step, every `checkpoint.every` steps and when the run
+ends or is interrupted, the driver writes its state (replay buffers, problem iterators, counters) and the learner
 writes its arrays, the completion marker last (`marin_rl.learner.checkpoint`). Rerunning the same command resumes
 from the latest complete checkpoint: the learner is restored, the servers get its weights before any generation,
 problems whose groups were in flight are handed out again first, the warm start is not rerun and metrics.jsonl is
@@ -29,10 +28,9 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError
 
 from marin_rl.config import RunConfig
-from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
+from marin_rl.envs.iteration import ProblemTicket
 from marin_rl.learner.checkpoint import (
     RUN_STATE_FILE,
     begin_checkpoint,
@@ -42,138 +40,22 @@ from marin_rl.learner.checkpoint import (
     read_json,
     write_json,
 )
-from marin_rl.orchestrator.actors import EnvActor, InferenceServerActor, LearnerActor, configure_logging
-from marin_rl.orchestrator.report import plot_rewards, write_summary
-from marin_rl.orchestrator.tracking import console_line, make_tracker
-from marin_rl.replay.batcher import Batcher
+from marin_rl.logs import configure_logging
+from marin_rl.orchestrator.actors import LearnerActor, ServerActor
+from marin_rl.orchestrator.env_pool import EnvPool
+from marin_rl.orchestrator.hooks import StepHook, StepHooks
+from marin_rl.orchestrator.staleness import GateInputs, StalenessGate
+from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer
+from marin_rl.report import plot_rewards, write_summary
 from marin_rl.tokenizer import load_tokenizer
+from marin_rl.tracking import console_line, make_tracker
 
 logger = logging.getLogger("marin_rl")
 
-
-class _EnvPool:
-    """The env actors of one environment, their in-flight groups, the problem order and the staleness gate's
-    bookkeeping."""
-
-    def __init__(self, config: RunConfig, index: int, servers: list[str], budget_share: float):
-        self.config = config
-        self.index = index
-        self.env = config.envs[index]
-        self.servers = servers
-        self.deterministic = config.orchestrator.deterministic
-        self.actors = [self._spawn(r) for r in range(self.env.replicas)]
-        num_problems = ray.get(self.actors[0].num_problems.remote())
-        self.iterator = ProblemIterator(num_problems, config.orchestrator.seed, stream_id(self.env.name))
-        # ref -> (replica, ticket, actor), in hand-out order
-        self.inflight: dict[ray.ObjectRef, tuple[int, ProblemTicket, Any]] = {}
-        self.budget_share = budget_share  # tokens per batch
-        self.mean_rollout_tokens = float(self.env.sampling.max_tokens + 16)  # refined from data
-        self.consumed_per_batch: float | None = None
-        self.restarts = 0
-
-    def _spawn(self, replica: int):
-        return EnvActor.options(name=None, max_concurrency=max(4, self.env.concurrency * 2)).remote(
-            self.config, self.index, replica, self.servers
-        )
-
-    def rollouts_per_batch(self) -> float:
-        """Rollouts a batch takes from this env: measured once batches exist, else estimated from lengths."""
-        if self.consumed_per_batch is not None:
-            return max(1.0, self.consumed_per_batch)
-        return max(1.0, self.budget_share / self.mean_rollout_tokens)
-
-    def observe_batch(self, rollouts_used: int) -> None:
-        """Refine the rollouts-per-batch estimate from a batch."""
-        if self.consumed_per_batch is None:
-            self.consumed_per_batch = float(rollouts_used)
-        else:
-            self.consumed_per_batch = 0.8 * self.consumed_per_batch + 0.2 * rollouts_used
-
-    def observe(self, group: dict) -> None:
-        """Refine the mean rollout length from a group."""
-        sizes = [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]
-        if sizes:
-            self.mean_rollout_tokens = 0.9 * self.mean_rollout_tokens + 0.1 * float(np.mean(sizes))
-
-    def launch(self, served_version: int, batches_formed: int, buffered: int, max_staleness: int, starved: bool) -> int:
-        """Start groups while the staleness gate allows; returns how many were started.
-
-        AReaL's bound, stated on outstanding data: with version v served and b batches formed so far, the rollouts
-        in flight or waiting in the buffer may fill at most (v + η + 1 − b) batches, so a rollout is trained at
-        most η versions after the one that sampled it (when batches consume data in order). η = 0 is synchronous:
-        nothing new starts while a batch is training on weights the servers do not have yet. Rollouts dropped on
-        the way (stale, rejected) free their room. `starved` (the batcher waits for this env and nothing is in
-        flight) lets one group start regardless, so a misestimated batch size cannot stall the run.
-        The decision depends only on this state, so calling it again without a change starts nothing.
-        """
-        started = 0
-        capacity = (served_version + max_staleness + 1 - batches_formed) * self.rollouts_per_batch()
-        g = self.env.group_size
-        for replica, actor in enumerate(self.actors):
-            while sum(1 for r, _, _ in self.inflight.values() if r == replica) < self.env.concurrency:
-                outstanding = len(self.inflight) * g + buffered
-                if outstanding + g > capacity and not (starved and not self.inflight):
-                    return started
-                ticket = self.iterator.next()
-                seed = self.iterator.sample_seed(ticket) if self.deterministic else None
-                self.inflight[actor.run_group.remote(ticket.index, seed)] = (replica, ticket, actor)
-                started += 1
-        return started
-
-    def wait_refs(self) -> list[ray.ObjectRef]:
-        """What the driver waits on: every in-flight group, or (deterministic) only the oldest one."""
-        if self.deterministic:
-            return [next(iter(self.inflight))] if self.inflight else []
-        return list(self.inflight)
-
-    def collect(self) -> list[tuple[ProblemTicket, dict]]:
-        """Finished groups with their tickets. Deterministic: at most one, the oldest handed out, once it is done.
-
-        A group whose actor died is not returned: its ticket is requeued (handed out again first) and the actor
-        restarted.
-        """
-        if not self.inflight:
-            return []
-        refs = self.wait_refs()
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        out = []
-        for ref in refs if self.deterministic else done:
-            if ref not in done:
-                break
-            replica, ticket, actor = self.inflight.pop(ref)
-            try:
-                group = ray.get(ref)
-            except RayActorError:
-                self.iterator.requeue(ticket)
-                if self.actors[replica] is actor:
-                    self.restart(replica)
-                continue
-            out.append((ticket, group))
-        return out
-
-    def restart(self, replica: int) -> None:
-        """Replace a dead env actor."""
-        logger.error("env actor %s/%d died; restarting it", self.env.name, replica)
-        self.restarts += 1
-        self.actors[replica] = self._spawn(replica)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint state: the problem order (in-flight problems become redo), estimators and counters."""
-        return {
-            "iterator": self.iterator.state_dict(),
-            "mean_rollout_tokens": self.mean_rollout_tokens,
-            "consumed_per_batch": self.consumed_per_batch,
-            "restarts": self.restarts,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output (before anything is launched)."""
-        self.iterator.load_state_dict(state["iterator"])
-        self.mean_rollout_tokens = float(state["mean_rollout_tokens"])
-        c = state["consumed_per_batch"]
-        self.consumed_per_batch = None if c is None else float(c)
-        self.restarts = int(state["restarts"])
+RUN_STATE_FORMAT = 2
+"""Version of the driver's checkpoint state (`run_state.json`); format 1 (before the replay buffers handled
+too-long rollouts and the per-token names) is still read."""
 
 
 class StopRequest:
@@ -210,7 +92,7 @@ class StopRequest:
 
 
 class Orchestrator:
-    """Owns the actors of one run."""
+    """Owns the actors of one run and drives the loop."""
 
     def __init__(self, config: RunConfig, stop: StopRequest | None = None):
         config.validate()
@@ -221,7 +103,9 @@ class Orchestrator:
         self._started_ray = False
         self.learner = None
         self.servers: list = []
-        self.pools: dict[str, _EnvPool] = {}
+        self.pools: dict[str, EnvPool] = {}
+        self.buffers: dict[str, ReplayBuffer] = {}
+        self.gates = {e.name: StalenessGate(config.orchestrator.max_staleness, e.group_size) for e in config.envs}
         # Run progress (saved in checkpoints).
         self.step = 0
         self.total_gen_tokens = 0
@@ -230,70 +114,140 @@ class Orchestrator:
         self.last_eval: dict[str, float] = {}
         self.warm: dict[str, Any] = {}
         self.last_saved_step: int | None = None
+        # Loop state.
+        self.served_version = 0
+        self.training: ray.ObjectRef | None = None  # the learner step in flight
+        self.formed: FormedBatch | None = None  # the batch it trains on
+        self.waiting_for: dict[str, int] = {}  # environments the batcher waits for (tokens missing)
+        self.window = {"gen_tokens": 0, "since": time.time()}
         self.broadcast_transport: str | None = None  # what weights travel through ('auto' decides at the first)
+        self.hooks = self._make_hooks()
 
-    # ---- lifecycle ----------------------------------------------------------------------------------
-    def _start_ray(self) -> None:
-        cfg = self.config.orchestrator
-        if ray.is_initialized():
+    # ---- the loop -----------------------------------------------------------------------------------
+    def _loop(self, tracker) -> None:
+        """From `self.step` to `orchestrator.num_steps` (or a stop request). One iteration: book a finished learner
+        step (its hooks may checkpoint), form a batch if the learner is idle, start the groups the staleness gate
+        allows, wait briefly, admit finished groups into the buffers. A checkpoint is taken in the first part, so a
+        resumed run, which starts at the second, continues the same sequence of decisions."""
+        while True:
+            if self.training is not None and ray.wait([self.training], timeout=0)[0]:
+                self._complete_step(tracker)
+            if self.step >= self.config.orchestrator.num_steps or (self.stop.requested and self.training is None):
+                return
+            if self.training is None and not self.stop.requested:
+                self._try_train()
+            if not self.stop.requested:
+                self._launch_groups()
+            self._wait_for_anything()
+            self._admit_finished_groups()
+
+    def _wait_for_anything(self, timeout_s: float = 0.05) -> None:
+        """Block until a group or the learner step finishes, at most `timeout_s`."""
+        refs = [r for p in self.pools.values() for r in p.wait_refs()]
+        if self.training is not None:
+            refs.append(self.training)
+        if refs:
+            ray.wait(refs, num_returns=1, timeout=timeout_s)
+
+    def _try_train(self) -> None:
+        """Form a batch and start a learner step on it (deterministic runs: only once no group is in flight)."""
+        if self.config.orchestrator.deterministic and any(p.inflight for p in self.pools.values()):
             return
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=True)
+        result = self.batcher.try_make_batch(self.step)
+        if isinstance(result, BatchWait):
+            self.waiting_for = result.missing
+            return
+        self.waiting_for = {}
+        if result is not None:
+            for name, usage in result.usage.items():
+                self.pools[name].batch_size.observe_batch(usage.rollouts)
+            self.formed = result
+            self.training = self.learner.train_step.remote(result.batch)
+
+    def _launch_groups(self) -> None:
+        batches_formed = self.step + (self.training is not None)
+        for name, pool in self.pools.items():
+            state = GateInputs(
+                served_version=self.served_version,
+                batches_formed=batches_formed,
+                in_flight=pool.in_flight_rollouts,
+                buffered=len(self.buffers[name]),
+                rollouts_per_batch=pool.batch_size.value,
+                starved=name in self.waiting_for,
+            )
+            pool.launch(self.gates[name].groups_allowed(state))
+
+    def _admit_finished_groups(self) -> None:
+        for name, pool in self.pools.items():
+            for ticket, group in pool.collect():
+                admission = self.buffers[name].admit(group, max_version=self.step)
+                self.window["gen_tokens"] += admission.sampled_tokens
+                self.total_gen_tokens += admission.sampled_tokens
+                self._settle(pool, ticket, admission.sampled_by_future_version)
+
+    @staticmethod
+    def _settle(pool: EnvPool, ticket: ProblemTicket, sample_again: bool) -> None:
+        if sample_again:  # sampled by weights this learner never had (left over from before a restore)
+            pool.iterator.requeue(ticket)
         else:
-            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
-        self._started_ray = True
+            pool.iterator.done(ticket)
 
-    def _start_components(self) -> None:
+    def _complete_step(self, tracker) -> None:
+        """Book a finished learner step: its metrics, the batch's and the buffers', the due hooks, the log line."""
+        metrics = ray.get(self.training)
+        self.training = None
+        self.step += 1
+        step, last = self.step, self.step == self.config.orchestrator.num_steps
+        metrics["learner/version"] = step
+        metrics.update(self.formed.metrics)
+        self.total_trained_tokens += int(self.formed.metrics["batches/trained_tokens"])
+        self.formed = None
+        for buffer in self.buffers.values():
+            metrics.update(buffer.metrics(step))
+            buffer.start_window()
+            buffer.flush()
+        now = time.time()
+        metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
+        metrics["time/elapsed_s"] = now
+        self.window = {"gen_tokens": 0, "since": now}
+        metrics.update(self.hooks.run(step, last, stopping=self.stop.requested))
+        tracker.log(metrics, step=step)
+        if step % self.config.tracking.console_every == 0 or last:
+            logger.info(console_line(step, metrics, self.env_names))
+
+    # ---- step hooks -----------------------------------------------------------------------------------
+    def _make_hooks(self) -> StepHooks:
         cfg = self.config
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        self.vocab_size = len(tokenizer)
-        t = time.time()
-        self.learner = LearnerActor.remote(cfg, self.vocab_size)
-        server_class, startup_timeout = InferenceServerActor, cfg.inference.startup_timeout_s
-        if cfg.inference.backend == "vllm":
-            from marin_rl.inference.vllm_server import VllmServerActor
 
-            server_class = VllmServerActor
-            startup_timeout = max(startup_timeout, cfg.inference.vllm.startup_timeout_s)
-        self.servers = [
-            server_class.options(max_concurrency=4).remote(cfg, f"server-{i}") for i in range(cfg.inference.num_servers)
-        ]
-        addresses = ray.get([s.get_address.remote() for s in self.servers], timeout=startup_timeout)
-        logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
-        budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
-        fractions = cfg.env_fractions()
-        self.pools = {e.name: _EnvPool(cfg, i, addresses, fractions[e.name] * budget) for i, e in enumerate(cfg.envs)}
-        self.buffers = {
-            n: ReplayBuffer(n, cfg.replay, self.vocab_size, rollout_dir=os.path.join(self.output_dir, "rollouts", n))
-            for n in self.env_names
-        }
-        self.batcher = Batcher(cfg.batcher, self.buffers, fractions)
-        logger.info("policy: %s parameters", f"{ray.get(self.learner.num_params.remote()):,}")
+        def broadcast(step: int) -> dict[str, float]:
+            out = self._broadcast()
+            self.served_version = step
+            return out
 
-    def shutdown(self) -> None:
-        """Stop servers and kill every actor; shut Ray down if this run started it."""
-        for s in self.servers:
-            try:
-                ray.get(s.stop.remote(), timeout=10)
-            except Exception:
-                pass
-        if self.learner is not None:
-            try:
-                ray.get(self.learner.close.remote(), timeout=10)  # frees the broadcast's shared memory
-            except Exception:
-                pass
-        actors = [*self.servers, *([self.learner] if self.learner else [])]
-        for pool in self.pools.values():
-            actors.extend(pool.actors)
-        for a in actors:
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
-        if self._started_ray:
-            ray.shutdown()
+        def evaluate(step: int) -> dict[str, float]:
+            self.last_eval = self._evaluate()
+            return self.last_eval
 
-    # ---- steps --------------------------------------------------------------------------------------
+        def export(step: int) -> None:
+            path = os.path.join(self.output_dir, "hf", f"step-{step}")
+            ray.get(self.learner.export_hf.remote(path))
+            logger.info("exported the policy as a Hugging Face checkpoint to %s", path)
+
+        def checkpoint(step: int) -> dict[str, float] | None:
+            if self.last_saved_step == step:
+                return None
+            return {"checkpoint/seconds": self.save_checkpoint()}
+
+        ck = cfg.checkpoint
+        return StepHooks(
+            [
+                StepHook("broadcast", cfg.broadcast.sync_every, broadcast),
+                StepHook("eval", cfg.orchestrator.eval_every, evaluate),
+                StepHook("export", cfg.model.export_every, export),
+                StepHook("checkpoint", ck.every, checkpoint, at_end=ck.save_on_exit, when_stopping=ck.save_on_exit),
+            ]
+        )
+
     def _broadcast(self) -> dict[str, float]:
         t = time.time()
         update = ray.get(self.learner.publish.remote())  # a handle: the arrays travel through the transport
@@ -332,6 +286,68 @@ class Orchestrator:
             logger.info("warm start done in %.1fs, final loss %.4f", result["seconds"], result["losses"][-1])
         return result
 
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def _start_ray(self) -> None:
+        cfg = self.config.orchestrator
+        if ray.is_initialized():
+            return
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, log_to_driver=True)
+        else:
+            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+        self._started_ray = True
+
+    def _start_components(self) -> None:
+        cfg = self.config
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        vocab_size = len(tokenizer)
+        t = time.time()
+        self.learner = LearnerActor.remote(cfg, vocab_size)
+        self.servers = [
+            ServerActor.options(max_concurrency=4).remote(cfg, f"server-{i}") for i in range(cfg.inference.num_servers)
+        ]
+        addresses = ray.get([s.get_address.remote() for s in self.servers], timeout=cfg.inference.startup_timeout_s)
+        logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
+        budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
+        fractions = cfg.env_fractions()
+        self.pools = {e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget) for i, e in enumerate(cfg.envs)}
+        self.buffers = {
+            n: ReplayBuffer(
+                n,
+                cfg.replay,
+                vocab_size,
+                rollout_dir=os.path.join(self.output_dir, "rollouts", n),
+                max_tokens=cfg.batcher.max_seq_len,
+                too_long=cfg.batcher.too_long,
+            )
+            for n in self.env_names
+        }
+        self.batcher = Batcher(cfg.batcher, self.buffers, fractions)
+        logger.info("policy: %s parameters", f"{ray.get(self.learner.num_params.remote()):,}")
+
+    def shutdown(self) -> None:
+        """Stop servers and kill every actor; shut Ray down if this run started it."""
+        for s in self.servers:
+            try:
+                ray.get(s.stop.remote(), timeout=10)
+            except Exception:
+                pass
+        if self.learner is not None:
+            try:
+                ray.get(self.learner.close.remote(), timeout=10)  # frees the broadcast's shared memory
+            except Exception:
+                pass
+        actors = [*self.servers, *([self.learner] if self.learner else [])]
+        for pool in self.pools.values():
+            actors.extend(pool.actors)
+        for a in actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if self._started_ray:
+            ray.shutdown()
+
     # ---- checkpoints --------------------------------------------------------------------------------
     def _find_resume(self) -> str | None:
         """The checkpoint to resume from (None: start fresh); refuses to mix runs when resuming is off."""
@@ -347,7 +363,7 @@ class Orchestrator:
 
     def _run_state(self) -> dict[str, Any]:
         return {
-            "format": 1,
+            "format": RUN_STATE_FORMAT,
             "step": self.step,
             "warm_start": self.warm,
             "eval_start": self.eval_start,
@@ -356,7 +372,6 @@ class Orchestrator:
             "trained_tokens": self.total_trained_tokens,
             "pools": {n: p.state_dict() for n, p in self.pools.items()},
             "buffers": {n: b.state_dict() for n, b in self.buffers.items()},
-            "batcher": self.batcher.state_dict(),
         }
 
     def save_checkpoint(self) -> float:
@@ -377,8 +392,10 @@ class Orchestrator:
         return seconds
 
     def _restore(self, path: str) -> None:
-        """Load the learner, buffers, batcher, problem order and counters from the complete checkpoint at `path`."""
+        """Load the learner, buffers, problem order and counters from the complete checkpoint at `path`."""
         state = read_json(path, RUN_STATE_FILE)
+        if int(state.get("format", 1)) > RUN_STATE_FORMAT:
+            raise ValueError(f"checkpoint {path} was written by a newer marin_rl (run state format {state['format']})")
         step = int(state["step"])
         if step != checkpoint_step(path):
             raise ValueError(f"checkpoint {path}: run state is at step {step}, its marker at {checkpoint_step(path)}")
@@ -389,15 +406,18 @@ class Orchestrator:
             raise ValueError(f"checkpoint {path}: the learner is at version {version}, the run at step {step}")
         for n, pool in self.pools.items():
             pool.load_state_dict(state["pools"][n])
-            self.buffers[n].load_state_dict(state["buffers"][n])
-        self.batcher.load_state_dict(state["batcher"])
-        self.step = self.last_saved_step = step
+            buffer_state = dict(state["buffers"][n])
+            if "batcher" in state:  # format 1: the batcher counted too-long rollouts; the buffers do now
+                buffer_state["truncated_too_long"] = state["batcher"]["truncated_too_long"][n]
+            self.buffers[n].load_state_dict(buffer_state)
+        self.step = self.last_saved_step = self.served_version = step
         self.warm = state["warm_start"]
         self.eval_start = state["eval_start"]
         self.last_eval = state["last_eval"]
         self.total_gen_tokens = int(state["generated_tokens"])
         self.total_trained_tokens = int(state["trained_tokens"])
 
+    # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Start everything, train (resuming from the latest checkpoint when there is one), and shut down."""
         cfg = self.config
@@ -431,20 +451,16 @@ class Orchestrator:
                 tracker.log({**self.eval_start, **bmetrics, "learner/version": 0}, step=0)
             else:
                 self._broadcast()  # the restored weights reach every server before any new generation
+            self.served_version = self.step
+            self.window = {"gen_tokens": 0, "since": time.time()}
             self.stop.armed = True
-            summary = self._loop(tracker)
+            self._loop(tracker)
             self.stop.armed = False
             if self.stop.requested:
+                if cfg.checkpoint.save_on_exit and self.last_saved_step != self.step:
+                    self.save_checkpoint()  # stopped between learner steps: nothing saved this step yet
                 raise KeyboardInterrupt("stopped on request after a checkpoint")
-            summary.update(
-                {
-                    "warm_start_steps": cfg.learner.warm_start.steps,
-                    "warm_start_final_loss": self.warm.get("final_loss"),
-                    "wall_time_s": time.time() - start_time,
-                    "output_dir": self.output_dir,
-                    "resumed_from": resume_path,
-                }
-            )
+            summary = self._summary(start_time, resume_path)
             tracker.log_summary(summary)
             write_summary(self.output_dir, summary)
             plot_rewards(self.output_dir, jsonl.history, self.env_names)
@@ -464,117 +480,7 @@ class Orchestrator:
             self.shutdown()
             self.stop.uninstall(previous)
 
-    def _complete_step(self, learner_ref, tracker, pending_metrics: dict[str, float], window: dict[str, float]) -> None:
-        """Book a finished learner step: broadcast, evaluate, export, checkpoint, log."""
-        cfg = self.config
-        ocfg = cfg.orchestrator
-        metrics = ray.get(learner_ref)
-        self.step += 1
-        step = self.step
-        metrics["learner/version"] = step
-        if step % cfg.broadcast.sync_every == 0 or step == ocfg.num_steps:
-            metrics.update(self._broadcast())
-            self.served_version = step
-        if step % ocfg.eval_every == 0 or step == ocfg.num_steps:
-            self.last_eval = self._evaluate()
-            metrics.update(self.last_eval)
-        every = cfg.model.export_every
-        if (every > 0 and step % every == 0) or step == ocfg.num_steps:
-            exported = os.path.join(self.output_dir, "hf", f"step-{step}")
-            ray.get(self.learner.export_hf.remote(exported))
-            logger.info("exported the policy as a Hugging Face checkpoint to %s", exported)
-        now = time.time()
-        metrics["throughput/generated_tokens_per_s"] = window["gen_tokens"] / max(now - window["since"], 1e-9)
-        metrics["time/elapsed_s"] = now
-        window["gen_tokens"] = 0
-        window["since"] = now
-        # `replays/...` metrics are published by the batcher with each batch (in `pending_metrics`).
-        metrics.update(pending_metrics)
-        self.total_trained_tokens += int(metrics.get("batches/trained_tokens", 0))
-        ck = cfg.checkpoint
-        periodic = ck.every > 0 and step % ck.every == 0
-        final = ck.save_on_exit and (step == ocfg.num_steps or self.stop.requested)
-        if periodic or final:
-            metrics["checkpoint/seconds"] = self.save_checkpoint()
-        tracker.log(metrics, step=step)
-        if step % cfg.tracking.console_every == 0 or step == ocfg.num_steps:
-            logger.info(console_line(step, metrics, self.env_names))
-
-    def _loop(self, tracker) -> dict[str, Any]:
-        """The driver loop, from `self.step` to `orchestrator.num_steps` (or a stop request).
-
-        One iteration: book a finished learner step (it may checkpoint), form a batch if the learner is idle,
-        start groups the staleness gate allows, wait briefly, collect finished groups. A checkpoint is taken in
-        the first part, so a resumed run, which starts at the second, continues the same sequence of decisions.
-        """
-        cfg = self.config
-        ocfg = cfg.orchestrator
-        det = ocfg.deterministic
-        self.served_version = self.step  # the servers have the learner's weights (published before the loop)
-        learner_ref = None
-        waiting_since = time.time()
-        window = {"gen_tokens": 0, "since": time.time()}
-        pending_metrics: dict[str, float] = {}
-        while True:
-            # 1. a finished learner step
-            if learner_ref is not None and ray.wait([learner_ref], timeout=0)[0]:
-                self._complete_step(learner_ref, tracker, pending_metrics, window)
-                learner_ref = None
-            if self.step >= ocfg.num_steps or (self.stop.requested and learner_ref is None):
-                break
-            # 2. a new batch while the learner is idle (deterministic: only once every group has arrived)
-            if learner_ref is None and not self.stop.requested:
-                if det and any(p.inflight for p in self.pools.values()):
-                    made = None
-                else:
-                    made = self.batcher.try_make_batch(self.step)
-                if made is not None:
-                    batch, pending_metrics = made
-                    for name, pool in self.pools.items():
-                        pool.observe_batch(int(pending_metrics.get(f"batches/{name}/rollouts_used", 0)))
-                    learner_ref = self.learner.train_step.remote(batch)
-                    waiting_since = time.time()
-                elif time.time() - waiting_since > ocfg.batch_timeout_s:
-                    raise TimeoutError(
-                        f"no batch for {ocfg.batch_timeout_s:.0f}s; waiting for tokens from "
-                        + ", ".join(f"{n} ({k} tokens missing)" for n, k in self.batcher.waiting_for.items())
-                    )
-            # 3. start groups
-            batches_formed = self.step + (learner_ref is not None)
-            if not self.stop.requested:
-                for name, pool in self.pools.items():
-                    pool.launch(
-                        self.served_version,
-                        batches_formed,
-                        len(self.buffers[name]),
-                        ocfg.max_staleness,
-                        starved=name in self.batcher.waiting_for,
-                    )
-            # 4. wait for something to finish
-            refs = [r for p in self.pools.values() for r in p.wait_refs()]
-            if learner_ref is not None:
-                refs.append(learner_ref)
-            if refs:
-                ray.wait(refs, num_returns=1, timeout=0.05)
-            # 5. collect finished groups into the buffers
-            for name, pool in self.pools.items():
-                for ticket, group in pool.collect():
-                    pool.observe(group)
-                    n_gen = sum(
-                        len(t["token_ids"]) for r in group["rollouts"] for t in r["turns"] if t["logprobs"] is not None
-                    )
-                    window["gen_tokens"] += n_gen
-                    self.total_gen_tokens += n_gen
-                    buffer = self.buffers[name]
-                    before = buffer.rejected["future_version"]
-                    buffer.add(group, max_version=self.step)
-                    if buffer.rejected["future_version"] > before:
-                        pool.iterator.requeue(ticket)  # sampled by weights this learner never had: sample again
-                    else:
-                        pool.iterator.done(ticket)
-
-        if self.stop.requested and cfg.checkpoint.save_on_exit and self.last_saved_step != self.step:
-            self.save_checkpoint()
+    def _summary(self, start_time: float, resume_path: str | None) -> dict[str, Any]:
         summary = {
             "steps": self.step,
             "eval_reward_start": self.eval_start["eval/mean_reward"],
@@ -584,6 +490,11 @@ class Orchestrator:
             "env_restarts": sum(p.restarts for p in self.pools.values()),
             "broadcast_transport": self.broadcast_transport,
             "final_checkpoint": os.path.join(self.output_dir, "hf", f"step-{self.step}"),
+            "warm_start_steps": self.config.learner.warm_start.steps,
+            "warm_start_final_loss": self.warm.get("final_loss"),
+            "wall_time_s": time.time() - start_time,
+            "output_dir": self.output_dir,
+            "resumed_from": resume_path,
         }
         for n in self.env_names:
             summary[f"eval_reward_start/{n}"] = self.eval_start[f"eval/{n}/reward"]

@@ -8,7 +8,7 @@ running baseline; the baseline update is itself a pure function (`ema_baseline`)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,23 +47,11 @@ def ema_baseline(baseline: float, rewards: np.ndarray, decay: float) -> float:
     return float(decay * baseline + (1.0 - decay) * np.mean(np.asarray(rewards, dtype=np.float64)))
 
 
-def combine_rewards(named: Mapping[str, float], weights: Mapping[str, float]) -> float:
-    """Linear combination Σ_k w_k · r_k of named rewards; a name without a weight counts with weight 0."""
-    return float(sum(float(weights.get(k, 0.0)) * float(v) for k, v in named.items()))
-
-
 ESTIMATORS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo}
 """Stateless estimators by name."""
 
 ESTIMATOR_NAMES = (*ESTIMATORS, "reinforce")
 """Every name `GroupAdvantages` accepts."""
-
-
-def get_estimator(name: str) -> Callable[[np.ndarray], np.ndarray]:
-    """The stateless estimator registered under `name` (REINFORCE needs `GroupAdvantages` for its baseline)."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown stateless advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
-    return ESTIMATORS[name]
 
 
 class GroupAdvantages:

@@ -1,31 +1,35 @@
 """Per-environment replay buffer: validates groups, computes advantages, drops stale rollouts, persists and reports.
 
-Life of a group: `add` validates it (`check_group`; a rejection is logged and counted under
-`replays/{env}/rejected/{reason}`), applies the group filters (`min_group_size`, optional zero-variance filter),
-recombines named rewards when `reward_weights` is set, computes advantages with the configured estimator, appends
-the rollouts to Parquet (when the buffer has a `rollout_dir`) and queues them. Rollouts leave the buffer by being
-used `max_reuse` times, by growing older than `max_age` learner steps (checked on arrival and while they wait),
-or by eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted in the metrics.
+Life of a group: `admit` validates it once (`check_group`, which runs every rollout's `validate` with the
+vocabulary), applies the group filters (`min_group_size`, optional zero-variance filter), computes advantages with
+the configured estimator, appends the rollouts to Parquet (when the buffer has a `rollout_dir`), handles rollouts
+longer than a batch row (`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut)
+and queues them. It returns an `Admission`: accepted, or rejected with a reason code (counted under
+`replays/{env}/rejected/{reason}`), with what it queued and discarded. Rollouts leave the buffer by being used
+`max_reuse` times (`consume`), by growing older than `max_age` learner steps (on arrival and in `drop_stale`), or by
+eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted.
 
-`add(group, max_version=v)` rejects (reason `future_version`) a group with a token sampled by a policy version newer
-than v: after a resume from a checkpoint, a server that still served the lost run's later weights must not feed
-them to the restored learner. `state_dict()` / `load_state_dict()` save and restore the waiting rollouts, the
-counters and the advantage estimator's state (JSON-compatible, for checkpoints).
+`admit(group, max_version=v)` rejects (reason `future_version`) a group with a token sampled by a policy version
+newer than v: after a resume from a checkpoint, a server that still served the lost run's later weights must not feed
+them to the restored learner; the caller samples its problem again.
+
+Metrics: `metrics()` reads (no side effect); the `new_*` and reward figures cover the groups admitted since the last
+`start_window()`. `state_dict()` / `load_state_dict()` save and restore the waiting rollouts, the counters and the
+advantage estimator's state (JSON-compatible, for checkpoints).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages, combine_rewards
+from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages
 from marin_rl.replay.packing import Sequence
 from marin_rl.replay.store import RolloutWriter, rollout_to_row
 from marin_rl.types import Rollout, RolloutFormatError, RolloutGroup
@@ -53,13 +57,10 @@ class ReplayConfig:
     """REINFORCE only: the baseline is an exponential moving average of group mean rewards with this decay."""
     drop_zero_variance_groups: bool = False
     """Reject groups whose rewards are all equal (they carry no learning signal under group baselines)."""
-    reward_weights: dict[str, float] = field(default_factory=dict)
-    """If non-empty, each turn's reward is recomputed as Σ weight·named reward (names without a weight count 0);
-    empty keeps the reward the environment sent."""
     persist_flush_rows: int = 1024
     """Rollouts are written to Parquet in files of at most this many rows (when a rollout directory is set)."""
     persist_flush_interval_s: float = 30.0
-    """...or at least this often while rollouts arrive (and when metrics are published, and at exit)."""
+    """...or at least this often while rollouts arrive (and at every `flush`, e.g. each learner step, and at exit)."""
 
     def __post_init__(self):
         if self.advantage_estimator not in ESTIMATOR_NAMES:
@@ -71,10 +72,13 @@ class ReplayConfig:
             raise ValueError("replay: min_group_size, capacity, max_reuse must be >= 1 and max_age >= 0")
         if not 0.0 <= self.reinforce_baseline_decay < 1.0:
             raise ValueError("replay.reinforce_baseline_decay must be in [0, 1)")
-        if any(not math.isfinite(w) for w in self.reward_weights.values()):
-            raise ValueError(f"replay.reward_weights must be finite, got {self.reward_weights}")
         if self.persist_flush_rows < 1:
             raise ValueError("replay.persist_flush_rows must be >= 1")
+
+
+def group_sampled_tokens(group: RolloutGroup) -> int:
+    """Tokens the policy sampled in `group`."""
+    return sum(r.num_sampled_tokens for r in group.rollouts)
 
 
 def _newest_version(rollout: Rollout) -> int:
@@ -141,7 +145,7 @@ class ReplayItem:
     uses: int = 0
     """Batches it has appeared in."""
     max_len: int | None = None
-    """Set by the batcher's truncate-and-mark policy: only the first `max_len` tokens are trained on."""
+    """Truncated on admission (`too_long: truncate`): only the first `max_len` tokens are trained on."""
 
     def sequence(self) -> Sequence:
         """The tokens and per-token training fields that go into a batch."""
@@ -149,11 +153,46 @@ class ReplayItem:
         return seq if self.max_len is None else seq.truncated(self.max_len)
 
 
+FUTURE_VERSION = "future_version"
+"""Rejection reason of a group sampled by a policy version newer than the learner's (see `ReplayBuffer.admit`)."""
+TOO_LONG_POLICIES = ("drop", "truncate")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What `ReplayBuffer.admit` did with a group."""
+
+    accepted: bool
+    """Whether the group passed validation and the group filters (its rollouts were scored and persisted)."""
+    reason: str | None = None
+    """Rejection reason code (counted under `replays/{env}/rejected/{reason}`); None when accepted."""
+    detail: str = ""
+    """What was wrong, for the log."""
+    sampled_tokens: int = 0
+    """Tokens the policy sampled in the group (also for a rejected group that could be read)."""
+    queued: int = 0
+    """Rollouts queued for batches."""
+    discarded_stale: int = 0
+    """Accepted rollouts discarded on arrival because they were already older than `max_age`."""
+    dropped_too_long: int = 0
+    """Accepted rollouts dropped because they do not fit a batch row (`too_long: drop`, or nothing sampled would
+    survive truncation)."""
+    truncated_too_long: int = 0
+    """Accepted rollouts queued truncated to a batch row (`too_long: truncate`)."""
+
+    @property
+    def sampled_by_future_version(self) -> bool:
+        """Rejected as sampled by weights newer than the learner's: its problem should be sampled again."""
+        return self.reason == FUTURE_VERSION
+
+
 class ReplayBuffer:
     """Holds one environment's scored rollouts until the batcher takes them.
 
     `rollout_dir` (local path or fsspec URL) turns on persistence: every accepted rollout is appended to Parquet
-    files there (see `marin_rl.replay.store`).
+    files there (see `marin_rl.replay.store`). `max_tokens` (the batch row length) and `too_long` decide what
+    happens to a rollout that does not fit a row: 'drop' it, or 'truncate' it to `max_tokens` (the loss stays on the
+    sampled tokens that survive; dropped when none does). Both are counted.
     """
 
     def __init__(
@@ -162,31 +201,39 @@ class ReplayBuffer:
         config: ReplayConfig,
         vocab_size: int | None = None,
         rollout_dir: str | None = None,
+        max_tokens: int | None = None,
+        too_long: str = "drop",
     ):
+        if too_long not in TOO_LONG_POLICIES:
+            raise ValueError(f"too_long must be one of {TOO_LONG_POLICIES}, got {too_long!r}")
         self.env_name = env_name
         self.config = config
         self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self.too_long = too_long
         self.advantages = GroupAdvantages(
             config.advantage_estimator,
             grpo_normalize_std=config.grpo_normalize_std,
             baseline_decay=config.reinforce_baseline_decay,
         )
         self.items: list[ReplayItem] = []  # oldest arrival first
-        self.learner_version: int | None = None  # latest version seen (drop_stale / metrics)
+        self.learner_version: int | None = None  # latest version given to `drop_stale`
         self.rejected: Counter[str] = Counter()
         self.accepted_groups = 0
         self.discarded_stale = 0
         self.evicted = 0
-        self.dropped = Counter()  # by the batcher, by reason (e.g. too_long)
+        self.dropped: Counter[str] = Counter()  # rollouts removed unused, by reason (e.g. too_long)
+        self.truncated_too_long = 0
         self.writer: RolloutWriter | None = None
         if rollout_dir is not None:
             self.writer = RolloutWriter(
                 rollout_dir, flush_rows=config.persist_flush_rows, flush_interval_s=config.persist_flush_interval_s
             )
             weakref.finalize(self, self.writer.close)
-        self._reset_window()
+        self.start_window()
 
-    def _reset_window(self) -> None:
+    def start_window(self) -> None:
+        """Start a new metrics window: the `new_*` and reward figures of `metrics()` cover groups admitted from now."""
         self._new_rollouts = 0
         self._new_tokens = 0
         self._new_generated = 0
@@ -195,8 +242,8 @@ class ReplayBuffer:
         self._new_named: dict[str, list[float]] = {}
 
     # ---- intake -------------------------------------------------------------------------------------
-    def add(self, group: RolloutGroup | dict, max_version: int | None = None) -> bool:
-        """Validate, score, persist and queue a group; returns whether it was accepted.
+    def admit(self, group: RolloutGroup | dict, max_version: int | None = None) -> Admission:
+        """Validate, score, persist and queue a group (module docstring); returns what was done.
 
         Rejections are logged with their reason and counted; rollouts already older than `max_age` (relative to
         the latest learner version this buffer has seen) are accepted and persisted but discarded (and counted).
@@ -206,30 +253,28 @@ class ReplayBuffer:
         try:
             if isinstance(group, dict):
                 try:
-                    group = RolloutGroup.from_dict(group)
+                    group = RolloutGroup.from_dict(group, validate=False)  # validated once, below
                 except RolloutFormatError as e:
                     raise GroupRejected(e.reason, str(e)) from e
             check_group(group, self.env_name, self.vocab_size)
         except GroupRejected as e:
-            return self._reject(e.reason, e.detail)
+            sampled = group_sampled_tokens(group) if isinstance(group, RolloutGroup) else 0
+            return self._reject(e.reason, e.detail, sampled)
+        sampled = group_sampled_tokens(group)
         if max_version is not None:
             newest = max(_newest_version(r) for r in group.rollouts)
             if newest > max_version:
                 return self._reject(
-                    "future_version",
+                    FUTURE_VERSION,
                     f"group {group.group_id} was sampled by policy version {newest}, newer than the learner's "
                     f"{max_version} (left over from before a restore)",
+                    sampled,
                 )
         if len(group.rollouts) < self.config.min_group_size:
-            return self._reject("group_too_small", f"{len(group.rollouts)} < {self.config.min_group_size}")
-        if self.config.reward_weights:
-            for r in group.rollouts:
-                for t in r.turns:
-                    if t.rewards:
-                        t.reward = combine_rewards(t.rewards, self.config.reward_weights)
+            return self._reject("group_too_small", f"{len(group.rollouts)} < {self.config.min_group_size}", sampled)
         rewards = group.rewards
         if self.config.drop_zero_variance_groups and np.all(rewards == rewards[0]):
-            return self._reject("zero_variance", f"all rewards {rewards[0]}")
+            return self._reject("zero_variance", f"all rewards {rewards[0]}", sampled)
         advantages = self.advantages(rewards)
         now = time.time()
         self.accepted_groups += 1
@@ -241,31 +286,32 @@ class ReplayBuffer:
                 ]
             )
         limit = None if self.learner_version is None else self.learner_version - self.config.max_age
-        stale = 0
+        stale = too_long = truncated = queued = 0
         for r, a in zip(group.rollouts, advantages, strict=True):
-            self._new_rollouts += 1
-            self._new_tokens += r.num_tokens
-            self._new_generated += r.num_sampled_tokens
-            self._new_rewards.append(r.reward)
-            self._new_truncated += int(r.truncated)
-            for turn in r.turns:
-                for name, value in turn.rewards.items():
-                    self._new_named.setdefault(name, []).append(value)
+            self._count_new(r)
             if limit is not None and r.oldest_version < limit:
                 stale += 1
                 continue
-            self.items.append(
-                ReplayItem(
-                    rollout=r,
-                    advantage=float(a),
-                    group_id=group.group_id,
-                    added_at=now,
-                    num_tokens=r.num_tokens,
-                    oldest_version=r.oldest_version,
-                )
+            item = ReplayItem(
+                rollout=r,
+                advantage=float(a),
+                group_id=group.group_id,
+                added_at=now,
+                num_tokens=r.num_tokens,
+                oldest_version=r.oldest_version,
             )
+            if self.max_tokens is not None and r.num_tokens > self.max_tokens:
+                if self.too_long == "drop" or not r.loss_mask()[: self.max_tokens].any():
+                    too_long += 1  # nothing sampled would survive the cut: nothing to train on
+                    continue
+                item.max_len = item.num_tokens = self.max_tokens
+                truncated += 1
+            self.items.append(item)
+            queued += 1
+        self.discarded_stale += stale
+        self.dropped["too_long"] += too_long
+        self.truncated_too_long += truncated
         if stale:
-            self.discarded_stale += stale
             logger.info(
                 "replay[%s]: %d rollouts arrived older than max_age=%d (learner at %s); discarded",
                 self.env_name,
@@ -273,6 +319,9 @@ class ReplayBuffer:
                 self.config.max_age,
                 self.learner_version,
             )
+        if too_long or truncated:
+            logger.info("replay[%s]: %d rollouts longer than %d tokens dropped, %d truncated",
+                        self.env_name, too_long, self.max_tokens, truncated)  # fmt: skip
         overflow = len(self.items) - self.config.capacity
         if overflow > 0:
             del self.items[:overflow]
@@ -280,12 +329,29 @@ class ReplayBuffer:
             logger.info(
                 "replay[%s]: over capacity %d, evicted the %d oldest", self.env_name, self.config.capacity, overflow
             )
-        return True
+        return Admission(
+            accepted=True,
+            sampled_tokens=sampled,
+            queued=queued,
+            discarded_stale=stale,
+            dropped_too_long=too_long,
+            truncated_too_long=truncated,
+        )
 
-    def _reject(self, reason: str, detail: str) -> bool:
+    def _count_new(self, r: Rollout) -> None:
+        self._new_rollouts += 1
+        self._new_tokens += r.num_tokens
+        self._new_generated += r.num_sampled_tokens
+        self._new_rewards.append(r.reward)
+        self._new_truncated += int(r.truncated)
+        for turn in r.turns:
+            for name, value in turn.rewards.items():
+                self._new_named.setdefault(name, []).append(value)
+
+    def _reject(self, reason: str, detail: str, sampled_tokens: int) -> Admission:
         self.rejected[reason] += 1
         logger.warning("replay[%s]: rejected a group (%s): %s", self.env_name, reason, detail)
-        return False
+        return Admission(accepted=False, reason=reason, detail=detail, sampled_tokens=sampled_tokens)
 
     # ---- staleness and selection ----------------------------------------------------------------------
     def drop_stale(self, learner_version: int) -> int:
@@ -311,13 +377,6 @@ class ReplayBuffer:
         if used:
             self.items = [it for it in self.items if it.uses < self.config.max_reuse]
 
-    def discard(self, items: list[ReplayItem], reason: str | None = None) -> None:
-        """Remove items without using them (counted under `dropped/{reason}` when a reason is given)."""
-        ids = {id(it) for it in items}
-        self.items = [it for it in self.items if id(it) not in ids]
-        if reason is not None:
-            self.dropped[reason] += len(items)
-
     def flush(self) -> None:
         """Write rollouts queued for persistence."""
         if self.writer is not None:
@@ -335,7 +394,7 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """The waiting rollouts (as `Rollout.to_dict`), counters and estimator state, JSON-compatible.
 
-        The metrics window (`new_*`, reward figures since the last `metrics` call) is not included.
+        The metrics window (`new_*`, reward figures since the last `start_window`) is not included.
         """
         return {
             "env_name": self.env_name,
@@ -358,6 +417,7 @@ class ReplayBuffer:
             "discarded_stale": self.discarded_stale,
             "evicted": self.evicted,
             "dropped": dict(self.dropped),
+            "truncated_too_long": self.truncated_too_long,
             "reinforce_baseline": self.advantages.baseline,
         }
 
@@ -367,7 +427,7 @@ class ReplayBuffer:
             raise ValueError(f"replay state of env {state['env_name']!r} loaded into the buffer of {self.env_name!r}")
         self.items = [
             ReplayItem(
-                rollout=Rollout.from_dict(d["rollout"]),
+                rollout=Rollout.from_dict(d["rollout"], validate=False),
                 advantage=float(d["advantage"]),
                 group_id=str(d["group_id"]),
                 added_at=float(d["added_at"]),
@@ -385,17 +445,14 @@ class ReplayBuffer:
         self.discarded_stale = int(state["discarded_stale"])
         self.evicted = int(state["evicted"])
         self.dropped = Counter({str(k): int(v) for k, v in state["dropped"].items()})
+        self.truncated_too_long = int(state.get("truncated_too_long", 0))
         self.advantages.baseline = float(state["reinforce_baseline"])
-        self._reset_window()
+        self.start_window()
 
     # ---- metrics ----------------------------------------------------------------------------------------
-    def metrics(self, learner_version: int, used_in_batch: int | None = None) -> dict[str, float]:
-        """`replays/{env}/...` metrics; the `new_*` and reward figures cover groups added since the last call.
-
-        `used_in_batch` (given by the batcher, before it consumes) yields `frac_used_in_batch`: the fraction of the
-        rollouts waiting in the buffer that went into the batch. Also flushes pending Parquet rows.
-        """
-        self.learner_version = learner_version
+    def metrics(self, learner_version: int) -> dict[str, float]:
+        """`replays/{env}/...` metrics (a read: nothing changes); the `new_*` and reward figures cover the groups
+        admitted since the last `start_window()`."""
         p = f"replays/{self.env_name}"
         on_policy = sum(1 for it in self.items if it.oldest_version >= learner_version)
         out: dict[str, float] = {
@@ -408,10 +465,9 @@ class ReplayBuffer:
             f"{p}/accepted_groups": self.accepted_groups,
             f"{p}/discarded_stale": self.discarded_stale,
             f"{p}/evicted": self.evicted,
+            f"{p}/truncated_too_long": self.truncated_too_long,
             f"{p}/rejected": sum(self.rejected.values()),
         }
-        if used_in_batch is not None:
-            out[f"{p}/frac_used_in_batch"] = used_in_batch / len(self.items) if self.items else 0.0
         for reason, n in self.rejected.items():
             out[f"{p}/rejected/{reason}"] = n
         for reason, n in self.dropped.items():
@@ -426,6 +482,4 @@ class ReplayBuffer:
             for name, vals in self._new_named.items():
                 out[f"{p}/rewards/{name}/mean"] = float(np.mean(vals))
                 out[f"{p}/rewards/{name}/std"] = float(np.std(vals))
-        self._reset_window()
-        self.flush()
         return out

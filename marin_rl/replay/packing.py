@@ -21,8 +21,8 @@ class Sequence:
     token_ids: np.ndarray
     loss_mask: np.ndarray
     advantages: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
+    sampler_logprobs: np.ndarray
+    token_versions: np.ndarray
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -35,8 +35,8 @@ class Sequence:
             token_ids=np.asarray(rollout.token_ids, dtype=np.int32),
             loss_mask=mask,
             advantages=np.where(mask, np.float32(advantage), np.float32(0.0)),
-            logprobs=rollout.sampler_logprobs(),
-            versions=rollout.token_versions(),
+            sampler_logprobs=rollout.sampler_logprobs(),
+            token_versions=rollout.token_versions(),
         )
 
     def truncated(self, max_len: int) -> Sequence:
@@ -45,8 +45,8 @@ class Sequence:
             token_ids=self.token_ids[:max_len],
             loss_mask=self.loss_mask[:max_len],
             advantages=self.advantages[:max_len],
-            logprobs=self.logprobs[:max_len],
-            versions=self.versions[:max_len],
+            sampler_logprobs=self.sampler_logprobs[:max_len],
+            token_versions=self.token_versions[:max_len],
         )
 
     @staticmethod
@@ -57,8 +57,8 @@ class Sequence:
             token_ids=np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int32),
             loss_mask=np.r_[np.zeros(n_p, bool), np.ones(n_c, bool)],
             advantages=np.zeros(n_p + n_c, np.float32),
-            logprobs=np.zeros(n_p + n_c, np.float32),
-            versions=np.full(n_p + n_c, -1, np.int32),
+            sampler_logprobs=np.zeros(n_p + n_c, np.float32),
+            token_versions=np.full(n_p + n_c, -1, np.int32),
         )
 
 
@@ -122,8 +122,8 @@ def pack(
     segment_ids = np.full((num_rows, row_len), -1, np.int32)
     loss_mask = np.zeros((num_rows, row_len), bool)
     advantages = np.zeros((num_rows, row_len), np.float32)
-    logprobs = np.zeros((num_rows, row_len), np.float32)
-    versions = np.full((num_rows, row_len), -1, np.int32)
+    sampler_logprobs = np.zeros((num_rows, row_len), np.float32)
+    token_versions = np.full((num_rows, row_len), -1, np.int32)
     fill = [0] * num_rows
     nseg = [0] * num_rows
     placed = []
@@ -138,8 +138,8 @@ def pack(
         segment_ids[row, a:b] = nseg[row]
         loss_mask[row, a:b] = seq.loss_mask
         advantages[row, a:b] = seq.advantages
-        logprobs[row, a:b] = seq.logprobs
-        versions[row, a:b] = seq.versions
+        sampler_logprobs[row, a:b] = seq.sampler_logprobs
+        token_versions[row, a:b] = seq.token_versions
         fill[row] = b
         nseg[row] += 1
         placed.append(i)
@@ -149,7 +149,7 @@ def pack(
         segment_ids=segment_ids,
         loss_mask=loss_mask,
         advantages=advantages,
-        policy_logprobs=logprobs,
-        version=versions,
+        sampler_logprobs=sampler_logprobs,
+        token_versions=token_versions,
     )
     return batch, placed

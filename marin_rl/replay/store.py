@@ -24,8 +24,9 @@ from marin_rl.types import Rollout, RolloutFormatError
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
-"""Bumped whenever `ROLLOUT_SCHEMA` changes incompatibly."""
+SCHEMA_VERSION = 2
+"""Bumped whenever `ROLLOUT_SCHEMA` changes incompatibly. Version 1 named the turns' `sampler_logprobs` field
+`logprobs`; `read_rollouts` reads both."""
 
 _META = pa.struct(
     [
@@ -45,7 +46,7 @@ _TURN = pa.struct(
         ("role", pa.string()),
         ("message", pa.string()),
         ("token_ids", pa.list_(pa.int32())),
-        ("logprobs", pa.list_(pa.float64())),
+        ("sampler_logprobs", pa.list_(pa.float64())),
         ("reward", pa.float64()),
         ("rewards", pa.map_(pa.string(), pa.float64())),
         ("inference_metadata", _META),
@@ -100,7 +101,7 @@ def rollout_to_row(rollout: Rollout, group_id: str, advantage: float, accepted_a
                 "role": t.role,
                 "message": t.message,
                 "token_ids": list(t.token_ids),
-                "logprobs": None if t.logprobs is None else list(t.logprobs),
+                "sampler_logprobs": None if t.sampler_logprobs is None else list(t.sampler_logprobs),
                 "reward": float(t.reward),
                 "rewards": list(t.rewards.items()),
                 "inference_metadata": None if t.inference_metadata is None else vars(t.inference_metadata).copy(),
@@ -124,7 +125,7 @@ def rollout_to_row(rollout: Rollout, group_id: str, advantage: float, accepted_a
 
 
 def row_to_stored(row: dict[str, Any]) -> StoredRollout:
-    """Inverse of `rollout_to_row`; validates the rollout (raises `RolloutFormatError`)."""
+    """Inverse of `rollout_to_row` (schema version 1 rows too); validates the rollout (raises `RolloutFormatError`)."""
     try:
         turns = []
         for t in row["turns"]:

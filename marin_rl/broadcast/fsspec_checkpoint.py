@@ -26,24 +26,23 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from marin_rl.broadcast.broadcaster import (
+from marin_rl.broadcast.base import (
     BroadcastConfig,
     WeightTransport,
     WeightUpdate,
     aligned_empty,
+    byte_view,
     dtype_from_name,
     dtype_name,
     host_leaves,
+    register_transport,
 )
 
 POINTER = "latest.json"
 MANIFEST = "manifest.json"
 
 
-def _byte_view(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-
-
+@register_transport
 class FsspecTransport(WeightTransport):
     """Publishes to, and loads from, a checkpoint directory on any fsspec filesystem."""
 
@@ -83,7 +82,7 @@ class FsspecTransport(WeightTransport):
 
     def _write_leaf(self, name: str, index: int, leaf: np.ndarray) -> None:
         with self.fs.open(self._path(name, f"leaf-{index:05d}.bin"), "wb") as f:
-            f.write(memoryview(_byte_view(leaf)))
+            f.write(memoryview(byte_view(leaf)))
 
     def _write_pointer(self, data: bytes) -> None:
         target = self._path(POINTER)
@@ -135,7 +134,7 @@ class FsspecTransport(WeightTransport):
             for i, leaf in enumerate(manifest["leaves"])
             for start in range(0, leaf["nbytes"], chunk)
         ]
-        views = [_byte_view(x) for x in out]
+        views = [byte_view(x) for x in out]
         list(self._pool.map(lambda w: self._read_piece(name, views, *w), work))
         return out
 

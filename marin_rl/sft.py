@@ -1,6 +1,6 @@
 """Supervised fine-tuning (`learner.mode: sft`): train the policy on prompt/completion records, for warm starts.
 
-    python -m marin_rl.run --config experiments/sft_addition.yaml
+    python -m marin_rl.run --config experiments/sft_addition.yaml      (`learner.mode: sft`)
 
 The records (JSONL or Parquet, local or `gs://`, read through fsspec like the environments' data) are tokenized with
 the run's tokenizer, packed several to a row into `batcher.max_seq_len`-token rows exactly like RL batches (segment
@@ -28,11 +28,12 @@ from transformers import PreTrainedTokenizerBase
 from marin_rl.config import RunConfig
 from marin_rl.envs.data import DataFormatError, read_rows, require_field
 from marin_rl.learner.learner import Learner, SftConfig
-from marin_rl.learner.model import with_seq_len
-from marin_rl.orchestrator.report import write_summary
-from marin_rl.orchestrator.tracking import make_tracker
+from marin_rl.logs import configure_logging
+from marin_rl.model.build import with_seq_len
 from marin_rl.replay.packing import Sequence, pack, pack_rows
+from marin_rl.report import write_summary
 from marin_rl.tokenizer import load_tokenizer
+from marin_rl.tracking import make_tracker
 from marin_rl.types import PackedBatch
 
 logger = logging.getLogger("marin_rl")
@@ -322,5 +323,5 @@ def run_sft(config: RunConfig) -> dict[str, Any]:
     """Run supervised fine-tuning (`learner.mode: sft`) end to end; returns the summary."""
     if config.learner.mode != "sft":
         raise ValueError(f"run_sft needs learner.mode 'sft', got {config.learner.mode!r}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     return SftTrainer(config).train()

@@ -22,14 +22,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from marin_rl.broadcast.broadcaster import (
+from marin_rl.broadcast.base import (
     BroadcastConfig,
     WeightTransport,
     WeightUpdate,
     aligned_empty,
+    byte_view,
     dtype_from_name,
     dtype_name,
     host_leaves,
+    register_transport,
 )
 
 
@@ -66,10 +68,6 @@ def plan_tickets(manifest: dict[str, Any]) -> list[list[tuple[int, int, int]]]:
     return tickets
 
 
-def _byte_view(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-
-
 class _WeightFlightServer(flight.FlightServerBase):
     """Serves the pieces of the last `keep` publishes; `latest` action returns the newest manifest."""
 
@@ -81,7 +79,7 @@ class _WeightFlightServer(flight.FlightServerBase):
         self._latest: dict | None = None
 
     def add(self, manifest: dict, leaves: list[np.ndarray]) -> None:
-        views = [_byte_view(x) for x in leaves]
+        views = [byte_view(x) for x in leaves]
         with self._lock:
             self._published[manifest["publish_id"]] = (manifest, views, plan_tickets(manifest))
             while len(self._published) > self.keep:
@@ -119,6 +117,7 @@ class _WeightFlightServer(flight.FlightServerBase):
         return [("latest", "manifest of the last published weights (JSON), or null")]
 
 
+@register_transport
 class ArrowFlightTransport(WeightTransport):
     """Learner side: starts a Flight server on the first publish. Server side: fetches tickets in parallel."""
 
@@ -187,7 +186,7 @@ class ArrowFlightTransport(WeightTransport):
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
         location, manifest = update.payload["location"], update.payload["manifest"]
         out = [aligned_empty(leaf["shape"], dtype_from_name(leaf["dtype"])) for leaf in manifest["leaves"]]
-        views = [_byte_view(x) for x in out]
+        views = [byte_view(x) for x in out]
         tickets = plan_tickets(manifest)
 
         def get(index: int) -> int:

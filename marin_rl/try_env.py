@@ -1,6 +1,6 @@
 """Run a few episodes of one environment and print the conversations and rewards.
 
-    python -m marin_rl.envs.try ENV_NAME --config experiments/NAME.yaml [--server HOST:PORT] [--problems 3]
+    python -m marin_rl.try_env ENV_NAME --config experiments/NAME.yaml [--server HOST:PORT] [--problems 3]
 
 Without `--server` the policy of the config (`model`: random init, or `model.init_from_hf`) is served by an
 embedded Levanter server started in this process. For environment authors checking prompts, parsing and rewards.
@@ -18,10 +18,9 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from marin_rl.config import RunConfig
+from marin_rl.config import RunConfig, make_environment, parse_config
 from marin_rl.envs.base import run_groups
-from marin_rl.orchestrator.actors import configure_logging, make_environment
-from marin_rl.run import parse_config
+from marin_rl.logs import configure_logging
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
 
@@ -57,7 +56,7 @@ async def _run(config: RunConfig, env_name: str, server: str, problems: int, gro
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m marin_rl.envs.try", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m marin_rl.try_env", description=__doc__.split("\n\n")[0])
     parser.add_argument("env", help="name of an environment in the config's `envs`")
     parser.add_argument("--config", required=True, help="experiment YAML")
     parser.add_argument("--server", help="HOST:PORT of a running OpenAI-compatible server (default: embedded)")
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     server = args.server
     if server is None:
         from marin_rl.inference.levanter_server import LevanterInferenceServer
-        from marin_rl.learner.model import build_model
+        from marin_rl.model.build import build_model
 
         tokenizer = load_tokenizer(config.tokenizer)
         print("starting an embedded server with the config's model (first request compiles)...", file=sys.stderr)

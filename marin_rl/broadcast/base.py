@@ -15,8 +15,10 @@ One interface, several transports that differ in how bytes travel:
 Learner side: `publish(version, params)`. Server side: `latest()` (the last published update, for servers that
 poll), `fetch(update)` (its arrays), a server's `apply_weights(version, leaves)`, then `applied(update)` (memory
 held for older updates may be reused); `WeightSubscriber` wires them. 'auto' (the default) picks 'shared_memory'
-on one machine and 'ray' otherwise. A server applies whatever was published last — by publish id, never by
-comparing versions — so a learner that restarts from an earlier checkpoint at a lower version is followed.
+on one machine and 'ray' otherwise. Each transport lives in a module of its own and registers itself by name
+(`register_transport`); `make_transport` builds the one a config names. A server applies whatever was published
+last — by publish id, never by comparing versions — so a learner that restarts from an earlier checkpoint at a
+lower version is followed.
 
 `broadcast.dtype` optionally casts floating parameters (on the learner's device when `params` are device arrays)
 before they travel; servers cast back to their own parameter dtype when they apply.
@@ -25,10 +27,8 @@ before they travel; servers cast back to their own parameter dtype when they app
 from __future__ import annotations
 
 import abc
-import dataclasses
+import importlib
 import logging
-import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -42,7 +42,16 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT_NAMES = ("auto", "in_process", "shared_memory", "ray", "arrow_flight", "fsspec")
+TRANSPORT_MODULES = {
+    "auto": "marin_rl.broadcast.auto",
+    "in_process": "marin_rl.broadcast.in_process",
+    "shared_memory": "marin_rl.broadcast.shared_memory",
+    "ray": "marin_rl.broadcast.ray_object_store",
+    "arrow_flight": "marin_rl.broadcast.arrow_flight",
+    "fsspec": "marin_rl.broadcast.fsspec_checkpoint",
+}
+"""The built-in transports by name, and the module that defines (and registers) each: a transport's module is
+imported only when it is used (pyarrow.flight, Ray, ... are loaded on demand)."""
 DTYPES = ("bfloat16", "float32")
 
 
@@ -82,8 +91,8 @@ class BroadcastConfig:
     """'arrow_flight' and 'fsspec': parallel threads a server fetches (and the learner writes) chunks with."""
 
     def __post_init__(self):
-        if self.transport not in TRANSPORT_NAMES:
-            raise ValueError(f"broadcast.transport must be one of {list(TRANSPORT_NAMES)}, got {self.transport!r}")
+        if self.transport not in known_transports():
+            raise ValueError(f"broadcast.transport must be one of {known_transports()}, got {self.transport!r}")
         if self.sync_every < 1:
             raise ValueError("broadcast.sync_every must be >= 1")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -146,6 +155,36 @@ class WeightTransport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - most transports hold nothing to release
         """Release what the transport holds (servers, thread pools)."""
+
+
+_REGISTRY: dict[str, type[WeightTransport]] = {}
+
+
+def register_transport(cls: type[WeightTransport]) -> type[WeightTransport]:
+    """Class decorator: make a `WeightTransport` subclass available under its `name` (`broadcast.transport`)."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def known_transports() -> list[str]:
+    """Names `broadcast.transport` accepts: the built-in transports and any registered since."""
+    return sorted(set(TRANSPORT_MODULES) | set(_REGISTRY))
+
+
+def transport_class(name: str) -> type[WeightTransport]:
+    """The transport class registered as `name` (a built-in one's module is imported on first use)."""
+    if name not in _REGISTRY and name in TRANSPORT_MODULES:
+        importlib.import_module(TRANSPORT_MODULES[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown broadcast transport {name!r}; known: {known_transports()}")
+    return _REGISTRY[name]
+
+
+def make_transport(config: BroadcastConfig | str) -> WeightTransport:
+    """The transport that `config` names (a bare name uses that transport's defaults)."""
+    if isinstance(config, str):
+        config = BroadcastConfig(transport=config)
+    return transport_class(config.transport)(config)
 
 
 def flatten_params(params: Any) -> list:
@@ -221,6 +260,11 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
+def byte_view(x: np.ndarray) -> np.ndarray:
+    """The bytes of `x` as a flat uint8 array (a view when `x` is contiguous)."""
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
 def dtype_name(dtype) -> str:
     """Portable name of a NumPy dtype ('float32', 'bfloat16', ...)."""
     return np.dtype(dtype).name
@@ -229,130 +273,6 @@ def dtype_name(dtype) -> str:
 def dtype_from_name(name: str) -> np.dtype:
     """The NumPy dtype named `name` (bfloat16 included, through JAX's ml_dtypes)."""
     return np.dtype(jnp.dtype(name))
-
-
-class InProcessTransport(WeightTransport):
-    """The arrays themselves, as host copies (learner and servers share one process)."""
-
-    name = "in_process"
-
-    def publish(self, version: int, params: Any) -> WeightUpdate:
-        leaves = host_leaves(params, self.config.dtype)
-        self._latest = WeightUpdate(version, self.name, leaves, sum(x.nbytes for x in leaves))
-        return self._latest
-
-    def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
-        return update.payload
-
-
-class RayObjectStoreTransport(WeightTransport):
-    """One object in Ray's shared-memory object store per publish.
-
-    NumPy arrays are stored out of band (pickle protocol 5): servers on the learner's node map them read-only
-    without a copy, servers on other nodes pull the object once per node.
-    """
-
-    name = "ray"
-
-    def publish(self, version: int, params: Any) -> WeightUpdate:
-        import ray
-
-        leaves = host_leaves(params, self.config.dtype)
-        # A list wrapping the ref keeps Ray from resolving it when the update is passed to a server actor,
-        # so servers fetch it themselves (and zero-copy on the same node).
-        ref = ray.put(leaves)
-        self._latest = WeightUpdate(version, self.name, [ref], sum(x.nbytes for x in leaves))
-        return self._latest
-
-    def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
-        import ray
-
-        return ray.get(update.payload[0])
-
-
-class AutoTransport(WeightTransport):
-    """'shared_memory' when it can work, 'ray' otherwise; the learner decides at its first publish.
-
-    Shared memory needs every server on the learner's machine and room for its slots: it is chosen when Ray is not
-    running or its cluster has one node, and the memory filesystem has room for `keep` slots of the model (with
-    10% to spare). Each update names the transport that made it, so the server side follows without configuration.
-    """
-
-    name = "auto"
-
-    def __init__(self, config: BroadcastConfig | None = None):
-        super().__init__(config)
-        self._transports: dict[str, WeightTransport] = {}
-        self.chosen: str | None = None
-
-    def _get(self, name: str) -> WeightTransport:
-        if name not in self._transports:
-            self._transports[name] = make_transport(dataclasses.replace(self.config, transport=name))
-        return self._transports[name]
-
-    def _choose(self, num_bytes: int) -> str:
-        import ray
-
-        from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, slot_count
-
-        nodes = len([n for n in ray.nodes() if n.get("Alive")]) if ray.is_initialized() else 1
-        root = self.config.path or DEFAULT_ROOT
-        while not os.path.exists(root) and os.path.dirname(root) != root:  # the slot directory is made later
-            root = os.path.dirname(root)
-        try:
-            free = shutil.disk_usage(root).free
-        except OSError:
-            free = 0
-        needed = int(slot_count(self.config) * num_bytes * 1.1)
-        if nodes == 1 and free >= needed:
-            choice = "shared_memory"
-        else:
-            choice = "ray"
-        logger.info("broadcast.transport auto -> %s (%d Ray node(s); %s: %.0f MB free, %.0f MB needed for slots)",
-                    choice, nodes, root, free / 1e6, needed / 1e6)  # fmt: skip
-        return choice
-
-    def publish(self, version: int, params: Any) -> WeightUpdate:
-        if self.chosen is None:
-            leaves = flatten_params(params)
-            self.chosen = self._choose(sum(np.dtype(leaf_dtype(x, self.config.dtype)).itemsize * int(np.size(x))
-                                           for x in leaves))  # fmt: skip
-        self._latest = self._get(self.chosen).publish(version, params)
-        return self._latest
-
-    def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
-        return self._get(update.transport).fetch(update)
-
-    def applied(self, update: WeightUpdate) -> None:
-        self._get(update.transport).applied(update)
-
-    def close(self) -> None:
-        for transport in self._transports.values():
-            transport.close()
-
-
-def make_transport(config: BroadcastConfig | str) -> WeightTransport:
-    """The transport that `config` names (a bare name uses that transport's defaults)."""
-    if isinstance(config, str):
-        config = BroadcastConfig(transport=config)
-    name = config.transport
-    if name == "auto":
-        return AutoTransport(config)
-    if name == "in_process":
-        return InProcessTransport(config)
-    if name == "ray":
-        return RayObjectStoreTransport(config)
-    if name == "shared_memory":
-        from marin_rl.broadcast.shared_memory import SharedMemoryTransport
-
-        return SharedMemoryTransport(config)
-    if name == "arrow_flight":
-        from marin_rl.broadcast.flight import ArrowFlightTransport
-
-        return ArrowFlightTransport(config)
-    from marin_rl.broadcast.checkpoint import FsspecTransport
-
-    return FsspecTransport(config)
 
 
 class WeightSubscriber:
@@ -369,16 +289,20 @@ class WeightSubscriber:
         self.applied: WeightUpdate | None = None
 
     def apply_update(self, update: WeightUpdate) -> dict[str, float]:
-        """Fetch and apply `update`; returns its version, bytes and the fetch and apply seconds."""
+        """Fetch and apply `update`; returns its version, bytes and the fetch and apply seconds, plus the timings
+        `apply` returned if it returned a dict (prefixed `apply/`)."""
         start = time.perf_counter()
         leaves = self.transport.fetch(update)
         fetched = time.perf_counter()
-        self.apply(update.version, leaves)
+        details = self.apply(update.version, leaves)
         done = time.perf_counter()
         self.transport.applied(update)
         self.applied = update
-        return {"version": update.version, "bytes": update.num_bytes, "fetch_s": fetched - start,
-                "apply_s": done - fetched}  # fmt: skip
+        out = {"version": update.version, "bytes": update.num_bytes, "fetch_s": fetched - start,
+               "apply_s": done - fetched}  # fmt: skip
+        if isinstance(details, dict):
+            out.update({f"apply/{k}": v for k, v in details.items() if k not in ("version", "bytes")})
+        return out
 
     def poll(self) -> dict[str, float] | None:
         """Apply the latest published update if it is not the one applied last; None when there is nothing new."""

@@ -1,4 +1,4 @@
-"""Summarise stored rollouts: `python -m marin_rl.replay.inspect PATH [--samples N] [--tokenizer DIR]`.
+"""Summarise stored rollouts: `python -m marin_rl.inspect_rollouts PATH [--samples N] [--tokenizer DIR]`.
 
 PATH is a Parquet file or a directory (e.g. `runs/NAME/rollouts` or `gs://bucket/run/rollouts/addition`). Prints
 per-environment counts, token and reward statistics (named rewards too), a few samples (stored text, or token ids

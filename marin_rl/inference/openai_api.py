@@ -1,0 +1,237 @@
+"""The OpenAI completions dialect that every policy server speaks (the embedded engine and the vLLM front end).
+
+It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this project's:
+
+* prompts may be token ids (`prompt: [1, 2, 3]`), so nothing is re-tokenized between sampling and training;
+* `return_tokens_as_token_ids` returns each sampled token as `token_id:N` (vLLM's convention), `stop_token_ids`
+  adds stop tokens;
+* every choice carries `policy_version_start`, `policy_version_end` and `policy_version_spans` (vLLM's weight-version
+  spans: `[start, end)` token ranges sampled by one policy version);
+* `GET /v1/version` is the version served now; `/health` answers 503 with the reason when the server has failed.
+
+A backend (`CompletionBackend`) turns a validated request into `Completion`s; `openai_app` builds the FastAPI app
+that serves it, with the request model, the choice and response builders and the error mapping (a bad request is
+400, an unavailable backend 503) shared by every backend.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+SERVED_MODEL_NAME = "policy"
+"""The model name servers report in `/v1/models` and responses."""
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI completions request, plus vLLM's `stop_token_ids` and `return_tokens_as_token_ids`."""
+
+    model: str = SERVED_MODEL_NAME
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    seed: int | None = None
+    return_tokens_as_token_ids: bool = False
+    top_p: float | None = Field(default=None, description="Nucleus sampling (backends may support only 1.0).")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (one string, several, or none)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot serve right now (e.g. restarting); the client may retry. Answered with HTTP 503."""
+
+
+@dataclass
+class Completion:
+    """One sampled choice, as a backend returns it."""
+
+    token_ids: list[int]
+    """Sampled token ids (the stop token included when one was sampled)."""
+    sampler_logprobs: list[float]
+    """Sampler's log-probability of each sampled token."""
+    text: str
+    """Decoded text of the sampled tokens."""
+    finish_reason: str
+    """'stop' or 'length'."""
+    token_versions: list[int]
+    """Policy version that sampled each token (empty when no token was sampled)."""
+
+
+def prompt_token_ids(prompt, tokenizer, max_seq_len: int) -> list[list[int]]:
+    """The token ids of each prompt of a completions request (a string, token ids, or a list of either); raises
+    ValueError for an empty prompt or one that leaves no room to generate within `max_seq_len`."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= max_seq_len:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={max_seq_len}")
+        out.append(ids)
+    return out
+
+
+def version_spans(token_versions: list[int]) -> list[dict[str, int]]:
+    """Run-length form of per-token policy versions: `{"version", "start", "end"}` for the tokens `[start, end)`."""
+    spans: list[dict[str, int]] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": int(v), "start": i, "end": i + 1})
+    return spans
+
+
+def completion_choice(
+    index: int, completion: Completion, request: CompletionRequest, tokenizer, served_version: int
+) -> dict[str, Any]:
+    """The OpenAI choice of one completion. A choice with no sampled token reports `served_version` (the version
+    served when the request arrived) as its start and end."""
+    logprobs = None
+    if request.logprobs is not None:
+        if request.return_tokens_as_token_ids:
+            token_strs = [f"token_id:{t}" for t in completion.token_ids]
+        else:
+            token_strs = tokenizer.convert_ids_to_tokens(completion.token_ids)
+        logprobs = {
+            "tokens": token_strs,
+            "token_logprobs": [float(x) for x in completion.sampler_logprobs],
+            "text_offset": None,
+            "top_logprobs": None,
+        }
+    versions = completion.token_versions
+    return {
+        "index": index,
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "logprobs": logprobs,
+        "policy_version_start": int(versions[0]) if versions else int(served_version),
+        "policy_version_end": int(versions[-1]) if versions else int(served_version),
+        "policy_version_spans": version_spans(versions),
+    }
+
+
+def completion_response(
+    request: CompletionRequest,
+    created: float,
+    prompts: list[list[int]],
+    choices: list[dict[str, Any]],
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """The OpenAI `text_completion` body for `choices`, with token usage (each prompt counted `n` times)."""
+    prompt_tokens = sum(len(p) for p in prompts) * request.n
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "object": "text_completion",
+        "created": int(created),
+        "model": request.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+@dataclass
+class FrontEndCounters:
+    """What the front end counted: requests received and in progress, tokens sampled."""
+
+    requests: int = 0
+    outstanding: int = 0
+    generated_tokens: int = 0
+    rejected: int = 0
+    """Requests answered 400 (bad request) or 503 (backend unavailable)."""
+    started_at: float = field(default_factory=time.time)
+
+
+class CompletionBackend(abc.ABC):
+    """What a policy server implements for `openai_app`."""
+
+    name: str
+    tokenizer: Any
+    max_seq_len: int
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights served now (-1 before any weights were applied)."""
+
+    @abc.abstractmethod
+    async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
+        """`request.n` completions of each prompt, prompt by prompt. Raises ValueError for a request the backend
+        cannot serve (HTTP 400) and `BackendUnavailable` when it cannot serve now (HTTP 503)."""
+
+    def failure(self) -> str | None:
+        """Why the backend has failed for good (then `/health` answers 503), or None while it is healthy."""
+        return None
+
+
+def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounters | None = None) -> FastAPI:
+    """The FastAPI app serving `backend` in this dialect (`/v1/completions`, `/v1/version`, `/v1/models`,
+    `/health`); `counters` (created if not given) counts its requests."""
+    app = FastAPI(title=title)
+    counts = counters if counters is not None else FrontEndCounters()
+    app.state.counters = counts
+
+    @app.get("/health")
+    async def health():
+        failure = backend.failure()
+        if failure is not None:
+            return JSONResponse({"status": "failed", "error": failure}, status_code=503)
+        return {"status": "healthy", "version": backend.version}
+
+    @app.get("/v1/version")
+    async def version():
+        return {"version": backend.version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": SERVED_MODEL_NAME, "object": "model", "owned_by": "marin_rl"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        counts.requests += 1
+        counts.outstanding += 1
+        try:
+            if request.max_tokens < 1:
+                raise ValueError("max_tokens must be >= 1")
+            if request.n < 1:
+                raise ValueError("n must be >= 1")
+            prompts = prompt_token_ids(request.prompt, backend.tokenizer, backend.max_seq_len)
+            served = backend.version
+            start = time.time()
+            completions = await backend.complete(request, prompts)
+            choices = [completion_choice(i, c, request, backend.tokenizer, served) for i, c in enumerate(completions)]
+            sampled = sum(len(c.token_ids) for c in completions)
+            counts.generated_tokens += sampled
+            return completion_response(request, start, prompts, choices, sampled)
+        except ValueError as e:
+            counts.rejected += 1
+            raise HTTPException(status_code=400, detail=str(e)) from e
+        except BackendUnavailable as e:
+            counts.rejected += 1
+            raise HTTPException(status_code=503, detail=f"{backend.name}: {e}") from e
+        finally:
+            counts.outstanding -= 1
+
+    return app

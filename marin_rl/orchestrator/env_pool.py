@@ -1,0 +1,121 @@
+"""The env actors of one environment: the problem order, the groups in flight, replacing a dead actor."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from marin_rl.config import RunConfig
+from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
+from marin_rl.orchestrator.actors import EnvActor
+from marin_rl.orchestrator.staleness import RolloutsPerBatch
+
+logger = logging.getLogger("marin_rl")
+
+
+class EnvPool:
+    """`envs[index].replicas` env actors, the driver-owned problem order (`ProblemIterator`) and the groups in flight.
+
+    `launch(n)` hands out up to `n` problems (each replica runs at most `concurrency` groups at once); `collect()`
+    returns the finished groups. Deterministic runs (`orchestrator.deterministic`) sample each group with a seed
+    derived from its ticket and collect groups only in hand-out order.
+    """
+
+    def __init__(self, config: RunConfig, index: int, servers: list[str], tokens_per_batch: float):
+        self.config = config
+        self.index = index
+        self.env = config.envs[index]
+        self.servers = servers
+        self.deterministic = config.orchestrator.deterministic
+        self.actors = [self._spawn(r) for r in range(self.env.replicas)]
+        num_problems = ray.get(self.actors[0].num_problems.remote())
+        self.iterator = ProblemIterator(num_problems, config.orchestrator.seed, stream_id(self.env.name))
+        self.inflight: dict[ray.ObjectRef, tuple[int, ProblemTicket, Any]] = {}
+        """ref -> (replica, ticket, actor), in hand-out order."""
+        self.batch_size = RolloutsPerBatch(tokens_per_batch, self.env.sampling.max_tokens + 16)
+        self.restarts = 0
+
+    @property
+    def name(self) -> str:
+        return self.env.name
+
+    @property
+    def in_flight_rollouts(self) -> int:
+        """Rollouts of the groups in flight."""
+        return len(self.inflight) * self.env.group_size
+
+    def _spawn(self, replica: int):
+        return EnvActor.options(name=None, max_concurrency=max(4, self.env.concurrency * 2)).remote(
+            self.config, self.index, replica, self.servers
+        )
+
+    def launch(self, groups: int) -> int:
+        """Start up to `groups` groups on replicas with room (fewest in flight first); returns how many started."""
+        started = 0
+        per_replica = [0] * len(self.actors)
+        for replica, _, _ in self.inflight.values():
+            per_replica[replica] += 1
+        while started < groups:
+            replica = min(range(len(self.actors)), key=lambda r: per_replica[r])
+            if per_replica[replica] >= self.env.concurrency:
+                break
+            ticket = self.iterator.next()
+            seed = self.iterator.sample_seed(ticket) if self.deterministic else None
+            actor = self.actors[replica]
+            self.inflight[actor.run_group.remote(ticket.index, seed)] = (replica, ticket, actor)
+            per_replica[replica] += 1
+            started += 1
+        return started
+
+    def wait_refs(self) -> list[ray.ObjectRef]:
+        """What the driver waits on: every in-flight group, or (deterministic) only the oldest one."""
+        if self.deterministic:
+            return [next(iter(self.inflight))] if self.inflight else []
+        return list(self.inflight)
+
+    def collect(self) -> list[tuple[ProblemTicket, dict]]:
+        """Finished groups with their tickets. Deterministic: at most one, the oldest handed out, once it is done.
+
+        A group whose actor died is not returned: its ticket is requeued (handed out again first) and the actor
+        restarted.
+        """
+        if not self.inflight:
+            return []
+        refs = self.wait_refs()
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for ref in refs if self.deterministic else done:
+            if ref not in done:
+                break
+            replica, ticket, actor = self.inflight.pop(ref)
+            try:
+                group = ray.get(ref)
+            except RayActorError:
+                self.iterator.requeue(ticket)
+                if self.actors[replica] is actor:
+                    self.restart(replica)
+                continue
+            self.batch_size.observe_rollout_tokens(
+                [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]
+            )
+            out.append((ticket, group))
+        return out
+
+    def restart(self, replica: int) -> None:
+        """Replace a dead env actor."""
+        logger.error("env actor %s/%d died; restarting it", self.env.name, replica)
+        self.restarts += 1
+        self.actors[replica] = self._spawn(replica)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint state: the problem order (in-flight problems become redo), the batch-size estimate, counters."""
+        return {"iterator": self.iterator.state_dict(), **self.batch_size.state_dict(), "restarts": self.restarts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output (before anything is launched)."""
+        self.iterator.load_state_dict(state["iterator"])
+        self.batch_size.load_state_dict(state)
+        self.restarts = int(state["restarts"])

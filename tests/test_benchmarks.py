@@ -1,0 +1,39 @@
+"""Every benchmark runs: its `--smoke` mode (seconds, tiny sizes) must finish and print its figure line."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+
+FIGURE = {  # the last line each benchmark prints: name=value
+    "broadcast": "broadcast_over_memcpy",
+    "inference": "http_over_engine",
+    "learner_mfu": "mfu",
+    "packing": "packing_efficiency",
+}
+
+
+def test_every_benchmark_is_smoke_tested():
+    assert set(BENCHMARKS) == set(FIGURE), f"add the new benchmark's figure line to FIGURE: {BENCHMARKS}"
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_smoke_mode_runs_and_prints_its_figure(name):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"benchmarks/{name}.py --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(rf"{FIGURE[name]}=[0-9.]+", last), f"unexpected last line {last!r}"

@@ -210,15 +210,18 @@ class Rollout:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `RolloutFormatError` (with a `reason` code) naming the first inconsistency found.
 
-        Checks: a prompt first and at least one sampled turn, known roles, integer token ids inside the vocabulary,
-        exactly one finite logprob (<= 0) per sampled token, inference metadata with a policy version on sampled
-        turns, finite rewards (named ones too).
+        Checks: a non-empty prompt first and at least one sampled turn, known roles, integer token ids inside the
+        vocabulary, exactly one finite logprob (<= 0) per sampled token, inference metadata with a policy version on
+        sampled turns, finite rewards (named ones too).
         """
         uid = self.rollout_uid
         if not self.turns:
             raise RolloutFormatError(f"rollout {uid} has no turns")
         if self.turns[0].is_sampled:
             raise RolloutFormatError(f"rollout {uid}: the first turn must be a prompt, not a sampled turn")
+        if not self.turns[0].token_ids:
+            # position 0 of a row is predicted from nothing: a sampled token there would silently go untrained
+            raise RolloutFormatError(f"rollout {uid}: empty prompt (the first turn has no tokens)", "empty_prompt")
         if not any(t.is_sampled for t in self.turns):
             raise RolloutFormatError(f"rollout {uid} has no policy-sampled turn", "no_sampled_tokens")
         for i, t in enumerate(self.turns):

@@ -100,6 +100,8 @@ def test_rollout_round_trip_and_token_views():
         (lambda d: d["turns"][1].update(inference_metadata=None), "metadata"),
         (lambda d: d["turns"][1]["inference_metadata"].update(token_versions=[3]), "1 token versions for 2"),
         (lambda d: d["turns"][1]["inference_metadata"].update(token_versions=[3, 5]), r"outside \[version_start"),
+        (lambda d: d["turns"][0].update(token_ids=[], message=""), "empty prompt"),
+        (lambda d: d["turns"].insert(0, {**d["turns"][0], "token_ids": []}), "empty prompt"),
     ],
 )
 def test_invalid_rollouts_are_reported(corrupt, msg):

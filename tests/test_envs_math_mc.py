@@ -319,3 +319,26 @@ def test_episodes_on_embedded_server(server, tmp_path):
                 assert r.reward == verifier(problem, text) == sampled.rewards["correct"]
                 mask = r.loss_mask()
                 assert mask.tolist() == [False] * len(prompt.token_ids) + [True] * len(sampled.token_ids)
+
+
+def test_reward_weights_from_the_config_args_replace_the_environment_s_own(tok, tmp_path):
+    """Named rewards are weighted in one place: the environment (its class default, or `reward_weights` in its
+    config `args`); the replay buffer uses the turn reward it is given."""
+    from marin_rl.inference.client import Sample
+
+    class Exact:
+        async def sample(self, prompt_ids, *, n, **kwargs):
+            text = f" {problem.answer}"
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            return [Sample(ids, [-0.1] * len(ids), text, "stop", 0, 0, "local", 0.0)] * n
+
+    cfg = EnvConfig(name="addition", env_class="marin_rl.envs.arithmetic:AdditionEnvironment",
+                    args={"max_operand": 9, "num_eval": 10, "reward_weights": {"correct": 2.5}})  # fmt: skip
+    env = make_environment(cfg, tok, seed=0)
+    problem = env.train_problems()[0]
+    group = asyncio.run(env.run_group(Exact(), problem, 2, SamplingParams(max_tokens=4)))
+    assert [r.turns[-1].rewards for r in group.rollouts] == [{"correct": 1.0}] * 2
+    assert [r.reward for r in group.rollouts] == [2.5, 2.5]
+    with pytest.raises(ValueError, match=r"reward_weights\['correct'\] must be a finite number"):
+        make_environment(dataclasses.replace(cfg, args={**cfg.args, "reward_weights": {"correct": float("inf")}}),
+                         tok, seed=0)  # fmt: skip

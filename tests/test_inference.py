@@ -280,3 +280,22 @@ def test_a_server_that_never_received_weights_samples_as_version_minus_one(setup
             meta = rollout.turns[-1].inference_metadata
             assert meta.version_start == meta.version_end == -1
             assert meta.token_versions == [-1] * len(rollout.turns[-1].token_ids)
+
+
+def test_choices_report_versions_and_token_ids_as_the_dialect_says():
+    from marin_rl.inference.openai_api import Completion, CompletionRequest, completion_choice, completion_response
+
+    tok = build_char_tokenizer()
+    request = CompletionRequest(prompt=[5, 6], n=2, logprobs=0, return_tokens_as_token_ids=True)
+    straddling = Completion([7, 8, 9], [-0.1, -0.2, -0.3], "abc", "length", [3, 3, 4])
+    empty = Completion([], [], "", "stop", [])
+    choices = [completion_choice(i, c, request, tok, served_version=-1) for i, c in enumerate([straddling, empty])]
+    assert choices[0]["logprobs"]["tokens"] == ["token_id:7", "token_id:8", "token_id:9"]
+    assert (choices[0]["policy_version_start"], choices[0]["policy_version_end"]) == (3, 4)
+    assert choices[0]["policy_version_spans"] == [{"version": 3, "start": 0, "end": 2}, {"version": 4, "start": 2,
+                                                                                         "end": 3}]  # fmt: skip
+    assert versions_from_spans(choices[0]["policy_version_spans"], 3) == [3, 3, 4]
+    # nothing sampled: the version served when the request arrived, also -1 (never received weights)
+    assert (choices[1]["policy_version_start"], choices[1]["policy_version_end"]) == (-1, -1)
+    body = completion_response(request, 0.0, [[5, 6]], choices, completion_tokens=3)
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}

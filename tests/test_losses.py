@@ -1,5 +1,7 @@
 """Loss terms against NumPy references written from the formulas (not from the code)."""
 
+import dataclasses
+
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -254,3 +256,46 @@ def test_row_slices_with_batch_normalizers_add_up_to_the_batch(kind, objective):
     combined = combine_metrics({k: jnp.stack([p[1][k] for p in parts]) for k in metrics})
     for k in metrics:
         np.testing.assert_allclose(float(combined[k]), float(metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LossConfig(objective="decoupled", kl_coef=0.1),
+        LossConfig(objective="ppo", kl_coef=0.1, kl_estimator="k2"),
+        LossConfig(objective="ppo", tis_cap=2.0, aggregation="sequence_mean"),
+        LossConfig(objective="decoupled", aggregation="fixed_budget"),
+    ],
+)
+def test_masked_positions_contribute_exactly_zero_whatever_they_hold(config):
+    """NaN, ±inf and extreme log-probs at masked positions (sampler, proximal, reference, advantages, even the
+    learner's own logprobs): the loss, every metric and the gradient are finite and equal to those of the same batch
+    with benign values there."""
+    rng = np.random.default_rng(21)
+    benign = _example(rng, with_prox=True, with_ref=True)
+    mask = np.asarray(benign.loss_mask.array)
+    junk = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 88.0, -1e4], np.float32)
+
+    def poison(x):
+        arr = np.array(x.array, np.float32)
+        arr[~mask] = junk[np.arange((~mask).sum()) % len(junk)]
+        return hax.named(arr, x.axes)
+
+    fields = ("advantages", "sampler_logprobs", "proximal_logprobs", "reference_logprobs")
+    poisoned = dataclasses.replace(benign, **{f: poison(getattr(benign, f)) for f in fields})
+    logp = hax.named(-rng.random((2, 8)).astype(np.float32) * 2, (B, P))
+    entropy = hax.named(rng.random((2, 8)).astype(np.float32), (B, P))
+
+    def loss_and_grad(ex, lp):
+        def f(x):
+            return policy_loss(hax.named(x, (B, P)), entropy, ex, config)
+
+        (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(lp.array)
+        return float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grad)
+
+    ref_loss, ref_metrics, ref_grad = loss_and_grad(benign, logp)
+    loss, metrics, grad = loss_and_grad(poisoned, poison(logp))
+    assert np.isfinite(ref_loss) and np.isfinite(ref_grad).all()
+    assert loss == ref_loss and metrics == ref_metrics
+    np.testing.assert_array_equal(grad, ref_grad)
+    assert (grad[~mask] == 0).all()

@@ -121,3 +121,27 @@ def test_inspect_prints_counts_reward_stats_and_samples(tmp_path, capsys):
     assert "reward             mean 0.7500" in text  # per rollout: turn rewards 0 or 1, plus the tool's 0.25
     assert "rewards/correct" in text and "[assistant*] '4'" in text
     assert inspect_cli.main([str(tmp_path / "missing")]) == 2
+
+
+def test_files_of_schema_version_1_are_still_read(tmp_path):
+    """Version 1 named the turns' sampler logprobs `logprobs`; such files read back the same rollouts."""
+    rng = np.random.default_rng(4)
+    group = _group("e", rng)
+    rows = [rollout_to_row(r, group.group_id, 0.5, 1.0) for r in group.rollouts]
+    turn_v1 = pa.struct(
+        [
+            ("logprobs", f.type) if f.name == "sampler_logprobs" else f
+            for f in ROLLOUT_SCHEMA.field("turns").type.value_type
+        ]
+    )
+    schema_v1 = ROLLOUT_SCHEMA.set(
+        ROLLOUT_SCHEMA.get_field_index("turns"), pa.field("turns", pa.list_(turn_v1))
+    ).with_metadata({"marin_rl.schema_version": "1"})
+    for row in rows:
+        for t in row["turns"]:
+            t["logprobs"] = t.pop("sampler_logprobs")
+    path = tmp_path / "v1.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema_v1), path)
+    result = read_rollouts(str(path))
+    assert not result.errors
+    assert [s.rollout.to_dict() for s in result.rollouts] == [r.to_dict() for r in group.rollouts]

@@ -203,3 +203,37 @@ def test_with_the_real_buffer_and_batcher_every_trained_token_lags_at_most_max_a
     assert formed > 20 and lags
     assert max(lags) <= max_age
     assert buffer.metrics(formed)["replays/e/rollouts_in_buffer"] <= (max_staleness + 2) * B
+
+
+# ---- step hooks ---------------------------------------------------------------------------------------------------
+
+
+def test_step_hooks_run_on_their_cadence_at_the_end_and_when_stopping_in_order():
+    from marin_rl.orchestrator.hooks import StepHook, StepHooks
+
+    calls = []
+
+    def record(name):
+        def run(step):
+            calls.append((name, step))
+            return {f"{name}/step": step}
+
+        return run
+
+    hooks = StepHooks(
+        [
+            StepHook("broadcast", 1, record("broadcast")),
+            StepHook("eval", 3, record("eval")),
+            StepHook("export", 0, record("export")),
+            StepHook("checkpoint", 4, record("checkpoint"), at_end=False, when_stopping=True),
+        ]
+    )
+    for step in range(1, 7):
+        metrics = hooks.run(step, last=step == 6, stopping=step == 5)
+        assert set(metrics) == {k for name, s in calls if s == step for k in (f"{name}/step", f"time/hooks/{name}_s")}
+    assert calls == [
+        ("broadcast", 1), ("broadcast", 2), ("broadcast", 3), ("eval", 3), ("broadcast", 4), ("checkpoint", 4),
+        ("broadcast", 5), ("checkpoint", 5), ("broadcast", 6), ("eval", 6), ("export", 6),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="unique"):
+        StepHooks([StepHook("a", 1, record("a")), StepHook("a", 2, record("a"))])

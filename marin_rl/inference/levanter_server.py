@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BATCH_WINDOW_CAP = 10
-"""A batch stops growing this many `inference.batch_timeout_s` after its first request arrived."""
+"""A batch stops growing this many `inference.levanter.batch_timeout_s` after its first request arrived."""
 
 
 class _Sequence:

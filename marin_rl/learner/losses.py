@@ -193,6 +193,11 @@ def aggregate(
     return num / aggregate_denominator(mask, segment_ids, kind, max_response_tokens)
 
 
+def _masked(x: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """`x` where `mask` is true, 0 elsewhere (also where `x` is NaN or infinite)."""
+    return jnp.where(mask, x, jnp.zeros((), x.dtype))
+
+
 def _proximal(logp: jnp.ndarray, batch: RlExample) -> jnp.ndarray:
     if batch.proximal_logprobs is not None:
         return batch.proximal_logprobs.array
@@ -214,7 +219,7 @@ def loss_normalizers(batch: RlExample, config: LossConfig, logp: jnp.ndarray | N
         )
     if config.kept_depends_on_proximal:
         prox = batch.proximal_logprobs.array if batch.proximal_logprobs is not None else logp
-        _, kept = importance_weights(prox, batch.sampler_logprobs.array, mask, config)
+        _, kept = importance_weights(_masked(prox, mask), _masked(batch.sampler_logprobs.array, mask), mask, config)
     else:
         kept = mask
     kind, budget = config.aggregation, config.max_response_tokens
@@ -239,12 +244,15 @@ def policy_loss(
     by max and min; see `combine_metrics`). With kl_coef > 0 the batch must carry
     `reference_logprobs`.
     """
-    lp = logp.array
     mask = batch.loss_mask.array
-    adv = batch.advantages.array
-    sampler = batch.sampler_logprobs.array
+    # Every per-token input is replaced by a benign value where the loss mask is false *before* any nonlinearity, so
+    # masked positions contribute exactly zero to the loss and its gradient whatever they hold (NaN, inf, a log-prob
+    # far from the policy's): a `where` after exp() would still send 0·inf = NaN back through the unselected branch.
+    lp = _masked(logp.array, mask)
+    adv = _masked(batch.advantages.array, mask)
+    sampler = _masked(batch.sampler_logprobs.array, mask)
     seg = batch.segment_ids.array
-    prox = _proximal(lp, batch)
+    prox = _masked(_proximal(lp, batch), mask)
     weight, kept = importance_weights(prox, sampler, mask, config)
     old = prox if config.uses_proximal else sampler
     if normalizers is None:
@@ -271,7 +279,7 @@ def policy_loss(
         # with ρ = π_learner / π_sampler = exp(x), E_sampler[ρ - 1 - log ρ] = KL(sampler || learner).
         "kl_sampler": mean(jnp.exp(log_ratio_sampler) - 1.0 - log_ratio_sampler),
         "logprob_diff_sampler/max_abs": jnp.max(jnp.where(mask, jnp.abs(log_ratio_sampler), 0.0)),
-        "entropy": mean(entropy.array),
+        "entropy": mean(_masked(entropy.array, mask)),
         "masked_frac": mean((mask & ~kept).astype(jnp.float32)),
         "trained_tokens": jnp.sum(fmask),
     }
@@ -284,7 +292,8 @@ def policy_loss(
     if config.kl_coef > 0:
         if batch.reference_logprobs is None:
             raise ValueError("loss.kl_coef > 0 needs the batch's reference_logprobs (the frozen reference model's)")
-        k = kl_estimate(lp, jax.lax.stop_gradient(batch.reference_logprobs.array), config.kl_estimator)
+        ref = _masked(jax.lax.stop_gradient(batch.reference_logprobs.array), mask)
+        k = kl_estimate(lp, ref, config.kl_estimator)
         kl = aggregate_numerator(k, mask, seg, config.aggregation) / normalizers.reference
         metrics["kl_reference"] = kl
         loss = loss + config.kl_coef * kl

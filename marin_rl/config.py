@@ -14,6 +14,7 @@ from marin_rl.envs.base import Environment, SamplingParams, load_environment_cla
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.learner.learner import LearnerConfig
 from marin_rl.model.build import ModelConfig
+from marin_rl.placement import PlacementConfig, tpu_slice_shape
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.buffer import ReplayConfig
 from marin_rl.tokenizer import TokenizerConfig
@@ -135,6 +136,8 @@ class RunConfig:
     """Metrics."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and resuming."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Where the learner, the inference servers and the env actors run (Ray resources, colocation, JAX memory)."""
 
     @property
     def checkpoint_dir(self) -> str:
@@ -170,6 +173,28 @@ class RunConfig:
             raise ValueError(
                 f"replay.max_age={self.replay.max_age} < orchestrator.max_staleness={self.orchestrator.max_staleness}: "
                 "the batcher would drop data the staleness gate lets generation produce; set max_age >= max_staleness"
+            )
+        lr = self.placement.learner
+        if lr.tpu_version is not None:
+            hosts, _ = tpu_slice_shape(lr.tpu_version, lr.tpu_topology)
+            if self.learner.hosts != hosts:
+                raise ValueError(
+                    f"learner.hosts={self.learner.hosts}, but a {lr.tpu_version} {lr.tpu_topology} slice has {hosts} "
+                    f"hosts: set learner.hosts: {hosts}"
+                )
+        if self.placement.colocate and self.inference.num_servers != self.learner.hosts:
+            raise ValueError(
+                "placement.colocate puts server i on learner host i: inference.num_servers "
+                f"({self.inference.num_servers}) must equal learner.hosts ({self.learner.hosts})"
+            )
+        if self.placement.colocate and self.inference.backend != "levanter":
+            raise ValueError("placement.colocate shares a device between the learner and an embedded server "
+                             "(inference.backend: levanter); vLLM servers need devices of their own")  # fmt: skip
+        tp = self.inference.vllm.tensor_parallel_size
+        if self.inference.backend == "vllm" and tp > 1 and self.placement.servers.num_gpus < tp:
+            raise ValueError(
+                f"inference.vllm.tensor_parallel_size={tp} needs placement.servers.num_gpus >= {tp} (one GPU per "
+                f"shard), got {self.placement.servers.num_gpus}"
             )
         if self.orchestrator.deterministic and self.orchestrator.max_staleness != 0:
             raise ValueError(

@@ -28,8 +28,11 @@ class VllmConfig:
     """In-flight requests during a weight update: 'keep' freezes them and continues them under the new weights
     (their KV cache is recomputed; the choice reports both versions), 'wait' lets them finish first, 'abort' cancels
     them."""
+    tensor_parallel_size: int = 1
+    """GPUs one vLLM server shards the model over (`--tensor-parallel-size`); `placement.servers.num_gpus` must be
+    at least this."""
     extra_args: list[str] = field(default_factory=list)
-    """More `vllm serve` arguments, e.g. ['--tensor-parallel-size', '2']."""
+    """More `vllm serve` arguments, e.g. ['--enable-prefix-caching']."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the vLLM process."""
     health_check_interval_s: float = 10.0
@@ -53,6 +56,8 @@ class VllmConfig:
             raise ValueError(f"inference.vllm.health_check_interval_s must be > 0, got {self.health_check_interval_s}")
         if self.max_restarts < 0:
             raise ValueError(f"inference.vllm.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"inference.vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 KV_CACHE_DTYPES = ("float32", "bfloat16")
@@ -107,8 +112,13 @@ class InferenceConfig:
     """Sequences decoded concurrently by one server (vLLM: `--max-num-seqs`)."""
     max_seq_len: int = 256
     """Longest prompt + completion a server accepts, in tokens (vLLM: `--max-model-len`)."""
-    host: str = "127.0.0.1"
-    """Interface the HTTP servers bind to."""
+    host: str = "auto"
+    """Interface each server binds to and the address it advertises to clients: 'auto' (127.0.0.1 while the Ray
+    cluster has one node, else the node's address as Ray knows it), 'node' (the node's address), '0.0.0.0' (every
+    interface; advertises the node's address) or an address of the server's machine."""
+    control_secret: str | None = None
+    """Secret that routes changing the served model (weights, pause, resume) require as `Authorization: Bearer
+    <secret>`; None: a new random secret per run, known to the driver."""
     request_timeout_s: float = 600.0
     """Client-side timeout of one request."""
     startup_timeout_s: float = 900.0

@@ -1,4 +1,5 @@
-"""Serving an ASGI app with uvicorn from a daemon thread (every policy server's HTTP front end)."""
+"""Serving an ASGI app with uvicorn from a daemon thread (every policy server's HTTP front end), and the address a
+server binds to and advertises (`inference.host`)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,51 @@ import time
 
 import uvicorn
 
+LOOPBACK = "127.0.0.1"
+
+
+def bind_and_advertise(setting: str) -> tuple[str, str]:
+    """(interface to bind, address clients use) for `inference.host`.
+
+    'auto': loopback while the Ray cluster has one node (or Ray is not running), else the node's address as Ray
+    knows it; 'node': the node's address; '0.0.0.0': every interface, advertising the node's address; anything
+    else: that address for both.
+    """
+    if setting == "auto":
+        setting = LOOPBACK if _ray_nodes() <= 1 else "node"
+    if setting in ("node", "0.0.0.0"):
+        node = _node_address()
+        return (node if setting == "node" else "0.0.0.0"), node
+    return setting, setting
+
+
+def _ray_nodes() -> int:
+    import ray
+
+    if not ray.is_initialized():
+        return 1
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def _node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
+
 
 class HttpServerThread:
     """A FastAPI app served by uvicorn in a daemon thread."""
 
     def __init__(self, host: str, name: str):
-        self.host = host
+        """`host`: an `inference.host` setting ('auto', 'node', '0.0.0.0' or an address; see `bind_and_advertise`)."""
+        self.host, self.advertised = bind_and_advertise(host)
         self.name = name
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, app, port: int = 0) -> str:
-        """Serve the ASGI `app` on `port` (0: any free one); returns 'host:port' once it accepts connections."""
+        """Serve the ASGI `app` on `port` (0: any free one); returns the advertised 'host:port' once it accepts
+        connections."""
         cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
         self._uvicorn = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
@@ -29,7 +63,7 @@ class HttpServerThread:
                 raise RuntimeError(f"{self.name}: HTTP server failed to start")
             time.sleep(0.02)
         sock = self._uvicorn.servers[0].sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
+        return f"{self.advertised}:{sock[1]}"
 
     def stop(self) -> None:
         """Ask the server to exit and wait for its thread (at most 10 s)."""

@@ -124,6 +124,27 @@ class _VersionedContext(InferenceContext):
         self._rng = np.random.default_rng()
         self._pending_lock = threading.Lock()
         self._pending: tuple[int, Any, threading.Event] | None = None
+        self._running = threading.Event()  # cleared while paused
+        self._running.set()
+        self._engine_idle = threading.Condition()
+        self._in_engine_call = False
+
+    # ---- pause and resume -----------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """No engine call starts until `resume`; returns once the call in progress (one segment) has finished.
+        Requests keep queueing; generations in progress are frozen between segments. Weights offered meanwhile
+        are applied (so an update while paused is served from the first segment after `resume`)."""
+        self._running.clear()
+        with self._engine_idle:
+            self._engine_idle.wait_for(lambda: not self._in_engine_call)
+
+    def resume(self) -> None:
+        """Let engine calls run again."""
+        self._running.set()
+
+    def _wait_while_paused(self) -> None:  # the batch thread, holding self.model_lock
+        while not self._running.wait(0.01):
+            self._apply_pending_weights()
 
     # ---- weights --------------------------------------------------------------------------------------------
     def swap_weights(self, version: int, model) -> None:
@@ -237,12 +258,14 @@ class _VersionedContext(InferenceContext):
                 for seq in active:
                     n = len(seq.req.prompt_tokens) + len(seq.tokens)
                     if chunk and (len(chunk) >= cfg.max_seqs_in_prefill or chunk_tokens + n > cfg.max_prefill_size):
+                        self._wait_while_paused()
                         self._decode_segment(chunk)
                         self._apply_pending_weights()
                         chunk, chunk_tokens = [], 0
                     chunk.append(seq)
                     chunk_tokens += n
                 if chunk:
+                    self._wait_while_paused()
                     self._decode_segment(chunk)
                     self._apply_pending_weights()
                 for seq in active:
@@ -284,7 +307,14 @@ class _VersionedContext(InferenceContext):
                     enable_logprobs=True,
                 )
             )
-        result = self.engine.generate(service_requests)
+        with self._engine_idle:
+            self._in_engine_call = True
+        try:
+            result = self.engine.generate(service_requests)
+        finally:
+            with self._engine_idle:
+                self._in_engine_call = False
+                self._engine_idle.notify_all()
         self.num_batches += 1
         self.generated_tokens += int(result.total_generated)
         stale = bool(self.engine.request_queue) or len(self.engine.free_slots) < self.engine.config.max_seqs
@@ -438,6 +468,14 @@ class LevanterInferenceServer(CompletionBackend):
         self.context.swap_weights(version, model)
         return time.time() - start
 
+    def pause(self) -> None:
+        """Stop sampling once the engine call in progress ends (requests wait; see `_VersionedContext.pause`)."""
+        self.context.pause()
+
+    def resume(self) -> None:
+        """Continue sampling after `pause`."""
+        self.context.resume()
+
     # ---- serving ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Name, served version, engine calls, weight swaps, sampled tokens and the front end's request counts."""
@@ -450,6 +488,7 @@ class LevanterInferenceServer(CompletionBackend):
             "generated_tokens": self.context.generated_tokens,
             "requests": self.counters.requests,
             "outstanding_requests": self.counters.outstanding,
+            "paused": not self.context._running.is_set(),
         }
 
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:

@@ -12,17 +12,26 @@ It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this projec
 A backend (`CompletionBackend`) turns a validated request into `Completion`s; `openai_app` builds the FastAPI app
 that serves it, with the request model, the choice and response builders and the error mapping (a bad request is
 400, an unavailable backend 503) shared by every backend.
+
+Routes that change what is served — `POST /v1/control/pause`, `/v1/control/resume` and `/v1/control/weights`
+(apply the latest published weights) — require the run's secret as `Authorization: Bearer <secret>`: 401 without
+it, 403 with another (or when the server has no secret), so that a server reachable from other nodes cannot be
+steered by anyone who can reach it.
 """
 
 from __future__ import annotations
 
 import abc
+import hmac
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
+from fastapi import Request as HttpRequest
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -165,11 +174,26 @@ class FrontEndCounters:
 
 
 class CompletionBackend(abc.ABC):
-    """What a policy server implements for `openai_app`."""
+    """What a policy server implements for `openai_app`.
+
+    `control_secret` (set by the server's owner) enables the control routes; `weights_source` (also set by the
+    owner, e.g. `WeightSubscriber.poll`) applies the latest published weights and returns what it applied (None:
+    nothing new).
+    """
 
     name: str
     tokenizer: Any
     max_seq_len: int
+    control_secret: str | None = None
+    weights_source: Callable[[], dict | None] | None = None
+
+    def pause(self) -> None:
+        """Stop sampling after the engine work in progress; requests wait (generations in progress are frozen)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause")
+
+    def resume(self) -> None:
+        """Continue sampling after `pause`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume")
 
     @property
     @abc.abstractmethod
@@ -234,4 +258,33 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
         finally:
             counts.outstanding -= 1
 
+    @app.post("/v1/control/{action}")
+    async def control(action: str, request: HttpRequest):
+        authorize(request.headers.get("authorization"), backend.control_secret)
+        try:
+            if action == "pause":
+                await run_in_threadpool(backend.pause)
+            elif action == "resume":
+                await run_in_threadpool(backend.resume)
+            elif action == "weights":
+                if backend.weights_source is None:
+                    raise NotImplementedError(f"{backend.name} has no weight source to poll")
+                applied = await run_in_threadpool(backend.weights_source)
+                return {"applied": applied, "version": backend.version}
+            else:
+                raise HTTPException(status_code=404, detail=f"no control action {action!r} (pause, resume, weights)")
+        except NotImplementedError as e:
+            raise HTTPException(status_code=501, detail=str(e)) from e
+        return {"status": action, "version": backend.version}
+
     return app
+
+
+def authorize(header: str | None, secret: str | None) -> None:
+    """Raise HTTP 401 without an `Authorization: Bearer` header, 403 with a wrong secret or when none is set."""
+    if not header or not header.lower().startswith("bearer "):
+        raise HTTPException(status_code=401, detail="this route needs the run's secret: Authorization: Bearer <secret>")
+    if secret is None:
+        raise HTTPException(status_code=403, detail="control routes are disabled on this server (no secret is set)")
+    if not hmac.compare_digest(header[len("bearer ") :].strip().encode(), secret.encode()):
+        raise HTTPException(status_code=403, detail="wrong secret")

@@ -158,6 +158,7 @@ class VllmServer:
             "--dtype", cfg.dtype,
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
+            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
             # Sampling defaults come from each request only, never from the checkpoint's generation config.
             "--generation-config", "vllm",
             # Logprobs of the distribution actually sampled from (after temperature), as the learner computes them.
@@ -462,6 +463,16 @@ class VllmPolicyServer(CompletionBackend):
                 "%s: vLLM restarted (restart %d) serving version %d", self.name, self.server.restarts, self.version
             )
             return True
+
+    def pause(self) -> None:
+        """Pause vLLM's generation (`inference.vllm.pause_mode`: keep freezes requests in flight)."""
+        with self._lock:
+            self.server.post("/pause", params={"mode": self.config.vllm.pause_mode})
+
+    def resume(self) -> None:
+        """Resume vLLM's generation."""
+        with self._lock:
+            self.server.post("/resume")
 
     # ---- weights ------------------------------------------------------------------------------------------
     def _set_version_label(self, version: int) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 from levanter.checkpoint import discover_latest_checkpoint, load_checkpoint, save_checkpoint
 
+from marin_rl.learner.distributed import is_primary
 from marin_rl.learner.learner import MESH_AXES, Learner
 
 logger = logging.getLogger(__name__)
@@ -129,16 +130,18 @@ def prune_checkpoints(root: str, keep: int | None) -> list[str]:
 # ---- the learner's part ------------------------------------------------------------------------------------
 def save_learner_state(learner: Learner, path: str, step: int) -> None:
     """Write the learner's state into checkpoint directory `path`; its completion marker is written last, so call
-    this after every other file of the checkpoint is written."""
-    write_json(
-        path,
-        LEARNER_FILE,
-        {
-            "version": learner.version,
-            "optimizer_steps": learner.optimizer_steps,
-            "has_reference": learner.reference_model is not None,
-        },
-    )
+    this after every other file of the checkpoint is written. A multi-host learner calls it on every process: each
+    writes its shards, process 0 the JSON and (once every shard is committed) the marker."""
+    if is_primary():
+        write_json(
+            path,
+            LEARNER_FILE,
+            {
+                "version": learner.version,
+                "optimizer_steps": learner.optimizer_steps,
+                "has_reference": learner.reference_model is not None,
+            },
+        )
     save_checkpoint(learner.state(), step, path, is_temporary=False)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from marin_rl.learner.distributed import host_arrays
 from marin_rl.learner.losses import LossConfig, combine_metrics, loss_normalizers, policy_loss, sft_loss
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
@@ -246,7 +247,10 @@ class LearnerConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start before RL."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh and axis mappings (data / fsdp / tensor parallelism)."""
+    """Device mesh and axis mappings (data / fsdp / tensor parallelism), over the devices of every host."""
+    hosts: int = 1
+    """Learner processes, one per host: with more than one, they join one JAX distributed runtime
+    (`jax.distributed`) and the mesh spans every host's devices (placement: `placement.learner`)."""
     minibatches: int = 1
     """Split each batch's rows into this many minibatches, one optimizer step each. The batch's rows must divide
     evenly into `minibatches × microbatches`."""
@@ -258,7 +262,7 @@ class LearnerConfig:
     at a time and sum the gradients, normalised by the whole minibatch (the same step as without splitting)."""
 
     def __post_init__(self):
-        for name in ("minibatches", "epochs", "microbatches"):
+        for name in ("minibatches", "epochs", "microbatches", "hosts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"learner.{name} must be an integer >= 1, got {value!r}")
@@ -515,7 +519,8 @@ class Learner:
         return lp.array
 
     def logprobs(self, batch: PackedBatch) -> np.ndarray:
-        """Learner's logprob of every token of a packed batch under the current weights."""
+        """Learner's logprob of every token of a packed batch under the current weights (on every process of a
+        multi-host learner: all must call it)."""
         if self.mesh is None:
             return np.asarray(self._logprobs(self.model, _to_example(batch)))
         rows = batch.num_rows
@@ -523,11 +528,13 @@ class Learner:
         if pad:
             batch = PackedBatch(**{k: np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in vars(batch).items()})
         with self._sharding():
-            return np.asarray(self._logprobs(self.model, self._shard_batch(_to_example(batch))))[:rows]
+            [lp] = host_arrays([self._logprobs(self.model, self._shard_batch(_to_example(batch)))])
+        return lp[:rows]
 
     def weights(self) -> list[np.ndarray]:
-        """Current parameters as host arrays, flattened like `eqx.filter(model, eqx.is_array)`."""
-        return [np.asarray(x) for x in jax.device_get(jax.tree_util.tree_leaves(eqx.filter(self.model, eqx.is_array)))]
+        """Current parameters as host arrays, flattened like `eqx.filter(model, eqx.is_array)` (a multi-host learner
+        gathers them: every process must call it)."""
+        return host_arrays(jax.tree_util.tree_leaves(eqx.filter(self.model, eqx.is_array)))
 
     def export_hf(self, path: str, tokenizer) -> str:
         """Save the current policy and `tokenizer` as a Hugging Face checkpoint at `path` (local or fsspec URL)."""

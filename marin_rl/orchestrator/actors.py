@@ -18,6 +18,7 @@ from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transpo
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import SamplingParams
 from marin_rl.inference.client import PolicyClient, SeededPolicy
+from marin_rl.learner import distributed
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 from marin_rl.learner.learner import Learner
 from marin_rl.logs import configure_logging
@@ -29,18 +30,37 @@ from marin_rl.types import PackedBatch
 
 @ray.remote(num_cpus=0)
 class LearnerActor:
-    """Owns the policy's parameters and optimizer; publishes weights after steps."""
+    """One process of the learner: owns (its shards of) the policy's parameters and optimizer state.
 
-    def __init__(self, config: RunConfig, vocab_size: int):
+    Built in two calls so that a multi-host learner can agree on a coordinator first: the actor is created, then
+    `start(coordinator)` joins the distributed runtime (`learner.hosts` > 1) and builds the `Learner`. Every process
+    runs every method in the same order (they are collectives); process 0 publishes weights and writes single-copy
+    files.
+    """
+
+    def __init__(self, config: RunConfig, vocab_size: int, process_id: int = 0, num_processes: int = 1):
         configure_logging()
         self.config = config
-        self.learner = Learner(
-            config.model, config.learner, vocab_size, temperature=config.envs[0].sampling.temperature
-        )
-        self.transport = make_transport(config.broadcast)
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.vocab_size = vocab_size
+        self.process_id = process_id
+        self.num_processes = num_processes
+        self.learner: Learner | None = None
+        self.transport = None
 
-    def num_params(self) -> int:
+    def coordinator_address(self) -> str:
+        """Where process 0 serves the distributed runtime (this node, a free port)."""
+        return distributed.coordinator_address()
+
+    def start(self, coordinator: str | None = None) -> int:
+        """Join the distributed runtime (several hosts) and build the learner; returns its parameter count."""
+        distributed.initialize(coordinator, self.num_processes, self.process_id)
+        config = self.config
+        self.learner = Learner(
+            config.model, config.learner, self.vocab_size, temperature=config.envs[0].sampling.temperature
+        )
+        if distributed.is_primary():
+            self.transport = make_transport(config.broadcast)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         return self.learner.num_params
 
     def warm_start(self, examples: list[tuple[list[int], list[int]]]) -> dict:
@@ -49,16 +69,21 @@ class LearnerActor:
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         return self.learner.train_step(batch)
 
-    def publish(self) -> WeightUpdate:
-        """Publish the current policy (cast on its device when `broadcast.dtype` asks) as its version."""
-        return self.transport.publish(self.learner.version, self.learner.model)
+    def publish(self) -> WeightUpdate | None:
+        """Publish the current policy as its version (process 0; the others return None). One process publishes the
+        model's device arrays (cast on the device when `broadcast.dtype` asks); several gather them first."""
+        if self.num_processes == 1:
+            return self.transport.publish(self.learner.version, self.learner.model)
+        leaves = self.learner.weights()  # a collective: every process takes part
+        return self.transport.publish(self.learner.version, leaves) if self.transport is not None else None
 
     def close(self) -> None:
         """Release the broadcast transport (shared-memory slots, a Flight server)."""
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def export_hf(self, path: str) -> str:
-        """Save the current policy as a Hugging Face checkpoint (local path or fsspec URL)."""
+        """Save the current policy as a Hugging Face checkpoint (local path or fsspec URL; process 0 writes)."""
         self.learner.export_hf(path, self.tokenizer)
         return path
 
@@ -83,7 +108,9 @@ class ServerActor:
     Face checkpoint to a private directory (or from `hf_checkpoint` when given).
     """
 
-    def __init__(self, config: RunConfig, name: str, hf_checkpoint: str | None = None):
+    def __init__(
+        self, config: RunConfig, name: str, control_secret: str | None = None, hf_checkpoint: str | None = None
+    ):
         configure_logging()
         self.tokenizer = load_tokenizer(config.tokenizer)
         self._export_dir: str | None = None
@@ -103,11 +130,17 @@ class ServerActor:
             self.server = LevanterInferenceServer(model, self.tokenizer, config.inference, name=name)
         self.transport = make_transport(config.broadcast)
         self.subscriber = WeightSubscriber(self.transport, self.server.apply_weights)
+        self.server.control_secret = control_secret or config.inference.control_secret
+        self.server.weights_source = self.subscriber.poll
         self.address = self.server.start()
 
     def get_address(self) -> str:
-        """'host:port' that clients send requests to."""
+        """'host:port' that clients (on any node, when `inference.host` allows) send requests to."""
         return self.address
+
+    def node_id(self) -> str:
+        """The Ray node this server runs on."""
+        return ray.get_runtime_context().get_node_id()
 
     def apply_update(self, update: WeightUpdate) -> dict:
         """Fetch and serve `update` (also a lower version than the one served); returns version, bytes, timings."""

@@ -11,7 +11,9 @@ from ray.exceptions import RayActorError
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
 from marin_rl.orchestrator.actors import EnvActor
+from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.staleness import RolloutsPerBatch
+from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")
 
@@ -24,14 +26,27 @@ class EnvPool:
     derived from its ticket and collect groups only in hand-out order.
     """
 
-    def __init__(self, config: RunConfig, index: int, servers: list[str], tokens_per_batch: float):
+    def __init__(
+        self,
+        config: RunConfig,
+        index: int,
+        servers: list[str],
+        tokens_per_batch: float,
+        launcher: Launcher | None = None,
+    ):
         self.config = config
+        self.launcher = launcher
         self.index = index
         self.env = config.envs[index]
         self.servers = servers
         self.deterministic = config.orchestrator.deterministic
         self.actors = [self._spawn(r) for r in range(self.env.replicas)]
-        num_problems = ray.get(self.actors[0].num_problems.remote())
+        ready = wait_for_actors(
+            {"envs": [(a, a.num_problems.remote()) for a in self.actors]},
+            {"envs": config.placement.envs},
+            config.placement.wait_timeout_s,
+        )
+        num_problems = ready["envs"][0]
         self.iterator = ProblemIterator(num_problems, config.orchestrator.seed, stream_id(self.env.name))
         self.inflight: dict[ray.ObjectRef, tuple[int, ProblemTicket, Any]] = {}
         """ref -> (replica, ticket, actor), in hand-out order."""
@@ -48,7 +63,8 @@ class EnvPool:
         return len(self.inflight) * self.env.group_size
 
     def _spawn(self, replica: int):
-        return EnvActor.options(name=None, max_concurrency=max(4, self.env.concurrency * 2)).remote(
+        options = {} if self.launcher is None else self.launcher.env_options(self.index, replica)
+        return EnvActor.options(name=None, max_concurrency=max(4, self.env.concurrency * 2), **options).remote(
             self.config, self.index, replica, self.servers
         )
 

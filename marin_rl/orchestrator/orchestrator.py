@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -41,10 +42,13 @@ from marin_rl.learner.checkpoint import (
     write_json,
 )
 from marin_rl.logs import configure_logging
-from marin_rl.orchestrator.actors import LearnerActor, ServerActor
+from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
+from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.staleness import GateInputs, StalenessGate
+from marin_rl.placement import wait_for_actors
 from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer
 from marin_rl.report import plot_rewards, write_summary
@@ -101,7 +105,9 @@ class Orchestrator:
         self.env_names = [e.name for e in config.envs]
         self.stop = stop or StopRequest()
         self._started_ray = False
-        self.learner = None
+        self.learner: LearnerGroup | None = None
+        self.launcher: Launcher | None = None
+        self.control_secret = config.inference.control_secret or secrets.token_urlsafe(24)
         self.servers: list = []
         self.pools: dict[str, EnvPool] = {}
         self.buffers: dict[str, ReplayBuffer] = {}
@@ -116,7 +122,7 @@ class Orchestrator:
         self.last_saved_step: int | None = None
         # Loop state.
         self.served_version = 0
-        self.training: ray.ObjectRef | None = None  # the learner step in flight
+        self.training: list[ray.ObjectRef] | None = None  # the learner step in flight (one call per process)
         self.formed: FormedBatch | None = None  # the batch it trains on
         self.waiting_for: dict[str, int] = {}  # environments the batcher waits for (tokens missing)
         self.window = {"gen_tokens": 0, "since": time.time()}
@@ -130,7 +136,7 @@ class Orchestrator:
         allows, wait briefly, admit finished groups into the buffers. A checkpoint is taken in the first part, so a
         resumed run, which starts at the second, continues the same sequence of decisions."""
         while True:
-            if self.training is not None and ray.wait([self.training], timeout=0)[0]:
+            if self.training is not None and self._training_done():
                 self._complete_step(tracker)
             if self.step >= self.config.orchestrator.num_steps or (self.stop.requested and self.training is None):
                 return
@@ -141,11 +147,15 @@ class Orchestrator:
             self._wait_for_anything()
             self._admit_finished_groups()
 
+    def _training_done(self) -> bool:
+        """Whether every learner process has finished the step in flight."""
+        return len(ray.wait(self.training, num_returns=len(self.training), timeout=0)[0]) == len(self.training)
+
     def _wait_for_anything(self, timeout_s: float = 0.05) -> None:
         """Block until a group or the learner step finishes, at most `timeout_s`."""
         refs = [r for p in self.pools.values() for r in p.wait_refs()]
         if self.training is not None:
-            refs.append(self.training)
+            refs.extend(self.training)
         if refs:
             ray.wait(refs, num_returns=1, timeout=timeout_s)
 
@@ -162,7 +172,7 @@ class Orchestrator:
             for name, usage in result.usage.items():
                 self.pools[name].batch_size.observe_batch(usage.rollouts)
             self.formed = result
-            self.training = self.learner.train_step.remote(result.batch)
+            self.training = self.learner.call("train_step", result.batch)
 
     def _launch_groups(self) -> None:
         batches_formed = self.step + (self.training is not None)
@@ -194,7 +204,7 @@ class Orchestrator:
 
     def _complete_step(self, tracker) -> None:
         """Book a finished learner step: its metrics, the batch's and the buffers', the due hooks, the log line."""
-        metrics = ray.get(self.training)
+        metrics = ray.get(self.training)[0]
         self.training = None
         self.step += 1
         step, last = self.step, self.step == self.config.orchestrator.num_steps
@@ -230,7 +240,7 @@ class Orchestrator:
 
         def export(step: int) -> None:
             path = os.path.join(self.output_dir, "hf", f"step-{step}")
-            ray.get(self.learner.export_hf.remote(path))
+            self.learner.run("export_hf", path)
             logger.info("exported the policy as a Hugging Face checkpoint to %s", path)
 
         def checkpoint(step: int) -> dict[str, float] | None:
@@ -250,7 +260,7 @@ class Orchestrator:
 
     def _broadcast(self) -> dict[str, float]:
         t = time.time()
-        update = ray.get(self.learner.publish.remote())  # a handle: the arrays travel through the transport
+        update = self.learner.run("publish")  # a handle: the arrays travel through the transport
         if update.transport != self.broadcast_transport:
             logger.info("weights travel through broadcast transport %r (%.1f MB per version)",
                         update.transport, update.num_bytes / 1e6)  # fmt: skip
@@ -281,7 +291,7 @@ class Orchestrator:
         logger.info(
             "warm start: %d supervised steps on %d demonstrations", self.config.learner.warm_start.steps, len(examples)
         )
-        result = ray.get(self.learner.warm_start.remote(examples))
+        result = self.learner.run("warm_start", examples)
         if result["losses"]:
             logger.info("warm start done in %.1fs, final loss %.4f", result["seconds"], result["losses"][-1])
         return result
@@ -298,19 +308,39 @@ class Orchestrator:
         self._started_ray = True
 
     def _start_components(self) -> None:
+        """Check the placement, reserve its groups, start the learner's processes, the servers and the env actors
+        (bounded waits that name what is missing), then the replay buffers and the batcher."""
         cfg = self.config
         tokenizer = load_tokenizer(cfg.tokenizer)
         vocab_size = len(tokenizer)
         t = time.time()
-        self.learner = LearnerActor.remote(cfg, vocab_size)
+        self.launcher = Launcher(cfg)
+        self.launcher.check()
+        self.launcher.reserve()
+        self.learner = LearnerGroup(cfg, vocab_size, self.launcher)
+        learner_ready = self.learner.start()
         self.servers = [
-            ServerActor.options(max_concurrency=4).remote(cfg, f"server-{i}") for i in range(cfg.inference.num_servers)
+            ServerActor.options(max_concurrency=4, **self.launcher.server_options(i)).remote(
+                cfg, f"server-{i}", self.control_secret
+            )
+            for i in range(cfg.inference.num_servers)
         ]
-        addresses = ray.get([s.get_address.remote() for s in self.servers], timeout=cfg.inference.startup_timeout_s)
+        ready = wait_for_actors(
+            {
+                "learner": [(a, r) for a, r in zip(self.learner.actors, learner_ready, strict=True)],
+                "servers": [(s, s.get_address.remote()) for s in self.servers],
+            },
+            {"learner": cfg.placement.learner, "servers": cfg.placement.servers},
+            max(cfg.placement.wait_timeout_s, cfg.inference.startup_timeout_s),
+        )
+        addresses = ready["servers"]
         logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
         budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
         fractions = cfg.env_fractions()
-        self.pools = {e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget) for i, e in enumerate(cfg.envs)}
+        self.pools = {
+            e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget, self.launcher)
+            for i, e in enumerate(cfg.envs)
+        }
         self.buffers = {
             n: ReplayBuffer(
                 n,
@@ -323,10 +353,10 @@ class Orchestrator:
             for n in self.env_names
         }
         self.batcher = Batcher(cfg.batcher, self.buffers, fractions)
-        logger.info("policy: %s parameters", f"{ray.get(self.learner.num_params.remote()):,}")
+        logger.info("policy: %s parameters (learner on %d host(s))", f"{ready['learner'][0]:,}", cfg.learner.hosts)
 
     def shutdown(self) -> None:
-        """Stop servers and kill every actor; shut Ray down if this run started it."""
+        """Stop servers and kill every actor, release the placement groups; shut Ray down if this run started it."""
         for s in self.servers:
             try:
                 ray.get(s.stop.remote(), timeout=10)
@@ -334,10 +364,11 @@ class Orchestrator:
                 pass
         if self.learner is not None:
             try:
-                ray.get(self.learner.close.remote(), timeout=10)  # frees the broadcast's shared memory
+                ray.get(self.learner.call("close"), timeout=10)  # frees the broadcast's shared memory
             except Exception:
                 pass
-        actors = [*self.servers, *([self.learner] if self.learner else [])]
+            self.learner.kill()
+        actors = list(self.servers)
         for pool in self.pools.values():
             actors.extend(pool.actors)
         for a in actors:
@@ -345,6 +376,8 @@ class Orchestrator:
                 ray.kill(a)
             except Exception:
                 pass
+        if self.launcher is not None:
+            self.launcher.release()
         if self._started_ray:
             ray.shutdown()
 
@@ -384,7 +417,7 @@ class Orchestrator:
         root = self.config.checkpoint_dir
         path = begin_checkpoint(root, self.step)
         write_json(path, RUN_STATE_FILE, self._run_state())
-        ray.get(self.learner.save_checkpoint.remote(path, self.step))
+        self.learner.run("save_checkpoint", path, self.step)
         prune_checkpoints(root, self.config.checkpoint.keep)
         self.last_saved_step = self.step
         seconds = time.time() - start
@@ -401,7 +434,7 @@ class Orchestrator:
             raise ValueError(f"checkpoint {path}: run state is at step {step}, its marker at {checkpoint_step(path)}")
         if set(state["pools"]) != set(self.pools):
             raise ValueError(f"checkpoint {path} has envs {sorted(state['pools'])}, the config {sorted(self.pools)}")
-        version = ray.get(self.learner.load_checkpoint.remote(path))
+        version = self.learner.run("load_checkpoint", path)
         if version != step:
             raise ValueError(f"checkpoint {path}: the learner is at version {version}, the run at step {step}")
         for n, pool in self.pools.items():
@@ -441,7 +474,7 @@ class Orchestrator:
                 resume_step=self.step if resume_path is not None else None,
                 resume_path=resume_path,
             )
-            tracker.log_hyperparameters(asdict(cfg))
+            tracker.log_hyperparameters(_redacted(asdict(cfg)))
             if resume_path is None:
                 warm = self._warm_start()
                 self.warm = {"final_loss": warm["losses"][-1] if warm.get("losses") else None}
@@ -502,6 +535,13 @@ class Orchestrator:
             summary[f"eval_greedy_reward_start/{n}"] = self.eval_start[f"eval/{n}/greedy_reward"]
             summary[f"eval_greedy_reward_end/{n}"] = self.last_eval[f"eval/{n}/greedy_reward"]
         return summary
+
+
+def _redacted(hparams: dict[str, Any]) -> dict[str, Any]:
+    """The config as logged: secrets replaced."""
+    if hparams.get("inference", {}).get("control_secret"):
+        hparams["inference"]["control_secret"] = "<redacted>"
+    return hparams
 
 
 def _fmt(m: dict[str, float]) -> str:

@@ -1,0 +1,263 @@
+"""Where each role's processes run: Ray resources, placement groups and the JAX settings of each process.
+
+Three roles: the learner (`learner.hosts` processes, one per host of a multi-host mesh), the inference servers
+(`inference.num_servers`) and the env actors. Each role's `RoleResources` says what one of its processes asks Ray
+for (CPUs, GPUs, TPU chips, an accelerator type, custom resources) and how its JAX runtime is set up (the device
+memory fraction, preallocation, extra environment variables). Env actors get `JAX_PLATFORMS=cpu` unless told
+otherwise: they never need an accelerator, and a JAX process that opens one can take its memory (on a TPU VM only
+one process may open the TPU).
+
+Layouts:
+
+* disaggregated (default): every process asks for its own resources; with `num_gpus: 1` each learner host and
+  each embedded server gets a GPU of its own (Ray sets `CUDA_VISIBLE_DEVICES`).
+* colocated (`placement.colocate: true`): learner host i and server i share one placement-group bundle of the
+  learner's resources (one device), each taking half of its CPUs and GPUs and the device memory fraction given
+  explicitly in `learner.memory_fraction` and `servers.memory_fraction` (required on accelerators; together at
+  most 1).
+* a TPU slice (`learner.tpu_version` + `learner.tpu_topology`): the learner's hosts are the hosts of one slice,
+  reserved with Ray's `slice_placement_group` (one bundle of `TPU` chips per host), as Levanter's Ray TPU helpers
+  schedule them.
+
+Before anything starts, `check_feasible` compares every request with the live nodes and fails at once with a
+message naming the role, the request and what the cluster has; `wait_for_actors` bounds the wait for actors that
+are feasible but stay pending (resources held by others) the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ROLES = ("learner", "servers", "envs")
+
+
+class PlacementError(RuntimeError):
+    """A role's resources cannot be had: the message names the role, its request and what the cluster has."""
+
+
+@dataclass
+class RoleResources:
+    """What one process of a role asks Ray for, and how its JAX runtime is set up."""
+
+    num_cpus: float = 0.0
+    """CPUs reserved per process (0: none reserved; the process still runs)."""
+    num_gpus: float = 0.0
+    """GPUs per process (fractions share a GPU); Ray sets `CUDA_VISIBLE_DEVICES` accordingly."""
+    tpu_chips: int = 0
+    """TPU chips per process (Ray resource `TPU`)."""
+    tpu_version: str | None = None
+    """Learner only: the TPU generation of a slice to run on ('v4', 'v5p', 'v5litepod', 'v6e', ...), with
+    `tpu_topology`: the learner's hosts become the slice's hosts (Ray's `slice_placement_group`)."""
+    tpu_topology: str | None = None
+    """Learner only: the slice's topology, e.g. '2x2x4' (a v4-32: 4 hosts of 4 chips)."""
+    accelerator_type: str | None = None
+    """Ray accelerator type the process must run on, e.g. 'H100', 'A100', 'TPU-V4' (None: any)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per process, e.g. {'rollout_node': 1} to pin a role to nodes that declare it."""
+    strategy: str | None = None
+    """Placement-group strategy for the role's processes together ('PACK', 'SPREAD', 'STRICT_PACK',
+    'STRICT_SPREAD'): they are then scheduled all or none. None: no group (each process placed on its own); a
+    multi-host learner always uses a group ('SPREAD' when None)."""
+    memory_fraction: float | None = None
+    """Fraction of the accelerator's memory JAX may take in this process (`XLA_PYTHON_CLIENT_MEM_FRACTION`)."""
+    preallocate: bool | None = None
+    """Whether JAX preallocates that memory at start (`XLA_PYTHON_CLIENT_PREALLOCATE`; None: JAX's default)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """More environment variables of the process (e.g. `XLA_FLAGS`, `JAX_PLATFORMS`)."""
+
+    def __post_init__(self):
+        for name in ("num_cpus", "num_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"placement: {name} must be >= 0, got {getattr(self, name)}")
+        if self.tpu_chips < 0:
+            raise ValueError(f"placement: tpu_chips must be >= 0, got {self.tpu_chips}")
+        if self.strategy is not None and self.strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement: strategy must be one of {PLACEMENT_STRATEGIES} or null, got {self.strategy!r}"
+            )
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"placement: memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if (self.tpu_version is None) != (self.tpu_topology is None):
+            raise ValueError("placement: give both tpu_version and tpu_topology (a TPU slice), or neither")
+        if any(v < 0 for v in self.resources.values()):
+            raise ValueError(f"placement: resources must be >= 0, got {self.resources}")
+
+    def ray_resources(self) -> dict[str, float]:
+        """Everything one process asks Ray for, as Ray names it (CPU, GPU, TPU, accelerator_type:X, custom)."""
+        out: dict[str, float] = {}
+        if self.num_cpus:
+            out["CPU"] = float(self.num_cpus)
+        if self.num_gpus:
+            out["GPU"] = float(self.num_gpus)
+        if self.tpu_chips:
+            out["TPU"] = float(self.tpu_chips)
+        if self.accelerator_type:
+            out[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        out.update({k: float(v) for k, v in self.resources.items()})
+        return out
+
+    def process_env(self, role: str) -> dict[str, str]:
+        """Environment variables of one of the role's processes (JAX memory settings, `env`)."""
+        env: dict[str, str] = {}
+        if role == "envs":
+            env["JAX_PLATFORMS"] = "cpu"
+        if self.memory_fraction is not None:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.memory_fraction:g}"
+        if self.preallocate is not None:
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if self.preallocate else "false"
+        env.update(self.env)
+        return env
+
+    def actor_options(self, role: str) -> dict[str, Any]:
+        """`ActorClass.options(...)` for one process of the role (outside any placement group)."""
+        custom = {k: float(v) for k, v in self.resources.items()}
+        if self.tpu_chips:
+            custom["TPU"] = float(self.tpu_chips)
+        options: dict[str, Any] = {"num_cpus": float(self.num_cpus), "num_gpus": float(self.num_gpus)}
+        if custom:
+            options["resources"] = custom
+        if self.accelerator_type:
+            options["accelerator_type"] = self.accelerator_type
+        env = self.process_env(role)
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        return options
+
+    def describe(self) -> str:
+        """The request in words, for messages."""
+        request = self.ray_resources() or {"CPU": 0}
+        return ", ".join(f"{k}: {v:g}" for k, v in request.items())
+
+
+def tpu_slice_shape(version: str, topology: str) -> tuple[int, int]:
+    """(hosts, chips per host) of a TPU slice of `version` and `topology`, as Ray's TPU support counts them."""
+    import ray.util.tpu as tpu
+
+    if version not in tpu.VALID_TPU_TYPES:
+        raise ValueError(f"placement.learner.tpu_version must be one of {tpu.VALID_TPU_TYPES}, got {version!r}")
+    chips = tpu.get_num_chips_from_topology(topology)
+    per_host = tpu.get_chips_per_host(topology, version)
+    return max(1, chips // per_host), per_host
+
+
+@dataclass
+class PlacementConfig:
+    """Where the learner, the inference servers and the env actors run (see `marin_rl.placement`)."""
+
+    learner: RoleResources = field(default_factory=RoleResources)
+    """Resources of each learner process (one per host of the learner's mesh, `learner.hosts`)."""
+    servers: RoleResources = field(default_factory=RoleResources)
+    """Resources of each inference server (with the vLLM backend, `num_gpus` >= its tensor-parallel size)."""
+    envs: RoleResources = field(default_factory=RoleResources)
+    """Resources of each env actor."""
+    colocate: bool = False
+    """Run server i on learner host i's device (one placement-group bundle of the learner's resources, split in
+    half); needs `inference.num_servers == learner.hosts` and, on accelerators, explicit `memory_fraction`s."""
+    wait_timeout_s: float = 300.0
+    """How long actors may stay pending for resources before the run fails, naming what it waits for."""
+
+    def __post_init__(self):
+        if self.wait_timeout_s <= 0:
+            raise ValueError(f"placement.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        for role in ("servers", "envs"):
+            r = getattr(self, role)
+            if r.tpu_version is not None:
+                raise ValueError(f"placement.{role}: a TPU slice (tpu_version/tpu_topology) is for the learner only")
+        if self.colocate:
+            lr, sv = self.learner, self.servers
+            if lr.tpu_chips or lr.tpu_version or sv.tpu_chips:
+                raise ValueError(
+                    "placement.colocate: on a TPU only one process can open the chips, so the learner and a server "
+                    "cannot share them; give the servers hosts of their own"
+                )
+            if lr.num_gpus and (lr.memory_fraction is None or sv.memory_fraction is None):
+                raise ValueError(
+                    "placement.colocate on GPUs needs explicit placement.learner.memory_fraction and "
+                    "placement.servers.memory_fraction (two JAX processes share the device's memory)"
+                )
+            if (lr.memory_fraction or 0) + (sv.memory_fraction or 0) > 1 + 1e-9:
+                raise ValueError(
+                    f"placement.colocate: learner.memory_fraction + servers.memory_fraction = "
+                    f"{(lr.memory_fraction or 0) + (sv.memory_fraction or 0):g} > 1"
+                )
+
+    def role(self, name: str) -> RoleResources:
+        if name not in ROLES:
+            raise KeyError(name)
+        return getattr(self, name)
+
+
+def _shown_resources(resources: dict[str, float]) -> str:
+    """Resources as 'name: amount, ...' without Ray's bookkeeping ones (node ids, memory, object store)."""
+    shown = sorted((k, v) for k, v in resources.items() if not k.startswith(("node:", "memory", "object_store")))
+    return ", ".join(f"{k}: {v:g}" for k, v in shown)
+
+
+def _node_summary(nodes: list[dict]) -> str:
+    parts = [f"{n.get('NodeManagerAddress', '?')} {{{_shown_resources(n.get('Resources', {}))}}}" for n in nodes]
+    return "; ".join(parts) or "no live node"
+
+
+def _fits(node: dict, want: dict[str, float]) -> bool:
+    return all(node.get("Resources", {}).get(k, 0.0) >= v for k, v in want.items())
+
+
+def check_feasible(requests: dict[str, tuple[RoleResources, int]], nodes: list[dict]) -> None:
+    """Raise `PlacementError` if a role's process fits no live node, or all roles together exceed the cluster.
+
+    `requests`: role -> (its resources, how many processes); `nodes`: `ray.nodes()`.
+    """
+    alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
+    totals: dict[str, float] = {}
+    for n in alive:
+        for k, v in n.get("Resources", {}).items():
+            totals[k] = totals.get(k, 0.0) + v
+    needed: dict[str, float] = {}
+    for role, (res, count) in requests.items():
+        want = res.ray_resources()
+        if count and want and not any(_fits(n, want) for n in alive):
+            raise PlacementError(
+                f"placement.{role}: no node can run one of its processes, which asks for {{{res.describe()}}}; the "
+                f"cluster has: {_node_summary(alive)}"
+            )
+        for k, v in want.items():
+            needed[k] = needed.get(k, 0.0) + v * count
+    short = {k: (v, totals.get(k, 0.0)) for k, v in needed.items() if v > totals.get(k, 0.0) + 1e-9}
+    if short:
+        detail = ", ".join(f"{k}: {need:g} needed, {have:g} in the cluster" for k, (need, have) in short.items())
+        roles = ", ".join(f"{r} ({c} × {{{res.describe()}}})" for r, (res, c) in requests.items() if c)
+        raise PlacementError(
+            f"placement: the roles together need more than the cluster has ({detail}); requests: {roles}"
+        )
+
+
+def wait_for_actors(
+    pending: dict[str, list[tuple[Any, Any]]], requests: dict[str, RoleResources], timeout_s: float
+) -> dict[str, list[Any]]:
+    """Wait until every actor answers its ready call; returns role -> the calls' results, in order.
+
+    `pending`: role -> [(actor, ready ObjectRef)]. Raises `PlacementError` naming the roles still pending, their
+    request and the resources available when `timeout_s` passes.
+    """
+    import ray
+
+    refs = {ref: role for role, items in pending.items() for _, ref in items}
+    deadline = time.time() + timeout_s
+    remaining = list(refs)
+    while remaining:
+        done, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=max(0.0, deadline - time.time()))
+        if remaining and time.time() >= deadline:
+            roles = sorted({refs[r] for r in remaining})
+            waiting = "; ".join(f"{r} asks for {{{requests[r].describe()}}} per process" for r in roles)
+            available = _shown_resources(ray.available_resources())
+            raise PlacementError(
+                f"placement: {len(remaining)} process(es) of {', '.join(roles)} still pending after {timeout_s:.0f}s "
+                f"(placement.wait_timeout_s): {waiting}; available now: {available or 'nothing'}"
+            )
+    return {role: ray.get([ref for _, ref in items]) for role, items in pending.items()}

@@ -299,3 +299,46 @@ def test_choices_report_versions_and_token_ids_as_the_dialect_says():
     assert (choices[1]["policy_version_start"], choices[1]["policy_version_end"]) == (-1, -1)
     body = completion_response(request, 0.0, [[5, 6]], choices, completion_tokens=3)
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def test_control_routes_need_the_run_secret_and_change_what_is_served(setup, tmp_path):
+    from marin_rl.broadcast.base import BroadcastConfig, WeightSubscriber, make_transport
+
+    tok, env, learner, server, address = setup
+    prompt = env.encode_prompt(env.train_problems()[0])
+    url = f"http://{address}/v1/control"
+    transport = make_transport(BroadcastConfig(transport="fsspec", path=str(tmp_path / "weights")))
+    served = server.version
+    off = httpx.post(f"{url}/pause", headers={"Authorization": "Bearer x"}, timeout=30)
+    assert off.status_code == 403 and "disabled" in off.text  # no secret set: the routes are off
+    server.control_secret = "run-secret"
+    server.weights_source = WeightSubscriber(transport, server.apply_weights).poll
+    try:
+        assert httpx.post(f"{url}/pause", timeout=30).status_code == 401
+        assert httpx.post(f"{url}/pause", headers={"Authorization": "Bearer guess"}, timeout=30).status_code == 403
+        auth = {"Authorization": "Bearer run-secret"}
+        assert httpx.post(f"{url}/reload", headers=auth, timeout=30).status_code == 404
+
+        # paused: a request waits; resumed: it completes
+        assert httpx.post(f"{url}/pause", headers=auth, timeout=30).json()["status"] == "pause"
+        result = []
+        worker = threading.Thread(target=lambda: result.append(_complete(address, prompt, max_tokens=3)))
+        worker.start()
+        worker.join(timeout=2.0)
+        assert worker.is_alive() and not result, "a request completed while the server was paused"
+        assert httpx.post(f"{url}/resume", headers=auth, timeout=30).status_code == 200
+        worker.join(timeout=60)
+        assert len(result[0][0][0]) == 3
+
+        # weights route: the server fetches the latest published version from the run's transport
+        transport.publish(served + 5, learner.model)
+        body = httpx.post(f"{url}/weights", headers=auth, timeout=120).json()
+        assert body["version"] == served + 5 and body["applied"]["version"] == served + 5
+        assert _complete(address, prompt, max_tokens=2)[0][2] == served + 5
+        assert httpx.post(f"{url}/weights", headers=auth, timeout=120).json()["applied"] is None  # nothing new
+    finally:
+        server.control_secret = None
+        server.weights_source = None
+        server.resume()
+        server.apply_weights(served, learner.weights())
+        transport.close()

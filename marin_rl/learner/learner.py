@@ -549,9 +549,17 @@ class Learner:
             "model": self.model,
             "opt_state": self.opt_state,
             "reference_model": self.reference_model,
-            "version": jnp.asarray(self.version, dtype=jnp.int32),
-            "optimizer_steps": jnp.asarray(self.optimizer_steps, dtype=jnp.int32),
+            "version": self._replicated(self.version),
+            "optimizer_steps": self._replicated(self.optimizer_steps),
         }
+
+    def _replicated(self, value: int) -> jax.Array:
+        """An int32 scalar; on a mesh, replicated over all of it (a multi-host checkpoint writes only arrays that
+        span the processes)."""
+        if self.mesh is None:
+            return jnp.asarray(value, dtype=jnp.int32)
+        host = np.asarray(value, dtype=np.int32)
+        return jax.make_array_from_callback((), NamedSharding(self.mesh, PartitionSpec()), lambda _: host)
 
     def state_template(self, has_reference: bool) -> dict:
         """A pytree shaped like `state()` (the current arrays as exemplars) for loading a checkpoint into; with

@@ -1,0 +1,176 @@
+"""The learner across processes: 2 processes x 2 simulated CPU devices (one JAX distributed runtime, Gloo
+collectives) train exactly like 1 process x 4 devices, and a checkpoint two processes wrote together loads in one.
+
+Each learner process is a subprocess started with `XLA_FLAGS=--xla_force_host_platform_device_count=N`; process 0
+is the coordinator. Every process trains the tiny Llama for two steps on the same packed batches (each feeds its
+own devices' rows) and saves metrics and the gathered parameters; process 0's files are compared with the
+one-process run's.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORKER = r"""
+import json, os, sys
+out_dir, pid, nproc, coordinator, case = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+mesh, mode = json.loads(sys.argv[6]), sys.argv[7]
+from marin_rl.learner.distributed import initialize
+initialize(coordinator, nproc, pid)
+import jax
+import numpy as np
+from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, save_learner_state
+from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, OptimizerConfig
+from marin_rl.learner.losses import LossConfig
+from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.types import PackedBatch
+
+assert jax.device_count() == 4, jax.devices()
+ROWS, SEQ, VOCAB = 8, 48, 128
+
+
+def batch(seed):
+    rng = np.random.default_rng(seed)
+    segs = np.full((ROWS, SEQ), -1, np.int32)
+    pos = np.zeros((ROWS, SEQ), np.int32)
+    for r in range(ROWS):  # two packed segments of random lengths, then padding
+        cuts = np.sort(rng.choice(np.arange(8, SEQ - 4), size=2, replace=False))
+        start = 0
+        for s, end in enumerate(cuts):
+            segs[r, start:end] = s
+            pos[r, start:end] = np.arange(end - start)
+            start = end
+    loss_mask = (segs >= 0) & (pos >= 3)
+    return PackedBatch(
+        input_ids=rng.integers(0, VOCAB, (ROWS, SEQ)).astype(np.int32),
+        position_ids=pos,
+        segment_ids=segs,
+        loss_mask=loss_mask,
+        advantages=np.where(loss_mask, rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
+        sampler_logprobs=np.where(loss_mask, -np.log(VOCAB) + 0.1 * rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
+        token_versions=np.where(loss_mask, 0, -1).astype(np.int32),
+    )
+
+
+def learner():
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(learning_rate=1e-3),
+        loss=LossConfig(objective="ppo", kl_coef=0.05),
+        mesh=MeshConfig(**mesh),
+        microbatches=2,
+    )
+    return Learner(ModelConfig(architecture=tiny_llama()), cfg, VOCAB)
+
+
+if mode == "train":
+    lrn = learner()
+    metrics = [lrn.train_step(batch(step)) for step in range(2)]
+    weights = lrn.weights()  # gathered: every process must call it
+    logprobs = lrn.logprobs(batch(7))
+    ckpt = begin_checkpoint(f"{out_dir}/ckpt", 2)
+    save_learner_state(lrn, ckpt, 2)
+    if pid == 0:
+        np.savez(f"{out_dir}/{case}.npz", *weights)
+        np.save(f"{out_dir}/{case}_logprobs.npy", logprobs)
+        with open(f"{out_dir}/{case}.json", "w") as f:
+            json.dump({"metrics": metrics, "processes": jax.process_count(), "devices": jax.device_count()}, f)
+else:  # load the checkpoint `case` wrote, in this process count
+    lrn = learner()
+    load_learner_state(lrn, f"{out_dir}/ckpt/step-2")
+    if pid == 0:
+        np.savez(f"{out_dir}/{case}_loaded.npz", *lrn.weights())
+        with open(f"{out_dir}/{case}_loaded.json", "w") as f:
+            json.dump({"version": lrn.version, "optimizer_steps": lrn.optimizer_steps}, f)
+    else:
+        lrn.weights()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(out, case: str, nproc: int, mesh: dict, mode: str = "train", timeout: int = 600) -> None:
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}", JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(out), str(i), str(nproc), coordinator, case, json.dumps(mesh), mode],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(nproc)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"{case} process {i} failed:\n{logs[i][-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    dirs = {}
+    for case, nproc, mesh in [
+        ("one_process", 1, {"data": 2, "fsdp": 2}),
+        ("two_processes", 2, {"data": 2, "fsdp": 2}),
+        ("two_processes_fsdp", 2, {"data": 1, "fsdp": 4}),
+    ]:
+        out = tmp_path_factory.mktemp(case)
+        _run(out, case, nproc, mesh)
+        dirs[case] = out
+    return dirs
+
+
+def _load(out, case):
+    with open(out / f"{case}.json") as f:
+        info = json.load(f)
+    with np.load(out / f"{case}.npz") as z:
+        weights = [z[k] for k in z.files]
+    return info, weights, np.load(out / f"{case}_logprobs.npy")
+
+
+@pytest.mark.parametrize("case", ["two_processes", "two_processes_fsdp"])
+def test_two_processes_train_like_one(runs, case):
+    ref_info, ref_w, ref_lp = _load(runs["one_process"], "one_process")
+    info, w, lp = _load(runs[case], case)
+    assert (info["processes"], info["devices"]) == (2, 4)
+    assert (ref_info["processes"], ref_info["devices"]) == (1, 4)
+    for step, (m, r) in enumerate(zip(info["metrics"], ref_info["metrics"], strict=True)):
+        for key in ("loss", "kl_ref", "grad_norm"):
+            if key in r:
+                np.testing.assert_allclose(m[key], r[key], rtol=1e-5, atol=1e-6, err_msg=f"step {step} {key}")
+    assert len(w) == len(ref_w)
+    moved = 0.0
+    for a, b in zip(w, ref_w, strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+        moved = max(moved, float(np.abs(a).max()))
+    assert moved > 0
+    np.testing.assert_allclose(lp, ref_lp, atol=5e-5)
+
+
+def test_checkpoint_of_two_processes_loads_in_one(runs, tmp_path):
+    out = runs["two_processes"]
+    _run(out, "two_processes", 1, {"data": 2, "fsdp": 2}, mode="load")
+    with open(out / "two_processes_loaded.json") as f:
+        assert json.load(f) == {"version": 2, "optimizer_steps": 2}
+    with np.load(out / "two_processes_loaded.npz") as z:
+        loaded = [z[k] for k in z.files]
+    _, trained, _ = _load(out, "two_processes")
+    for a, b in zip(loaded, trained, strict=True):
+        np.testing.assert_array_equal(a, b)

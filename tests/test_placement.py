@@ -1,0 +1,165 @@
+"""Where each role runs: Ray resources per role, TPU slices, colocation, and requests the cluster cannot meet.
+
+The TPU figures are the published shapes of Cloud TPU slices (a v4-32 is topology 2x2x4: 16 chips on 4 hosts of
+4; a v5litepod-16 is 4x4: 16 chips on 4 hosts of 4), not read back from the code under test.
+"""
+
+import os
+import time
+
+import pytest
+import ray
+
+from marin_rl.config import parse_config
+from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.placement import PlacementConfig, PlacementError, RoleResources, check_feasible, tpu_slice_shape
+
+
+def _config(*overrides: str):
+    return parse_config(["--config", "experiments/quickstart.yaml", "--output_dir", "/tmp/unused", *overrides])
+
+
+def test_role_resources_as_ray_names_them():
+    r = RoleResources(num_cpus=4, num_gpus=1, accelerator_type="H100", resources={"learner_node": 1})
+    assert r.ray_resources() == {"CPU": 4.0, "GPU": 1.0, "accelerator_type:H100": 0.001, "learner_node": 1.0}
+    opts = r.actor_options("learner")
+    assert opts["num_cpus"] == 4 and opts["num_gpus"] == 1 and opts["accelerator_type"] == "H100"
+    assert opts["resources"] == {"learner_node": 1.0}
+    assert "runtime_env" not in opts  # a learner keeps whatever platform it finds
+
+    # env actors never open an accelerator; memory settings of a server become its JAX environment
+    assert RoleResources().actor_options("envs")["runtime_env"] == {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+    srv = RoleResources(num_gpus=0.5, memory_fraction=0.4, preallocate=False, env={"XLA_FLAGS": "--x"})
+    assert srv.actor_options("servers")["runtime_env"]["env_vars"] == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_FLAGS": "--x",
+    }
+    tpu = RoleResources(tpu_chips=4)
+    assert tpu.ray_resources() == {"TPU": 4.0} and tpu.actor_options("servers")["resources"] == {"TPU": 4.0}
+
+
+def test_bad_requests_are_refused_with_their_field():
+    with pytest.raises(ValueError, match="memory_fraction"):
+        RoleResources(memory_fraction=1.5)
+    with pytest.raises(ValueError, match="strategy"):
+        RoleResources(strategy="EVERYWHERE")
+    with pytest.raises(ValueError, match="tpu_version and tpu_topology"):
+        RoleResources(tpu_version="v4")
+    with pytest.raises(ValueError, match="explicit placement.learner.memory_fraction"):
+        PlacementConfig(learner=RoleResources(num_gpus=1), colocate=True)
+    with pytest.raises(ValueError, match="> 1"):
+        PlacementConfig(
+            learner=RoleResources(num_gpus=1, memory_fraction=0.7),
+            servers=RoleResources(memory_fraction=0.5),
+            colocate=True,
+        )
+    with pytest.raises(ValueError, match="only one process can open the chips"):
+        PlacementConfig(learner=RoleResources(tpu_chips=4), colocate=True)
+
+
+@pytest.mark.parametrize(
+    "version, topology, hosts, chips_per_host",
+    [("v4", "2x2x4", 4, 4), ("v4", "2x2x1", 1, 4), ("v5litepod", "4x4", 4, 4), ("v6e", "4x4", 4, 4)],
+)
+def test_tpu_slice_maps_to_hosts_and_chips(version, topology, hosts, chips_per_host):
+    assert tpu_slice_shape(version, topology) == (hosts, chips_per_host)
+
+
+def test_tpu_pod_config_maps_to_one_learner_process_per_host():
+    config = parse_config(["--config", "experiments/tpu_v4_32.yaml", "--output_dir", "/tmp/unused"])
+    lr = config.placement.learner
+    assert (lr.tpu_version, lr.tpu_topology, config.learner.hosts) == ("v4", "2x2x4", 4)
+    launcher = Launcher(config)
+    request = launcher._learner_request()
+    assert request.ray_resources()["TPU"] == 4.0  # each learner process holds all of its host's chips
+    # a v4-32's four hosts, as Ray reports them, can take it; a v4-8 (one host) cannot
+    host = {"Alive": True, "NodeManagerAddress": "10.0.0.{i}", "Resources": {"CPU": 240.0, "TPU": 4.0}}
+    check_feasible({"learner": (request, 4)}, [dict(host, NodeManagerAddress=f"10.0.0.{i}") for i in range(4)])
+    with pytest.raises(PlacementError, match="TPU: 16 needed, 4 in the cluster"):
+        check_feasible({"learner": (request, 4)}, [host])
+    # the hosts count must match the slice
+    with pytest.raises(SystemExit, match="set learner.hosts: 4"):
+        parse_config(
+            ["--config", "experiments/tpu_v4_32.yaml", "--output_dir", "/tmp/unused", "--learner.hosts", "2"]
+        )
+
+
+def test_infeasible_request_names_role_request_and_cluster():
+    nodes = [{"Alive": True, "NodeManagerAddress": "127.0.0.1", "Resources": {"CPU": 2.0, "memory": 1e9}}]
+    with pytest.raises(PlacementError) as e:
+        check_feasible({"servers": (RoleResources(num_gpus=1), 1), "envs": (RoleResources(), 2)}, nodes)
+    msg = str(e.value)
+    assert "placement.servers" in msg and "GPU: 1" in msg and "127.0.0.1 {CPU: 2}" in msg
+    with pytest.raises(PlacementError, match="CPU: 3 needed, 2 in the cluster"):
+        check_feasible({"learner": (RoleResources(num_cpus=1), 1), "servers": (RoleResources(num_cpus=2), 1)}, nodes)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, resources={"rollout_node": 1}, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_run_without_the_requested_gpu_fails_fast(local_ray):
+    config = _config("--placement.servers.num_gpus", "1")
+    start = time.time()
+    with pytest.raises(PlacementError, match=r"placement.servers: .*GPU: 1.*the cluster has: .*CPU: 2"):
+        Launcher(config).check()
+    assert time.time() - start < 5
+
+
+def test_pending_actors_fail_after_the_wait_timeout(local_ray):
+    from marin_rl.placement import wait_for_actors
+
+    @ray.remote
+    class Holder:
+        def ready(self):
+            return os.getpid()
+
+    holder = Holder.options(resources={"rollout_node": 1}).remote()  # holds the only rollout_node
+    ray.get(holder.ready.remote())
+    waiting = Holder.options(resources={"rollout_node": 1}).remote()
+    start = time.time()
+    with pytest.raises(PlacementError, match=r"envs still pending after 2s.*rollout_node: 1"):
+        wait_for_actors({"envs": [(waiting, waiting.ready.remote())]}, {"envs": RoleResources(resources={"rollout_node": 1})}, 2)
+    assert time.time() - start < 10
+    ray.kill(waiting)
+    ray.kill(holder)
+
+
+def test_colocated_learner_and_server_share_one_bundle(local_ray):
+    config = _config(
+        "--placement.colocate",
+        "true",
+        "--placement.learner.num_cpus",
+        "1",
+        "--placement.learner.memory_fraction",
+        "0.6",
+        "--placement.servers.memory_fraction",
+        "0.3",
+    )
+    launcher = Launcher(config)
+    launcher.check()
+    launcher.reserve()
+    try:
+
+        @ray.remote
+        class Probe:
+            def where(self):
+                ctx = ray.get_runtime_context()
+                return ctx.get_node_id(), os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), ctx.get_assigned_resources()
+
+        learner = Probe.options(**launcher.learner_options(0)).remote()
+        server = Probe.options(**launcher.server_options(0)).remote()
+        (l_node, l_frac, l_res), (s_node, s_frac, s_res) = ray.get([learner.where.remote(), server.where.remote()])
+        assert l_node == s_node
+        assert (l_frac, s_frac) == ("0.6", "0.3")
+        assert l_res["CPU"] == pytest.approx(0.5) and s_res["CPU"] == pytest.approx(0.5)  # half of the bundle each
+        group = launcher.groups["learner"]
+        assert group.bundle_specs == [{"CPU": 1.0}]
+        ray.kill(learner)
+        ray.kill(server)
+    finally:
+        launcher.release()

@@ -123,7 +123,8 @@ def test_pending_actors_fail_after_the_wait_timeout(local_ray):
     waiting = Holder.options(resources={"rollout_node": 1}).remote()
     start = time.time()
     with pytest.raises(PlacementError, match=r"envs still pending after 2s.*rollout_node: 1"):
-        wait_for_actors({"envs": [(waiting, waiting.ready.remote())]}, {"envs": RoleResources(resources={"rollout_node": 1})}, 2)
+        request = {"envs": RoleResources(resources={"rollout_node": 1})}
+        wait_for_actors({"envs": [(waiting, waiting.ready.remote())]}, request, 2)
     assert time.time() - start < 10
     ray.kill(waiting)
     ray.kill(holder)

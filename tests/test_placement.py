@@ -80,9 +80,7 @@ def test_tpu_pod_config_maps_to_one_learner_process_per_host():
         check_feasible({"learner": (request, 4)}, [host])
     # the hosts count must match the slice
     with pytest.raises(SystemExit, match="set learner.hosts: 4"):
-        parse_config(
-            ["--config", "experiments/tpu_v4_32.yaml", "--output_dir", "/tmp/unused", "--learner.hosts", "2"]
-        )
+        parse_config(["--config", "experiments/tpu_v4_32.yaml", "--output_dir", "/tmp/unused", "--learner.hosts", "2"])
 
 
 def test_infeasible_request_names_role_request_and_cluster():

@@ -13,6 +13,7 @@ BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
 
 FIGURE = {  # the last line each benchmark prints: name=value
     "broadcast": "broadcast_over_memcpy",
+    "broadcast_nodes": "cross_node_over_memcpy",
     "inference": "http_over_engine",
     "learner_mfu": "mfu",
     "packing": "packing_efficiency",
@@ -25,7 +26,9 @@ def test_every_benchmark_is_smoke_tested():
 
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_benchmark_smoke_mode_runs_and_prints_its_figure(name):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the package from this checkout, whether or not (and from wherever) it is installed
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke"],
         cwd=ROOT,

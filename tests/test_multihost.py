@@ -174,3 +174,24 @@ def test_checkpoint_of_two_processes_loads_in_one(runs, tmp_path):
     _, trained, _ = _load(out, "two_processes")
     for a, b in zip(loaded, trained, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_run_with_a_two_host_learner_learns(tmp_path):
+    from marin_rl.run import parse_config, run
+
+    config = parse_config(
+        [
+            "--config", "experiments/quickstart.yaml",
+            "--output_dir", str(tmp_path / "run"),
+            "--orchestrator.num_steps", "60",
+            "--orchestrator.eval_every", "60",
+            "--learner.hosts", "2",
+            "--learner.mesh.data", "2",
+        ]
+    )  # fmt: skip
+    summary = run(config)
+    assert summary["steps"] == 60
+    assert summary["eval_reward_end"] - summary["eval_reward_start"] >= 0.1, summary
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "learner/loss" in r] == list(range(1, 61))
+    assert (tmp_path / "run" / "hf" / "step-60" / "config.json").exists()  # exported once, by process 0's learner

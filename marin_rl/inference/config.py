@@ -123,6 +123,9 @@ class InferenceConfig:
     """Client-side timeout of one request."""
     startup_timeout_s: float = 900.0
     """How long to wait for a server to become healthy after starting it (vLLM takes minutes to start)."""
+    health_check_every_s: float = 15.0
+    """How often the driver asks every server for a sign of life (also whenever a group fails or an env actor
+    dies); a server that does not answer within 10 s is replaced and gets the latest weights."""
     levanter: LevanterServerConfig = field(default_factory=LevanterServerConfig)
     """Settings of the embedded server (used when `backend` is 'levanter')."""
     vllm: VllmConfig = field(default_factory=VllmConfig)

@@ -179,6 +179,11 @@ class EnvActor:
             self.client = PolicyClient(self.servers, timeout_s=self.timeout)
         return self.client
 
+    def set_servers(self, servers: list[str]) -> None:
+        """Send new requests to `servers` (a server was replaced); requests in flight finish where they are."""
+        self.servers = list(servers)
+        self.client = None
+
     def num_problems(self) -> int:
         """Number of training problems (the driver's `ProblemIterator` hands out indices below it)."""
         return len(self.problems)

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
@@ -52,6 +52,10 @@ class EnvPool:
         """ref -> (replica, ticket, actor), in hand-out order."""
         self.batch_size = RolloutsPerBatch(tokens_per_batch, self.env.sampling.max_tokens + 16)
         self.restarts = 0
+        self.failed_groups = 0
+        """Groups that raised (e.g. their server went away) and were handed out again."""
+        self._new_failures = 0
+        self._failures_in_a_row = 0
 
     @property
     def name(self) -> str:
@@ -111,14 +115,54 @@ class EnvPool:
                 group = ray.get(ref)
             except RayActorError:
                 self.iterator.requeue(ticket)
+                self._new_failures += 1  # its node may be gone, and a server with it
                 if self.actors[replica] is actor:
                     self.restart(replica)
                 continue
+            except RayTaskError as e:  # the episode raised: most often its server is gone; hand the problem out again
+                self._failed(ticket, e)
+                continue
+            self._failures_in_a_row = 0
             self.batch_size.observe_rollout_tokens(
                 [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]
             )
             out.append((ticket, group))
         return out
+
+    MAX_FAILURES_IN_A_ROW = 200
+    """More groups failing in a row than this, with none succeeding in between, is a bug, not an outage."""
+
+    def _failed(self, ticket: ProblemTicket, error: Exception) -> None:
+        self.iterator.requeue(ticket)
+        self.failed_groups += 1
+        self._new_failures += 1
+        self._failures_in_a_row += 1
+        cause = getattr(error, "cause", None) or error
+        if self._failures_in_a_row == 1 or self._failures_in_a_row % 50 == 0:
+            logger.warning("%s: a group failed (%s: %s); its problem is handed out again", self.name,
+                           type(cause).__name__, str(cause).splitlines()[0][:200] if str(cause) else "")  # fmt: skip
+        if self._failures_in_a_row > self.MAX_FAILURES_IN_A_ROW:
+            raise RuntimeError(
+                f"{self.name}: {self._failures_in_a_row} groups failed in a row; the last one with: {cause!r}"
+            ) from error
+
+    def take_failures(self) -> int:
+        """Groups that failed (or whose actor died) since the last call."""
+        n, self._new_failures = self._new_failures, 0
+        return n
+
+    def set_servers(self, servers: list[str]) -> None:
+        """Send requests to `servers` from now on (this pool's actors and those it starts later)."""
+        self.servers = list(servers)
+        for a in self.actors:
+            a.set_servers.remote(self.servers)
+
+    def check_actor(self, replica: int, timeout_s: float = 30.0) -> None:
+        """Replace env actor `replica` if it is dead."""
+        try:
+            ray.get(self.actors[replica].num_problems.remote(), timeout=timeout_s)
+        except RayActorError:
+            self.restart(replica)
 
     def restart(self, replica: int) -> None:
         """Replace a dead env actor."""

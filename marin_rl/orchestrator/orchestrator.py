@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemTicket
@@ -42,11 +43,11 @@ from marin_rl.learner.checkpoint import (
     write_json,
 )
 from marin_rl.logs import configure_logging
-from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
+from marin_rl.orchestrator.server_pool import ServerPool
 from marin_rl.orchestrator.staleness import GateInputs, StalenessGate
 from marin_rl.placement import wait_for_actors
 from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
@@ -108,7 +109,8 @@ class Orchestrator:
         self.learner: LearnerGroup | None = None
         self.launcher: Launcher | None = None
         self.control_secret = config.inference.control_secret or secrets.token_urlsafe(24)
-        self.servers: list = []
+        self.servers: ServerPool | None = None
+        self._last_server_check = time.time()
         self.pools: dict[str, EnvPool] = {}
         self.buffers: dict[str, ReplayBuffer] = {}
         self.gates = {e.name: StalenessGate(config.orchestrator.max_staleness, e.group_size) for e in config.envs}
@@ -188,12 +190,25 @@ class Orchestrator:
             pool.launch(self.gates[name].groups_allowed(state))
 
     def _admit_finished_groups(self) -> None:
+        failed = False
         for name, pool in self.pools.items():
-            for ticket, group in pool.collect():
+            groups = pool.collect()
+            failed |= pool.take_failures() > 0
+            for ticket, group in groups:
                 admission = self.buffers[name].admit(group, max_version=self.step)
                 self.window["gen_tokens"] += admission.sampled_tokens
                 self.total_gen_tokens += admission.sampled_tokens
                 self._settle(pool, ticket, admission.sampled_by_future_version)
+        due = time.time() - self._last_server_check > self.config.inference.health_check_every_s
+        if failed or due:  # a group failed or an env actor died: a server (or its node) may be gone
+            self._last_server_check = time.time()
+            if self.servers.check():
+                self._servers_moved()
+
+    def _servers_moved(self) -> None:
+        """A server was replaced: env actors send their requests to the current addresses."""
+        for pool in self.pools.values():
+            pool.set_servers(self.servers.addresses)
 
     @staticmethod
     def _settle(pool: EnvPool, ticket: ProblemTicket, sample_again: bool) -> None:
@@ -265,19 +280,33 @@ class Orchestrator:
             logger.info("weights travel through broadcast transport %r (%.1f MB per version)",
                         update.transport, update.num_bytes / 1e6)  # fmt: skip
             self.broadcast_transport = update.transport
-        results = ray.get([s.apply_update.remote(update) for s in self.servers])
+        restarts = self.servers.restarts
+        results = self.servers.broadcast(update)
+        if self.servers.restarts != restarts:
+            self._servers_moved()
         return {
             "broadcast/seconds": time.time() - t,
             "broadcast/apply_s": max(r["apply_s"] for r in results),
             "broadcast/bytes": results[0]["bytes"],
         }
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(self, attempts: int = 3) -> dict[str, float]:
         t = time.time()
-        refs = [pool.actors[0].evaluate.remote() for pool in self.pools.values()]
         out: dict[str, float] = {}
-        for r in ray.get(refs):
-            out.update(r)
+        for attempt in range(attempts):
+            refs = [pool.actors[0].evaluate.remote() for pool in self.pools.values()]
+            try:
+                for r in ray.get(refs):
+                    out.update(r)
+                break
+            except (RayTaskError, RayActorError) as e:  # a server (or the env actor) went away mid-evaluation
+                if attempt == attempts - 1:
+                    raise
+                logger.error("evaluation failed (%s); checking the servers and evaluating again", type(e).__name__)
+                for pool in self.pools.values():
+                    pool.check_actor(0)
+                if self.servers.check():
+                    self._servers_moved()
         out["eval/mean_reward"] = float(np.mean([out[f"eval/{n}/reward"] for n in self.env_names]))
         out["eval/seconds"] = time.time() - t
         return out
@@ -304,7 +333,9 @@ class Orchestrator:
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:
-            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+            # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
+            ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True,
+                     logging_level=logging.WARNING)  # fmt: skip
         self._started_ray = True
 
     def _start_components(self) -> None:
@@ -319,21 +350,17 @@ class Orchestrator:
         self.launcher.reserve()
         self.learner = LearnerGroup(cfg, vocab_size, self.launcher)
         learner_ready = self.learner.start()
-        self.servers = [
-            ServerActor.options(max_concurrency=4, **self.launcher.server_options(i)).remote(
-                cfg, f"server-{i}", self.control_secret
-            )
-            for i in range(cfg.inference.num_servers)
-        ]
+        self.servers = ServerPool(cfg, self.launcher, self.control_secret)
         ready = wait_for_actors(
             {
                 "learner": [(a, r) for a, r in zip(self.learner.actors, learner_ready, strict=True)],
-                "servers": [(s, s.get_address.remote()) for s in self.servers],
+                "servers": self.servers.ready_calls(),
             },
             {"learner": cfg.placement.learner, "servers": cfg.placement.servers},
             max(cfg.placement.wait_timeout_s, cfg.inference.startup_timeout_s),
         )
         addresses = ready["servers"]
+        self.servers.addresses = list(addresses)
         logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
         budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
         fractions = cfg.env_fractions()
@@ -357,18 +384,15 @@ class Orchestrator:
 
     def shutdown(self) -> None:
         """Stop servers and kill every actor, release the placement groups; shut Ray down if this run started it."""
-        for s in self.servers:
-            try:
-                ray.get(s.stop.remote(), timeout=10)
-            except Exception:
-                pass
+        if self.servers is not None:
+            self.servers.stop()
         if self.learner is not None:
             try:
                 ray.get(self.learner.call("close"), timeout=10)  # frees the broadcast's shared memory
             except Exception:
                 pass
             self.learner.kill()
-        actors = list(self.servers)
+        actors = []
         for pool in self.pools.values():
             actors.extend(pool.actors)
         for a in actors:
@@ -521,6 +545,9 @@ class Orchestrator:
             "generated_tokens": self.total_gen_tokens,
             "trained_tokens": self.total_trained_tokens,
             "env_restarts": sum(p.restarts for p in self.pools.values()),
+            "server_restarts": self.servers.restarts,
+            "server_addresses": list(self.servers.addresses),
+            "failed_groups": sum(p.failed_groups for p in self.pools.values()),
             "broadcast_transport": self.broadcast_transport,
             "final_checkpoint": os.path.join(self.output_dir, "hf", f"step-{self.step}"),
             "warm_start_steps": self.config.learner.warm_start.steps,

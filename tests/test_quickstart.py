@@ -50,6 +50,10 @@ def test_shortened_quickstart_learns(tmp_path):
             assert r["learner/logprob_diff_sampler/max_abs"] < 1e-4
         assert r["batches/packing_efficiency"] > 0.8
     assert steps[0]["batches/staleness/max"] == 0, "the first batch is sampled entirely by version 0"
+    # the server's counters are logged with every step (from the previous step's answer)
+    served = [r["servers/0/generated_tokens"] for r in steps if "servers/0/generated_tokens" in r]
+    assert len(served) >= 90 and served == sorted(served) and served[-1] > 0
+    assert all(r["servers/restarts"] == 0 for r in steps)
     evals = [r for r in rows if "eval/addition/reward" in r]
     assert [r["step"] for r in evals] == [0, 50, 100]
 

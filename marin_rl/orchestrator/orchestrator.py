@@ -234,6 +234,7 @@ class Orchestrator:
         now = time.time()
         metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
         metrics["time/elapsed_s"] = now
+        metrics.update(self.servers.stats())
         self.window = {"gen_tokens": 0, "since": now}
         metrics.update(self.hooks.run(step, last, stopping=self.stop.requested))
         tracker.log(metrics, step=step)

@@ -34,6 +34,7 @@ class ServerPool:
         self.addresses: list[str] = []
         self.last_update: WeightUpdate | None = None
         self.restarts = 0
+        self._stats_refs: list = []
 
     def _spawn(self, index: int):
         options = self.launcher.server_options(index)
@@ -113,6 +114,23 @@ class ServerPool:
             time.time() - t,
         )
         return result
+
+    def stats(self) -> dict[str, float]:
+        """The servers' numeric counters as metrics (`servers/<i>/<counter>`, plus `servers/restarts`), from the
+        answers to the previous call's requests that have arrived; asks again. Never waits."""
+        out: dict[str, float] = {"servers/restarts": float(self.restarts)}
+        for i, ref in enumerate(self._stats_refs):
+            if i >= len(self.actors) or not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                answer = ray.get(ref)
+            except RayActorError:  # replaced meanwhile; the next health check or broadcast notices
+                continue
+            for key, value in answer.items():
+                if isinstance(value, (bool, int, float)) and not key.endswith("_pid"):
+                    out[f"servers/{i}/{key}"] = float(value)
+        self._stats_refs = [s.stats.remote() for s in self.actors]
+        return out
 
     def stop(self) -> None:
         """Stop every server (10 s each at most) and kill its actor."""

@@ -50,8 +50,9 @@ from marin_rl.tokenizer import build_char_tokenizer
 def bench_model(smoke: bool = False) -> LlamaConfig:
     """A small Llama whose decode step costs more than the host-side bookkeeping around it (smoke: a tiny one)."""
     if smoke:
-        return LlamaConfig(max_seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2,
-                           gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False)  # fmt: skip
+        return LlamaConfig(max_seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2,
+                           num_kv_heads=2, gradient_checkpointing=False, scan_layers=True,
+                           tie_word_embeddings=False)  # fmt: skip
     return LlamaConfig(
         max_seq_len=256, hidden_dim=256, intermediate_dim=1024, num_layers=4, num_heads=8, num_kv_heads=8,
         gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False,

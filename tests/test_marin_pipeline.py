@@ -4,6 +4,7 @@ Marin's real executor; step outputs, status files, skipping finished steps and r
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ def test_a_step_writes_under_its_output_path():
 def _pipeline_module():
     spec = importlib.util.spec_from_file_location("marin_pipeline", ROOT / "experiments" / "marin_pipeline.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -81,7 +83,7 @@ def test_pipeline_runs_under_marins_executor_skips_finished_steps_and_resumes(tm
 
     summary = json.loads((rl / "summary.json").read_text())
     assert summary["steps"] == rl_steps
-    assert json.loads((rl / ".artifact").read_text())["steps"] == rl_steps  # the step's artifact is its summary
+    assert json.loads((rl / ".artifact.json").read_text())["steps"] == rl_steps  # the step's artifact is its summary
     assert (rl / "hf" / f"step-{rl_steps}" / "config.json").exists()
     assert (rl / "metrics.jsonl").exists() and (rl / "reward.png").exists()
     assert sorted(p.name for p in (rl / "checkpoints").glob("step-*")) == ["step-4", f"step-{rl_steps}"]

@@ -234,3 +234,36 @@ def test_sft_run_reads_and_writes_gs(gcs):
     for name in ("summary.json", "metrics.jsonl", "hf/step-4/config.json", "hf/step-4/model.safetensors"):
         assert _exists(f"{root}/sft/{name}"), name
     build_model(ModelConfig(architecture=tiny_llama(), init_from_hf=f"{root}/sft/hf/step-4"), 128)
+
+
+@pytest.mark.slow
+def test_quickstart_on_gs_finishes_and_resumes(gcs):
+    """The quickstart, shortened, with `output_dir: gs://...`: Ray's actors (other processes) write there too."""
+    from marin_rl.marin import apply_overrides
+    from marin_rl.run import parse_config, run
+    from marin_rl.tracking import read_metrics
+
+    out = f"{gcs()}/quickstart"
+    config = parse_config(["--config", "experiments/quickstart.yaml", "--output_dir", out])
+    short = {
+        "orchestrator.num_steps": 4,
+        "orchestrator.eval_every": 4,
+        "orchestrator.num_cpus": 2,
+        "checkpoint.every": 2,
+        "learner.warm_start.steps": 20,
+        "envs.0.num_eval_problems": 20,
+    }
+    summary = run(apply_overrides(config, short))
+    assert summary["steps"] == 4
+    for name in ("summary.json", "metrics.jsonl", "reward.png", "hf/step-4/config.json", "checkpoints/step-4"):
+        assert _exists(f"{out}/{name}"), name
+    fs, path = fsspec.core.url_to_fs(f"{out}/rollouts/addition")
+    assert fs.glob(f"{path}/*.parquet"), "accepted rollouts are persisted on gs://"
+
+    resumed = run(apply_overrides(config, {**short, "orchestrator.num_steps": 6}))  # resumes from step 4
+    assert resumed["steps"] == 6
+    rows = read_metrics(f"{out}/metrics.jsonl")
+    assert [r["step"] for r in rows if "learner/loss" in r] == [1, 2, 3, 4, 5, 6]
+    with fsspec.open(f"{out}/metrics.jsonl") as f:
+        assert any('"resume"' in line for line in f.read().decode().splitlines())
+    assert _exists(f"{out}/checkpoints/step-6")

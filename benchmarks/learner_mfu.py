@@ -60,7 +60,7 @@ def train_flops_per_token(model) -> tuple[float, float]:
     n = sum(x.weight.array.size for x in leaves if isinstance(x, hnn.Linear))
     arch = model.config
     attention = 12 * arch.num_layers * arch.max_seq_len * arch.num_heads * arch.actual_head_size
-    return 6 * n + attention, 3 * arch.flops_per_token(VOCAB)
+    return 6 * n + attention, 3 * arch.flops_per_token(VOCAB, arch.max_seq_len)
 
 
 def peak_matmul_flops(a, b, reps: int = 8) -> float:

@@ -51,10 +51,11 @@ from marin_rl.tokenizer import build_char_tokenizer
 def llama_134m(smoke: bool = False) -> LlamaConfig:
     """A GPT-2-small-sized Llama: 134M parameters with a 32000-token vocabulary (smoke: a tiny one)."""
     if smoke:
-        return LlamaConfig(seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2,
-                           gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False)  # fmt: skip
+        return LlamaConfig(max_seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2,
+                           num_kv_heads=2, gradient_checkpointing=False, scan_layers=True,
+                           tie_word_embeddings=False)  # fmt: skip
     return LlamaConfig(
-        seq_len=512, hidden_dim=768, intermediate_dim=2048, num_layers=12, num_heads=12, num_kv_heads=12,
+        max_seq_len=512, hidden_dim=768, intermediate_dim=2048, num_layers=12, num_heads=12, num_kv_heads=12,
         gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False,
     )  # fmt: skip
 

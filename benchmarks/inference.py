@@ -50,10 +50,11 @@ from marin_rl.tokenizer import build_char_tokenizer
 def bench_model(smoke: bool = False) -> LlamaConfig:
     """A small Llama whose decode step costs more than the host-side bookkeeping around it (smoke: a tiny one)."""
     if smoke:
-        return LlamaConfig(seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2,
-                           gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False)  # fmt: skip
+        return LlamaConfig(max_seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2,
+                           num_kv_heads=2, gradient_checkpointing=False, scan_layers=True,
+                           tie_word_embeddings=False)  # fmt: skip
     return LlamaConfig(
-        seq_len=256, hidden_dim=256, intermediate_dim=1024, num_layers=4, num_heads=8, num_kv_heads=8,
+        max_seq_len=256, hidden_dim=256, intermediate_dim=1024, num_layers=4, num_heads=8, num_kv_heads=8,
         gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False,
     )  # fmt: skip
 
@@ -85,10 +86,10 @@ def run_engine(server: LevanterInferenceServer, prompts, n: int, max_tokens: int
                         max_num_tokens=np.int32(len(p) + max_tokens),
                         stop_tokens=None,
                         temperature=np.float32(1.0),
+                        top_p=np.float32(1.0),
                         key=np.array([0, s], dtype=np.uint32),
                     ),
                     n_generations=1,
-                    enable_logprobs=True,
                 )
                 for j, (p, s) in enumerate(seqs[start : start + step])
             ]

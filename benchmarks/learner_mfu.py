@@ -39,7 +39,7 @@ def architecture():
     from levanter.models.llama import LlamaConfig
 
     return LlamaConfig(
-        seq_len=SEQ,
+        max_seq_len=SEQ,
         hidden_dim=HIDDEN,
         intermediate_dim=MLP,
         num_layers=LAYERS,
@@ -59,8 +59,8 @@ def train_flops_per_token(model) -> tuple[float, float]:
     leaves = jax.tree_util.tree_leaves(model, is_leaf=lambda x: isinstance(x, hnn.Linear))
     n = sum(x.weight.array.size for x in leaves if isinstance(x, hnn.Linear))
     arch = model.config
-    attention = 12 * arch.num_layers * arch.seq_len * arch.num_heads * arch.actual_head_size
-    return 6 * n + attention, 3 * arch.flops_per_token(VOCAB)
+    attention = 12 * arch.num_layers * arch.max_seq_len * arch.num_heads * arch.actual_head_size
+    return 6 * n + attention, 3 * arch.flops_per_token(VOCAB, arch.max_seq_len)
 
 
 def peak_matmul_flops(a, b, reps: int = 8) -> float:

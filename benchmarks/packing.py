@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         from marin_rl.learner.learner import Learner, LearnerConfig
         from marin_rl.model.build import ModelConfig, tiny_llama
 
-        arch = dataclasses.replace(tiny_llama(), seq_len=args.seq_len)
+        arch = dataclasses.replace(tiny_llama(), max_seq_len=args.seq_len)
         learner = Learner(ModelConfig(architecture=arch), LearnerConfig(), vocab_size=128)
         t = time.perf_counter()
         learner.train_step(batches[0])

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from typing import Any
 
 import fsspec
@@ -122,11 +123,50 @@ def make_tracker(
     jsonl = JsonlTracker(os.path.join(output_dir, "metrics.jsonl"), resume_step, resume_path)
     trackers: list[Tracker] = [jsonl]
     if wandb_mode != "disabled":
-        from levanter.tracker.wandb import WandbConfig
-
-        os.environ.setdefault("WANDB_DIR", output_dir if "://" not in output_dir else ".")
-        trackers.append(WandbConfig(project=project, name=run_name, mode=wandb_mode, save_code=False).init(None))
+        trackers.append(_wandb_tracker(output_dir, wandb_mode, project, run_name, resumed=resume_step is not None))
     return CompositeTracker(trackers), jsonl
+
+
+def _wandb_tracker(output_dir: str, mode: str, project: str, run_name: str, resumed: bool) -> Tracker:
+    """A W&B run whose files go to `$WANDB_DIR` if set, else the run's output directory (local ones; `.` for
+    gs://), under the id `wandb_run_id` gives: a resumed run continues its W&B run instead of starting a new one."""
+    import wandb
+    from levanter.tracker.wandb import WandbTracker
+
+    wandb_dir = os.environ.get("WANDB_DIR") or (output_dir if "://" not in output_dir else ".")
+    os.makedirs(wandb_dir, exist_ok=True)
+    run_id = wandb_run_id(output_dir, resumed)
+    # wandb.init directly rather than Levanter's WandbConfig: it has no `dir`, and W&B reads WANDB_DIR only once per
+    # process, so a second run in one process would write into the first one's directory.
+    run = wandb.init(
+        project=project,
+        name=run_name,
+        id=run_id,
+        resume="allow",
+        mode=mode,
+        dir=wandb_dir,
+        settings=wandb.Settings(save_code=False),
+    )
+    return WandbTracker(run, minimum_log_step=int(run.step))
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(output_dir: str, resumed: bool) -> str:
+    """The W&B run id of the run in `output_dir`: a resumed run continues the one recorded in
+    `output_dir/wandb_run_id`; a fresh run (or a resumed one that never had W&B on) gets a new id, recorded there."""
+    path = os.path.join(output_dir, WANDB_ID_FILE)
+    fs, plain = fsspec.core.url_to_fs(path)
+    if resumed and fs.exists(plain):
+        with fs.open(plain, "r") as f:
+            found = f.read().strip()
+        if found:
+            return found
+    run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits, unique within the project
+    with fs.open(plain, "w") as f:
+        f.write(run_id + "\n")
+    return run_id
 
 
 def console_line(step: int, m: dict[str, Any], env_names: list[str]) -> str:

@@ -276,7 +276,7 @@ def test_make_environment_builds_both_envs(tok, tmp_path):
 @pytest.fixture(scope="module")
 def server():
     tok = build_char_tokenizer()
-    arch = dataclasses.replace(tiny_llama(), seq_len=128)
+    arch = dataclasses.replace(tiny_llama(), max_seq_len=128)
     model = build_model(ModelConfig(architecture=arch), len(tok))
     srv = LevanterInferenceServer(
         model,

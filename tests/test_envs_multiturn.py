@@ -68,7 +68,7 @@ class RecordingApp:
 @pytest.fixture(scope="module")
 def server():
     tok = build_char_tokenizer()
-    model = build_model(ModelConfig(architecture=dataclasses.replace(tiny_llama(), seq_len=MAX_SEQ_LEN)), len(tok))
+    model = build_model(ModelConfig(architecture=dataclasses.replace(tiny_llama(), max_seq_len=MAX_SEQ_LEN)), len(tok))
     srv = LevanterInferenceServer(
         model,
         tok,

@@ -430,7 +430,7 @@ def test_calculator_problems_reference_and_scoring(tok):
 
 @pytest.fixture(scope="module")
 def server(tok):
-    model = build_model(ModelConfig(architecture=dataclasses.replace(tiny_llama(), seq_len=512)), len(tok))
+    model = build_model(ModelConfig(architecture=dataclasses.replace(tiny_llama(), max_seq_len=512)), len(tok))
     srv = LevanterInferenceServer(
         model,
         tok,

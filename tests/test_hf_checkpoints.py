@@ -90,9 +90,9 @@ def test_export_then_reload_gives_identical_logits(tmp_path, tokenizer, trained)
 
 
 def test_reload_with_a_longer_context_keeps_the_weights(tmp_path, tokenizer, trained):
-    """The run raises the architecture's seq_len to its max_seq_len; that must not block loading."""
+    """The run raises the architecture's max_seq_len to the run's; that must not block loading."""
     export_hf_checkpoint(trained, tokenizer, str(tmp_path))
-    arch = dataclasses.replace(tiny_llama(), seq_len=256)
+    arch = dataclasses.replace(tiny_llama(), max_seq_len=256)
     reloaded = build_model(ModelConfig(architecture=arch, init_from_hf=str(tmp_path)), len(tokenizer))
     batch = _batch(tokenizer)
     _assert_same(_outputs(trained, batch), _outputs(reloaded, batch))

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("orchestrator", ["orchestrator"]),
     ("programs", ["sft", "try_env", "inspect_rollouts"]),
     ("main", ["run"]),
+    ("pipeline", ["marin"]),
 ]
 """Layer units from the bottom up. Units of one layer may not import each other (they are siblings); a unit may
 import itself (without cycles) and any unit of a lower layer."""

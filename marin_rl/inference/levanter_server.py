@@ -6,6 +6,11 @@ It differs from `levanter.inference.openai.InferenceServer` where RL needs exact
   which the vLLM front end speaks too, so one client serves both backends);
 * several stop sequences stay separate (Levanter's route merges them into one);
 * `n > 1` is served as n single-sample requests (the engine's `n > 1` path mis-reports logprobs on long prompts);
+* the end-of-sequence token is an explicit stop (the engine stops only at stop sequences and the token limit);
+* every engine call holds only what one prefill admits (the engine prefills once per call: requests beyond that
+  come back with no tokens), and long generations the engine returns short are continued in the next call;
+* logprobs are those of the whole distribution at the sampling temperature (`_FullDistributionSampler`: Levanter's
+  nucleus filter drops up to 1e-4 of the tail even at top_p = 1);
 * `finish_reason` is 'length' when the token limit was hit;
 * a batch keeps growing while concurrent requests keep arriving (Levanter cuts one at a fixed interval, which
   often sends the first request of a burst through a whole decode alone);
@@ -33,6 +38,7 @@ from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Re
 from levanter.inference.jit_scheduler import SeqDecodingParams
 from levanter.inference.openai import InferenceContext, InferenceResponse, InferenceServerConfig
 from levanter.inference.utils import INVALID
+from levanter.layers.sampler import Sampler
 from levanter.models.lm_model import LmHeadModel
 from levanter.trainer import TrainerConfig
 
@@ -52,6 +58,25 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BATCH_WINDOW_CAP = 10
 """A batch stops growing this many `inference.levanter.batch_timeout_s` after its first request arrived."""
+
+
+class _FullDistributionSampler(Sampler):
+    """Levanter's sampler, except that `top_p >= 1` samples from (and scores against) the whole distribution.
+
+    Levanter's nucleus filter keeps the smallest prefix whose mass reaches `top_p - 1e-4`, so even at `top_p = 1`
+    it drops up to 1e-4 of the tail (those tokens can never be sampled) and reports logprobs renormalised over the
+    rest (up to ~1e-4 above the policy's, a bias the learner's importance ratios would see)."""
+
+    def _apply_top_p(self, scaled_logits, top_ps):
+        if top_ps is None:
+            return scaled_logits
+        filtered = super()._apply_top_p(scaled_logits, top_ps)
+        if isinstance(top_ps, hax.NamedArray):
+            whole = top_ps >= 1.0
+        else:
+            vocab = scaled_logits.resolve_axis(self.Vocab)
+            whole = hax.named(jnp.asarray(top_ps) >= 1.0, tuple(ax for ax in scaled_logits.axes if ax != vocab))
+        return hax.where(whole, scaled_logits, filtered)
 
 
 class _Sequence:
@@ -249,9 +274,9 @@ class _VersionedContext(InferenceContext):
         try:
             self._apply_pending_weights()
             while active:
-                # Levanter's decode loop stops after max_seq_len / max_rounds outer rounds, and admits at most one
-                # prefill per round; sequences admitted late are then left unfinished inside the engine, and their
-                # tokens leak into the next call's requests. So every engine call gets only what one prefill admits.
+                # Levanter's engine prefills once per generate() call: requests beyond what one prefill admits
+                # (max_seqs_in_prefill, max_prefill_size) come back with no tokens. So every engine call gets only
+                # what one prefill admits.
                 cfg = self.engine.config
                 chunk: list[_Sequence] = []
                 chunk_tokens = 0
@@ -277,18 +302,13 @@ class _VersionedContext(InferenceContext):
             logger.error("decoding failed: %s", e, exc_info=True)
             for seq in active:
                 _resolve(seq.req.future, error=e)
-            if self.engine.request_queue or len(self.engine.free_slots) < self.engine.config.max_seqs:
-                self.engine.request_queue.clear()
-                self.engine.reset()
 
     def _decode_segment(self, seqs: list[_Sequence]) -> None:
         """One engine call: up to `segment_tokens` more tokens of each sequence, under the current weights."""
         version = self.version
-        allowed = []
         service_requests = []
         for i, seq in enumerate(seqs):
             allow = seq.remaining if self.segment_tokens is None else min(self.segment_tokens, seq.remaining)
-            allowed.append(allow)
             context = seq.context
             # Host arrays only: the engine reads these with np.asarray, and an eager JAX op per request costs
             # more than the decoding itself for short completions. [0, seed] is jax.random.PRNGKey(seed).
@@ -296,6 +316,7 @@ class _VersionedContext(InferenceContext):
                 max_num_tokens=np.int32(len(context) + allow),
                 stop_tokens=seq.stop,
                 temperature=np.float32(seq.req.temperature),
+                top_p=np.float32(1.0),
                 key=np.array([0, seq.seed], dtype=np.uint32),
             )
             service_requests.append(
@@ -304,11 +325,11 @@ class _VersionedContext(InferenceContext):
                     request_id=i,
                     decode_params=params,
                     n_generations=1,
-                    enable_logprobs=True,
                 )
             )
         with self._engine_idle:
             self._in_engine_call = True
+        # The engine resets itself at the start of every generate(): nothing of this call leaks into the next.
         try:
             result = self.engine.generate(service_requests)
         finally:
@@ -317,13 +338,7 @@ class _VersionedContext(InferenceContext):
                 self._engine_idle.notify_all()
         self.num_batches += 1
         self.generated_tokens += int(result.total_generated)
-        stale = bool(self.engine.request_queue) or len(self.engine.free_slots) < self.engine.config.max_seqs
-        if stale:
-            # Defensive: never let unfinished sequences leak into later calls.
-            logger.error("engine left %d sequences unfinished; resetting it", len(self.engine.local_map))
-            self.engine.request_queue.clear()
-            self.engine.reset()
-        for i, (seq, allow) in enumerate(zip(seqs, allowed, strict=True)):
+        for i, seq in enumerate(seqs):
             new = list(result.tokens[i])
             lps = list(result.logprobs[i]) if result.logprobs is not None else []
             if len(lps) != len(new):
@@ -332,10 +347,13 @@ class _VersionedContext(InferenceContext):
             seq.tokens += new
             seq.logprobs += lps
             stopped = bool(new) and seq.ends_with_stop()
-            if stale and not stopped and len(new) < allow:
-                seq.error = RuntimeError(f"generation of {seq.req.request_id} did not finish; retry the request")
+            if stopped or seq.remaining <= 0:
                 seq.done = True
-            elif stopped or len(new) < allow or seq.remaining <= 0:
+            elif not new:
+                # The engine finishes a sequence only at a stop sequence or at max_num_tokens; one that ran out of
+                # decode rounds (max_seq_len // max_rounds per call) comes back short and continues in the next
+                # call, but one that made no progress at all would loop forever.
+                seq.error = RuntimeError(f"generation of {seq.req.request_id} made no progress; retry the request")
                 seq.done = True
 
     def _respond(self, seq: _Sequence) -> None:
@@ -408,7 +426,6 @@ class LevanterInferenceServer(CompletionBackend):
             max_seqs_in_prefill=config.max_seqs,
             max_prefill_size=lev.prefill_tokens,
             compute_dtype=_DTYPES[lev.kv_cache_dtype],
-            enable_logprobs=True,
             max_stop_seqs=4,
             max_stop_tokens=16,
         )
@@ -424,6 +441,7 @@ class LevanterInferenceServer(CompletionBackend):
             hax.axis_mapping(self._server_config.trainer.compute_axis_mapping),
         ):
             engine = InferenceEngine.from_model_with_config(model=model, tokenizer=tokenizer, config=engine_config)
+        engine.sampler = _FullDistributionSampler(engine.sampler.Vocab)
         self.context = _VersionedContext(
             model,
             tokenizer,
@@ -512,11 +530,11 @@ class LevanterInferenceServer(CompletionBackend):
                     prompt_tokens=prompt,
                     max_tokens=max_tokens,
                     temperature=request.temperature,
+                    top_p=None,
                     stop_tokens=stop_seqs,  # type: ignore[arg-type]  # a list of sequences, see _execute_batch
                     seed=seed,
                     future=fut,
                     n_generations=1,
-                    enable_logprobs=True,
                 )
                 jobs.append((rid, fut, max_tokens))
         results = await asyncio.gather(*(f for _, f, _ in jobs))

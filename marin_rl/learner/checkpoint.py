@@ -66,7 +66,7 @@ def checkpoint_step(path: str) -> int:
 
 def latest_checkpoint(root: str) -> str | None:
     """The newest complete checkpoint under `root` (Levanter's discovery: directories with a completion marker,
-    newest by timestamp then step), or None. Incomplete directories are ignored."""
+    highest step, then newest timestamp), or None. Incomplete directories are ignored."""
     fs, plain = _fs(root)
     if not fs.exists(plain):
         return None
@@ -159,9 +159,7 @@ def load_learner_state(learner: Learner, path: str) -> None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        state = load_checkpoint(
-            template, path, discover_latest=False, axis_mapping=learner.config.mesh.param_axis_mapping, mesh=mesh
-        )
+        state = load_checkpoint(template, path, axis_mapping=learner.config.mesh.param_axis_mapping, mesh=mesh)
     finally:
         quiet.setLevel(level)
     if learner.mesh is None:

@@ -19,7 +19,7 @@ from marin_rl.model.linear_gradients import with_layout_aware_gradients
 def tiny_llama() -> LlamaConfig:
     """The project's default model: a small Llama that trains in seconds on a CPU."""
     return LlamaConfig(
-        seq_len=128,
+        max_seq_len=128,
         hidden_dim=128,
         intermediate_dim=512,
         num_layers=2,
@@ -122,8 +122,8 @@ def parameter_count(model: LmHeadModel) -> int:
 
 
 def with_seq_len(config: ModelConfig, seq_len: int) -> ModelConfig:
-    """Make sure the architecture's context covers `seq_len` tokens."""
+    """Make sure the architecture's context (`max_seq_len`) covers `seq_len` tokens."""
     arch = config.architecture
-    if getattr(arch, "seq_len", seq_len) < seq_len:
-        arch = dataclasses.replace(arch, seq_len=seq_len)
+    if getattr(arch, "max_seq_len", seq_len) < seq_len:
+        arch = dataclasses.replace(arch, max_seq_len=seq_len)
     return dataclasses.replace(config, architecture=arch)

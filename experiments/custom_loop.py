@@ -1,12 +1,12 @@
 """A complete GRPO loop on the addition task, written with marin_rl's Python API (`marin_rl.api`).
 
-    python experiments/custom_loop.py [STEPS] [LOSS]      # e.g. 100 grpo_clip; prints held-out reward before/after
+    python experiments/custom_loop.py [STEPS] [LOSS]      # default 200 grpo_clip; prints held-out reward before/after
 
-The model, tokenizer, environment and sizes come from experiments/quickstart.yaml. One embedded inference server
-and the learner share this process; groups are generated in the background under the staleness bound while the
-learner trains; groups whose rewards are all equal are filtered out (`should_accept`); advantages are GRPO's; the
-loss is the token-level clipped objective below, registered from this file. `experiments/custom_loss.py` runs the
-same loop with a sequence-level objective.
+The model, tokenizer, environment and sizes come from experiments/quickstart.yaml (learning rate 1e-3). One embedded
+inference server and the learner share this process; groups are generated in the background under the staleness
+bound while the learner trains; groups whose rewards are all equal are filtered out (`should_accept`); advantages
+are GRPO's; the loss is the token-level clipped objective below, registered from this file.
+`experiments/custom_loss.py` runs the same loop with a sequence-level objective.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ def grpo_clip(logprobs, entropy, batch, eps_low=0.2, eps_high=0.28):
     return loss, {"ratio/mean": jnp.sum(jnp.where(mask, ratio, 0.0)) / jnp.maximum(jnp.sum(mask), 1)}
 
 
-def main(steps: int = 100, loss_fn: str = "grpo_clip", overrides: list[str] = (), log=print) -> dict:
+def main(steps: int = 200, loss_fn: str = "grpo_clip", overrides: list[str] = (), log=print) -> dict:
     """Warm-start, then `steps` GRPO steps; returns held-out reward before and after, and the wall time."""
     start = time.time()
-    cfg = parse_config(["--config", "experiments/quickstart.yaml", "--broadcast.transport", "in_process", *overrides])
+    args = ["--broadcast.transport", "in_process", "--learner.optimizer.learning_rate", "1e-3", *overrides]
+    cfg = parse_config(["--config", "experiments/quickstart.yaml", *args])
     trainer = TrainEngine(cfg)
     env = make_environment(cfg.envs[0], trainer.tokenizer, seed=0)
     trainer.warm_start(env)
@@ -70,4 +71,4 @@ def main(steps: int = 100, loss_fn: str = "grpo_clip", overrides: list[str] = ()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100, sys.argv[2] if len(sys.argv) > 2 else "grpo_clip")
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200, sys.argv[2] if len(sys.argv) > 2 else "grpo_clip")

@@ -40,4 +40,4 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from custom_loop import main
 
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100, "sequence_clip")
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200, "sequence_clip")

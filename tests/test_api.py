@@ -213,5 +213,5 @@ def test_prepare_batch_respects_the_staleness_bound_under_a_slow_learner(engines
 @pytest.mark.slow
 def test_custom_loop_example_learns():
     module = _user_module("custom_loop")
-    result = module.main(steps=100)
+    result = module.main(steps=200)
     assert result["reward_end"] - result["reward_start"] >= 0.3, result

@@ -16,8 +16,11 @@ import optax
 import pytest
 
 from marin_rl.api import EngineConfig, InferenceEngine, TrainEngine, get_loss, known_losses, make_batch, register_loss
+from marin_rl.broadcast.base import BroadcastConfig, WeightSubscriber, make_transport
 from marin_rl.config import make_environment, parse_config
+from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.losses import LossConfig
+from marin_rl.model.build import build_model
 from marin_rl.replay.packing import Sequence, pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +210,52 @@ def test_prepare_batch_respects_the_staleness_bound_under_a_slow_learner(engines
         assert max(ahead) == 0, ahead  # nothing is sampled until the new weights are served
     else:
         assert min(ahead) > 0 and lag.max() == 1, (ahead, np.bincount(lag))  # generation runs ahead
+
+
+def test_remote_engine_updates_and_pauses_servers_through_their_control_routes(engines, tmp_path):
+    """A server started elsewhere (here: in this process, behind HTTP only) with a transport that reaches across
+    processes: the engine applies updates, pauses and resumes it through the authenticated control routes."""
+    cfg, trainer, env = engines
+    broadcast = BroadcastConfig(transport="fsspec", path=str(tmp_path / "weights"))
+    server = LevanterInferenceServer(build_model(cfg.model, len(trainer.tokenizer)), trainer.tokenizer, cfg.inference)
+    server_transport, publisher = make_transport(broadcast), make_transport(broadcast)
+    server.control_secret = "s3cret"
+    server.weights_source = WeightSubscriber(server_transport, server.apply_weights).poll
+    address = server.start()
+    try:
+        engine = EngineConfig(group_size=2, sampling=cfg.envs[0].sampling, batch_size=2)
+        with InferenceEngine.remote([address], engine, control_secret="s3cret") as inference:
+            trainer.train_batch(_fixed_batch(trainer.tokenizer, np.random.default_rng(0)), loss_fn=_token_mean_loss)
+            inference.apply_update(publisher.publish(trainer.version, trainer.learner.model))
+            assert inference.version == server.version == trainer.version >= 1
+            inference.pause()
+            assert server.stats()["paused"] and inference.paused
+            inference.resume()
+            assert not server.stats()["paused"]
+            groups = inference.rollout_batch(env.eval_problems()[:2], env)
+            versions = {v for g in groups for r in g.rollouts for v in r.turns[1].inference_metadata.token_versions}
+            assert versions == {trainer.version}
+        with InferenceEngine.remote([address], engine, control_secret="wrong") as wrong:
+            with pytest.raises(RuntimeError, match="403"):
+                wrong.pause()
+    finally:
+        server.stop()
+        server_transport.close()
+        publisher.close()
+
+
+def test_train_engine_save_and_load_round_trip(engines, tmp_path):
+    cfg, trainer, env = engines
+    batch = _fixed_batch(trainer.tokenizer, np.random.default_rng(0))
+    batch.sampler_logprobs = np.where(batch.loss_mask, trainer.forward(batch), 0.0).astype(np.float32)
+    path = trainer.save(str(tmp_path / "ckpt"))
+    version, before = trainer.version, trainer.forward(batch)
+    trainer.train_batch(batch, loss_fn=_token_mean_loss)
+    assert np.abs(trainer.forward(batch) - before).max() > 1e-4
+    assert trainer.load(path) == version
+    np.testing.assert_array_equal(trainer.forward(batch), before)
+    with pytest.raises(FileNotFoundError):
+        trainer.load(str(tmp_path / "missing"))
 
 
 # ---- the examples --------------------------------------------------------------------------------------------

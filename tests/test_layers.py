@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("envs", ["envs"]),
     ("learner", ["learner"]),
     ("config", ["config"]),
+    ("api", ["api"]),
     ("orchestrator", ["orchestrator"]),
     ("programs", ["sft", "try_env", "inspect_rollouts"]),
     ("main", ["run"]),

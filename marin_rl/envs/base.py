@@ -183,6 +183,23 @@ def policy_turn(
     )
 
 
+def reference_examples(env: Environment, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, completion_ids + EOS) of the reference completions of `env`'s training problems, for a
+    supervised warm start (problems without one are skipped; environments without `encode_prompt` give none)."""
+    encode = getattr(env, "encode_prompt", None)
+    if encode is None:
+        return []
+    eos = tokenizer.eos_token_id
+    out = []
+    for p in env.train_problems():
+        completion = env.reference_completion(p)
+        if completion is None:
+            continue
+        ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        out.append((encode(p), ids + ([eos] if eos is not None else [])))
+    return out
+
+
 async def run_groups(
     env: Environment, servers: list[str], problems: list[Problem], group_size: int, sampling: SamplingParams
 ) -> list[RolloutGroup]:

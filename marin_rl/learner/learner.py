@@ -19,7 +19,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from marin_rl.learner.distributed import host_arrays
-from marin_rl.learner.losses import LossConfig, combine_metrics, loss_normalizers, policy_loss, sft_loss
+from marin_rl.learner.losses import (
+    OBJECTIVES,
+    LossConfig,
+    LossSpec,
+    combine_metrics,
+    get_loss,
+    loss_normalizers,
+    sft_loss,
+)
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs
@@ -302,6 +310,21 @@ def _rows(ex: RlExample, start: int, stop: int) -> RlExample:
     return _from_raw({k: v[start:stop] for k, v in _raw_fields(ex).items()})
 
 
+def _sampled_tokens(ex: RlExample) -> jax.Array:
+    """Default weight of a microbatch chunk: its number of sampled (loss-masked) tokens."""
+    return jnp.sum(ex.loss_mask.array.astype(jnp.float32))
+
+
+def _weighted_metrics(metrics: dict[str, jax.Array], share: jax.Array) -> dict[str, jax.Array]:
+    """A chunk's metrics scaled by its share of the minibatch (maxima and minima kept), so that `combine_metrics`
+    adds the chunks up to their weighted mean."""
+    out = {}
+    for k, v in metrics.items():
+        last = k.rsplit("/", 1)[-1]
+        out[k] = v if last.startswith(("max", "min")) else v * share
+    return out
+
+
 class Learner:
     """Holds the policy and its optimizer state; each `train_step` consumes one batch and makes one new version.
 
@@ -325,6 +348,8 @@ class Learner:
         self.version = 0
         self.optimizer_steps = 0
         self.reference_model = None
+        self.loss = get_loss(config.loss.objective)
+        """The configured loss (`loss.objective`, looked up in the loss registry); `train_step` may be given another."""
         self.step_metrics: list[dict[str, float]] = []
         """Metrics of each optimizer step of the last `train_step`."""
         # Only the optimizer state is donated: the reference model must survive the step, and so must the batch
@@ -395,34 +420,69 @@ class Learner:
     def _token_logprobs(self, model, ex: RlExample):
         return token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=self.temperature)
 
-    def _grads(self, model, reference, ex: RlExample, normalizers):
+    def _loss_config(self, loss: LossSpec) -> LossConfig:
+        """The `LossConfig` a loss sees: the run's, with a built-in objective's name when `loss` is one."""
+        cfg = self.config.loss
+        if loss.name in OBJECTIVES and cfg.objective != loss.name:
+            return dataclasses.replace(cfg, objective=loss.name)
+        return cfg
+
+    def _uses_proximal(self, loss: LossSpec) -> bool:
+        return self._loss_config(loss).uses_proximal if loss.name in OBJECTIVES else loss.uses_proximal
+
+    def _kept_depends_on_proximal(self, loss: LossSpec) -> bool:
+        return loss.name in OBJECTIVES and self._loss_config(loss).kept_depends_on_proximal
+
+    def _grads(self, model, reference, ex: RlExample, normalizers, loss: LossSpec):
         if reference is not None and ex.reference_logprobs is None:
             ref_lp, _ = self._token_logprobs(reference, ex)
             ex = dataclasses.replace(ex, reference_logprobs=jax.lax.stop_gradient(ref_lp))
+        config = self._loss_config(loss)
 
         def loss_fn(m):
             lp, ent = self._token_logprobs(m, ex)
-            return policy_loss(lp, ent, ex, self.config.loss, normalizers)
+            value, metrics = loss(lp, ent, ex, config=config, normalizers=normalizers)
+            return value, {**metrics, "loss": value}
 
         (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
         return grads, metrics
 
-    def _train_step_impl(self, inputs, opt_state):  # inputs: (policy, reference or None, example)
-        """One optimizer step on `ex` (one minibatch), accumulating over `microbatches` row chunks."""
+    def _train_step_impl(self, inputs, opt_state, loss: LossSpec, loss_weight_fn):
+        """One optimizer step on `ex` (one minibatch), accumulating over `microbatches` row chunks.
+
+        `inputs` is (policy, reference or None, example). Chunks of a loss that takes `normalizers` (the built-ins)
+        are normalised by the whole minibatch, so their gradients add up to its gradient exactly; otherwise (or when
+        `loss_weight_fn` is given) the minibatch's gradient and metrics are the chunks' averaged with weights
+        `loss_weight_fn(chunk)` (default: the chunk's number of sampled tokens)."""
         model, reference, ex = inputs
         n = self.config.microbatches
         if n == 1:
-            grads, metrics = self._grads(model, reference, ex, None)
-        else:
+            grads, metrics = self._grads(model, reference, ex, None, loss)
+        elif loss.takes_normalizers and loss_weight_fn is None:
             # Normalise every chunk by the whole minibatch so that the chunks' gradients add up to its gradient.
-            normalizers = loss_normalizers(ex, self.config.loss)
+            normalizers = loss_normalizers(ex, self._loss_config(loss))
             zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
 
             def body(acc, raw):
-                grads, metrics = self._grads(model, reference, _from_raw(raw), normalizers)
+                grads, metrics = self._grads(model, reference, _from_raw(raw), normalizers, loss)
                 return jax.tree_util.tree_map(jnp.add, acc, grads), metrics
 
             grads, stacked = jax.lax.scan(body, zeros, self._chunked(ex, n))
+            metrics = combine_metrics(stacked)
+        else:
+            weight_fn = loss_weight_fn or _sampled_tokens
+            chunks = self._chunked(ex, n)
+            weights = jax.lax.map(lambda raw: jnp.asarray(weight_fn(_from_raw(raw)), jnp.float32), chunks)
+            shares = weights / jnp.maximum(jnp.sum(weights), 1e-12)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+
+            def body(acc, xs):
+                raw, share = xs
+                grads, metrics = self._grads(model, reference, _from_raw(raw), None, loss)
+                acc = jax.tree_util.tree_map(lambda a, g: a + share * g, acc, grads)
+                return acc, _weighted_metrics(metrics, share)
+
+            grads, stacked = jax.lax.scan(body, zeros, (chunks, shares))
             metrics = combine_metrics(stacked)
         grads = self._shard_params(grads)
         updates, opt_state = self.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
@@ -430,9 +490,10 @@ class Learner:
         metrics["grad_norm"] = optax.global_norm(grads)
         return model, self._shard_params(opt_state), metrics
 
-    def _prepare_impl(self, model, reference, ex: RlExample, num_chunks: int):
-        """Fill in proximal logprobs (current weights) and/or reference logprobs, `num_chunks` rows chunks at a time."""
-        want_prox = self.config.loss.uses_proximal and ex.proximal_logprobs is None
+    def _prepare_impl(self, model, reference, ex: RlExample, num_chunks: int, want_prox: bool):
+        """Fill in proximal logprobs (current weights, when `want_prox`) and/or reference logprobs, `num_chunks` rows
+        chunks at a time."""
+        want_prox = want_prox and ex.proximal_logprobs is None
         want_ref = reference is not None and ex.reference_logprobs is None
 
         def forward(raw):
@@ -451,19 +512,23 @@ class Learner:
         filled = {k: hax.named(jax.lax.stop_gradient(v.reshape(-1, v.shape[-1])), axes) for k, v in out.items()}
         return dataclasses.replace(ex, **filled)
 
-    def _needs_prepare(self) -> bool:
+    def _needs_prepare(self, loss: LossSpec) -> bool:
         cfg = self.config
         if cfg.minibatches * cfg.epochs > 1:
-            return cfg.loss.uses_proximal or cfg.loss.kl_coef > 0
+            return self._uses_proximal(loss) or cfg.loss.kl_coef > 0
         # Accumulating microbatches needs the kept tokens, and so the proximal logprobs, before any chunk's forward.
-        return cfg.microbatches > 1 and cfg.loss.kept_depends_on_proximal
+        return cfg.microbatches > 1 and self._kept_depends_on_proximal(loss)
 
-    def train_step(self, batch: PackedBatch) -> dict[str, float]:
+    def train_step(self, batch: PackedBatch, loss=None, loss_weight_fn=None) -> dict[str, float]:
         """Train on a packed batch (`minibatches × epochs` optimizer steps); increments the policy version by one.
 
+        `loss`: a registered loss's name, a loss function or a `LossSpec` (default: the configured `loss.objective`);
+        `loss_weight_fn(chunk) -> scalar` weighs the microbatch chunks of an optimizer step when their gradients are
+        accumulated (see `_train_step_impl`). Both must be pure JAX functions (they are traced into the step).
         Returns `learner/...` metrics: those of the optimizer steps combined (mean; max of maxima, min of minima),
         `learner/optimizer_steps` (cumulative), the learning rate of the last step, timing and throughput.
         """
+        loss = self.loss if loss is None else get_loss(loss)
         start = time.time()
         cfg = self.config
         m, e, n = cfg.minibatches, cfg.epochs, cfg.microbatches
@@ -475,7 +540,7 @@ class Learner:
         if self.mesh is not None:
             self._check_rows(batch.num_rows, "the batch", m * n)
         with self._sharding():
-            device_metrics = self._run_steps(batch)
+            device_metrics = self._run_steps(batch, loss, loss_weight_fn)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
         stacked = {k: np.asarray([m[k] for m in self.step_metrics]) for k in self.step_metrics[0]}
         out = {k: float(v) for k, v in combine_metrics(stacked, rest="mean").items()}
@@ -489,19 +554,19 @@ class Learner:
         out["learner/tokens_per_s"] = e * float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
         return out
 
-    def _run_steps(self, batch: PackedBatch) -> list[dict[str, jax.Array]]:
+    def _run_steps(self, batch: PackedBatch, loss: LossSpec, loss_weight_fn) -> list[dict[str, jax.Array]]:
         """The batch's optimizer steps; their metrics, still on the devices."""
         cfg = self.config
         m, e, n = cfg.minibatches, cfg.epochs, cfg.microbatches
         if cfg.loss.kl_coef > 0 and self.reference_model is None:
             self.freeze_reference()
         ex = self._shard_batch(_to_example(batch))
-        if self._needs_prepare():
-            ex = self._prepare(self.model, self.reference_model, ex, m * n)
+        if self._needs_prepare(loss):
+            ex = self._prepare(self.model, self.reference_model, ex, m * n, self._uses_proximal(loss))
         rows = batch.num_rows // m
         # The batch's first step runs at the proximal weights: it takes logp_prox = stop_gradient(logp) from its own
         # forward pass (ratio exactly 1), unless accumulating microbatches needs the kept tokens beforehand.
-        in_step_first = not (n > 1 and cfg.loss.kept_depends_on_proximal)
+        in_step_first = not (n > 1 and self._kept_depends_on_proximal(loss))
         device_metrics = []
         for epoch in range(e):
             for i in range(m):
@@ -509,7 +574,7 @@ class Learner:
                 if epoch == 0 and i == 0 and in_step_first and sub.proximal_logprobs is not None:
                     sub = dataclasses.replace(sub, proximal_logprobs=None)
                 inputs = (self.model, self.reference_model, sub)
-                self.model, self.opt_state, metrics = self._train_step(inputs, self.opt_state)
+                self.model, self.opt_state, metrics = self._train_step(inputs, self.opt_state, loss, loss_weight_fn)
                 device_metrics.append(metrics)
         return device_metrics
 

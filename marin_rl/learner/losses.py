@@ -28,10 +28,19 @@ Every aggregation is a numerator (a sum over the batch's rows) divided by a deno
 and segments (`LossNormalizers`); passing the normalisers of a whole minibatch to `policy_loss` on a slice of its rows
 makes the per-slice losses, gradients and metrics add up to the whole minibatch's (gradient accumulation;
 see `combine_metrics`).
+
+Losses are looked up by name in a registry (`register_loss`, `get_loss`): a loss is any pure JAX function of
+(logprobs, entropy, batch) returning (loss, metrics). The built-in objectives ('decoupled', 'ppo') are registered
+through the same door, with two optional keyword arguments that a user loss may declare too: `config` (the run's
+`LossConfig`) and `normalizers` (the whole minibatch's `LossNormalizers` when gradients are accumulated).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,7 +60,9 @@ class LossConfig:
     """The clipped policy-gradient objective."""
 
     objective: str = "decoupled"
-    """'decoupled' (ratio to the proximal policy, times a capped sampler weight) or 'ppo' (ratio to the sampler)."""
+    """'decoupled' (ratio to the proximal policy, times a capped sampler weight), 'ppo' (ratio to the sampler), or
+    the name of any loss in the registry (`register_loss`), or 'package.module:function' (imported, then looked
+    up: a function registered there, or any loss function, which is then registered under that path)."""
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.28
@@ -76,7 +87,10 @@ class LossConfig:
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"loss.objective must be one of {OBJECTIVES}, got {self.objective!r}")
+            try:
+                get_loss(self.objective)
+            except ValueError as e:
+                raise ValueError(f"loss.objective: {e}") from None
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.clip_low < 0 or self.clip_high < 0:
@@ -94,7 +108,10 @@ class LossConfig:
 
     @property
     def uses_proximal(self) -> bool:
-        """Whether the loss reads logp_prox (the decoupled objective, or any objective with TIS)."""
+        """Whether the loss reads logp_prox (the decoupled objective, or any objective with TIS; for a registered
+        loss, what it declared)."""
+        if self.objective not in OBJECTIVES:
+            return get_loss(self.objective).uses_proximal
         return self.objective == "decoupled" or self.tis_cap is not None
 
     @property
@@ -327,3 +344,143 @@ def sft_loss(logp: hax.NamedArray, loss_mask: hax.NamedArray) -> jnp.ndarray:
     """Mean negative log-likelihood of the masked tokens (supervised warm start)."""
     m = loss_mask.array.astype(jnp.float32)
     return -jnp.sum(logp.array * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+# ---- the loss registry ------------------------------------------------------------------------------------------
+LossFn = Callable[..., tuple[jnp.ndarray, dict[str, jnp.ndarray]]]
+"""fn(logprobs, entropy, batch[, config=..., normalizers=...]) -> (scalar loss to minimise, metrics)."""
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: its name, the function and what it declared about its inputs."""
+
+    name: str
+    """Name it is looked up by (`LossConfig.objective`, `train_batch(loss_fn=...)`)."""
+    fn: LossFn
+    """The pure JAX function: (logprobs, entropy, batch) -> (loss, metrics), `haliax` named arrays in."""
+    uses_proximal: bool = False
+    """The loss reads `batch.proximal_logprobs`: when a batch takes several optimizer steps (minibatches × epochs),
+    the learner fills them in (the weights before the batch's first step) before the first one. It is None in a
+    batch's first step, where the current weights are the proximal policy (`proximal_logprobs` helps)."""
+    takes_config: bool = False
+    """The function accepts a `config` keyword (the run's `LossConfig`); detected from its signature."""
+    takes_normalizers: bool = False
+    """The function accepts a `normalizers` keyword (`LossNormalizers` of the whole minibatch under gradient
+    accumulation, None otherwise); detected from its signature."""
+
+    def __call__(self, logprobs, entropy, batch, *, config: LossConfig | None = None, normalizers=None):
+        """Evaluate the loss, passing `config` and `normalizers` only to a function that declared them."""
+        kwargs = {}
+        if self.takes_config:
+            kwargs["config"] = config
+        if self.takes_normalizers:
+            kwargs["normalizers"] = normalizers
+        return self.fn(logprobs, entropy, batch, **kwargs)
+
+
+_LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, *, uses_proximal: bool = False) -> Callable[[LossFn], LossFn]:
+    """Decorator: register `fn(logprobs, entropy, batch) -> (loss, metrics)` under `name` and return `fn` unchanged.
+
+    `logprobs` and `entropy` are `(batch, position)` named arrays of the learner's per-token log-probabilities (at the
+    sampling temperature, differentiable) and entropies; `batch` is the `RlExample` (loss_mask, advantages,
+    sampler_logprobs, segment_ids, token_versions, optional proximal/reference logprobs). The loss must ignore
+    positions where `loss_mask` is false. Registering a taken name replaces the loss (with a new function) or does
+    nothing (the same function again), so a module may be imported twice.
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"a loss name must be a non-empty string without ':', got {name!r}")
+
+    def decorator(fn: LossFn) -> LossFn:
+        if not callable(fn):
+            raise TypeError(f"register_loss({name!r}) needs a function, got {fn!r}")
+        _LOSSES[name] = _spec(name, fn, uses_proximal)
+        return fn
+
+    return decorator
+
+
+def _spec(name: str, fn: LossFn, uses_proximal: bool) -> LossSpec:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return LossSpec(name, fn, uses_proximal, "config" in params, "normalizers" in params)
+
+
+def known_losses() -> list[str]:
+    """Names of the registered losses."""
+    return sorted(_LOSSES)
+
+
+def get_loss(name_or_fn: str | LossFn | LossSpec) -> LossSpec:
+    """The registered loss called `name`; 'package.module:function' imports the module first (registering what it
+    registers) and takes that function (registered under the path when it was not); a function or a `LossSpec` is
+    returned as a spec as it is (not registered). Raises ValueError naming the known losses when there is none."""
+    if isinstance(name_or_fn, LossSpec):
+        return name_or_fn
+    if callable(name_or_fn):
+        for spec in _LOSSES.values():
+            if spec.fn is name_or_fn:
+                return spec
+        return _spec(getattr(name_or_fn, "__name__", "custom"), name_or_fn, False)
+    name = name_or_fn
+    if name in _LOSSES:
+        return _LOSSES[name]
+    if isinstance(name, str) and ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"loss {name!r} cannot be imported: {e}") from e
+        for spec in _LOSSES.values():
+            if spec.fn is fn:
+                return spec
+        if not callable(fn):
+            raise ValueError(f"loss {name!r} is not a function")
+        _LOSSES[name] = _spec(name, fn, False)
+        return _LOSSES[name]
+    raise ValueError(f"unknown loss {name!r}; registered: {known_losses()} (or give 'package.module:function')")
+
+
+def proximal_logprobs(logprobs: hax.NamedArray, batch: RlExample) -> jnp.ndarray:
+    """logp_prox for a loss: the batch's `proximal_logprobs`, or (none given: the current weights are the proximal
+    policy) stop_gradient of the current logprobs. A raw `(batch, position)` array."""
+    return _proximal(logprobs.array, batch)
+
+
+def sequence_means(values: jnp.ndarray, mask: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """Per-token mean of `values` over the masked tokens of the sequence (packed segment) each token belongs to:
+    a `(rows, positions)` array holding, at every position, its sequence's mean (0 for a sequence with no masked
+    token and on padding)."""
+    rows, seq = values.shape
+    seg_sum, seg_count = _segment_sums(_masked(values, mask), mask.astype(values.dtype), segment_ids)
+    means = jnp.where(seg_count > 0, seg_sum / jnp.maximum(seg_count, 1.0), 0.0)
+    gid = (jnp.arange(rows)[:, None] * seq + jnp.maximum(segment_ids, 0)).reshape(-1)
+    return jnp.where(segment_ids >= 0, means[gid].reshape(rows, seq), 0.0)
+
+
+def num_sequences(mask: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """Number of sequences (packed segments) with at least one masked token (at least 1)."""
+    _, seg_count = _segment_sums(jnp.zeros(mask.shape, jnp.float32), mask.astype(jnp.float32), segment_ids)
+    return jnp.maximum(jnp.sum(seg_count > 0).astype(jnp.float32), 1.0)
+
+
+def _objective_loss(objective: str) -> LossFn:
+    def loss(logprobs, entropy, batch, *, config: LossConfig | None = None, normalizers=None):
+        if config is None:
+            config = LossConfig(objective=objective)
+        elif config.objective != objective:
+            config = dataclasses.replace(config, objective=objective)
+        return policy_loss(logprobs, entropy, batch, config, normalizers)
+
+    loss.__name__ = f"{objective}_loss"
+    loss.__doc__ = f"`policy_loss` with objective={objective!r} (the module docstring states it)."
+    return loss
+
+
+for _objective in OBJECTIVES:
+    register_loss(_objective, uses_proximal=_objective == "decoupled")(_objective_loss(_objective))

@@ -16,7 +16,7 @@ import ray
 
 from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import RunConfig, make_environment
-from marin_rl.envs.base import SamplingParams
+from marin_rl.envs.base import SamplingParams, reference_examples
 from marin_rl.inference.client import PolicyClient, SeededPolicy
 from marin_rl.learner import distributed
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
@@ -202,15 +202,7 @@ class EnvActor:
 
     def warm_start_examples(self) -> list[tuple[list[int], list[int]]]:
         """(prompt_ids, completion_ids + EOS) pairs from the environment's reference completions."""
-        eos = self.tokenizer.eos_token_id
-        out = []
-        for p in self.problems:
-            completion = self.env.reference_completion(p)
-            if completion is None:
-                continue
-            ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
-            out.append((self.env.encode_prompt(p), ids + ([eos] if eos is not None else [])))
-        return out
+        return reference_examples(self.env, self.tokenizer)
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward, pass@1 and pass@k on held-out problems (k = eval_samples_per_problem)."""

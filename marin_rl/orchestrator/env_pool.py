@@ -8,11 +8,11 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
 from marin_rl.orchestrator.actors import EnvActor
 from marin_rl.orchestrator.launcher import Launcher
-from marin_rl.orchestrator.staleness import RolloutsPerBatch
 from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")

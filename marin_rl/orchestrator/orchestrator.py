@@ -4,7 +4,7 @@ Loop (one driver thread, everything else in actors), `Orchestrator._loop`:
   env actors generate groups → replay buffers admit them (validation, advantages, staleness) → the batcher forms a
   batch (token budget, packing) when the learner is idle → learner step (a new version) → step hooks: weights
   published to the servers every `broadcast.sync_every` steps, evaluation, HF export, checkpoint.
-New groups start as the staleness gate allows (`marin_rl.orchestrator.staleness`, which states the bound).
+New groups start as the staleness gate allows (`marin_rl.api.staleness`, which states the bound).
 
 Problem order: the driver owns a `ProblemIterator` per environment (in its `EnvPool`) and hands problem indices to
 the env actors. Checkpoints (`checkpoint.*`): after a learner step, every `checkpoint.every` steps and when the run
@@ -31,6 +31,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from marin_rl.api.staleness import GateInputs, StalenessGate
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemTicket
 from marin_rl.learner.checkpoint import (
@@ -48,7 +49,6 @@ from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.server_pool import ServerPool
-from marin_rl.orchestrator.staleness import GateInputs, StalenessGate
 from marin_rl.placement import wait_for_actors
 from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer

@@ -1,0 +1,46 @@
+"""The public Python API: write your own RL loop over the same parts the orchestrator uses.
+
+* `InferenceEngine` — sampling (`agenerate`), gated rollouts (`submit` / `wait`, `prepare_batch` under the staleness
+  bound), ungated rollouts (`rollout_batch`), `pause` / `resume`, versions (`version`, `apply_update`).
+* `TrainEngine` — the Levanter learner: `train_batch(batch, loss_fn=..., loss_weight_fn=...)`, `forward`,
+  `update_weights`, `save` / `load`, `warm_start`.
+* Losses — `register_loss(name)(fn)` for any pure JAX `fn(logprobs, entropy, batch) -> (loss, metrics)`; the
+  built-in objectives ('decoupled', 'ppo') are registered the same way. `sequence_means`, `aggregate`, `num_sequences`
+  and `proximal_logprobs` help write sequence-level objectives.
+* `make_batch` — groups to a packed, token-exact batch with advantages from any estimator.
+* Workflows are environments (`marin_rl.envs`): a group is `env.run_group(policy, problem, group_size, sampling)`.
+
+The README's "Python API" section states each call's contract.
+"""
+
+from marin_rl.api.inference import EngineConfig, GroupResult, InferenceEngine
+from marin_rl.api.staleness import GateInputs, StalenessGate
+from marin_rl.api.train import TrainEngine, make_batch
+from marin_rl.learner.losses import (
+    LossSpec,
+    aggregate,
+    get_loss,
+    known_losses,
+    num_sequences,
+    proximal_logprobs,
+    register_loss,
+    sequence_means,
+)
+
+__all__ = [
+    "EngineConfig",
+    "GateInputs",
+    "GroupResult",
+    "InferenceEngine",
+    "LossSpec",
+    "StalenessGate",
+    "TrainEngine",
+    "aggregate",
+    "get_loss",
+    "known_losses",
+    "make_batch",
+    "num_sequences",
+    "proximal_logprobs",
+    "register_loss",
+    "sequence_means",
+]

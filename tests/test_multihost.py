@@ -8,13 +8,13 @@ one-process run's.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from random_packed_batch import worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -30,33 +30,14 @@ from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, sa
 from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, OptimizerConfig
 from marin_rl.learner.losses import LossConfig
 from marin_rl.model.build import ModelConfig, tiny_llama
-from marin_rl.types import PackedBatch
+from random_packed_batch import random_packed_batch
 
 assert jax.device_count() == 4, jax.devices()
 ROWS, SEQ, VOCAB = 8, 48, 128
 
 
 def batch(seed):
-    rng = np.random.default_rng(seed)
-    segs = np.full((ROWS, SEQ), -1, np.int32)
-    pos = np.zeros((ROWS, SEQ), np.int32)
-    for r in range(ROWS):  # two packed segments of random lengths, then padding
-        cuts = np.sort(rng.choice(np.arange(8, SEQ - 4), size=2, replace=False))
-        start = 0
-        for s, end in enumerate(cuts):
-            segs[r, start:end] = s
-            pos[r, start:end] = np.arange(end - start)
-            start = end
-    loss_mask = (segs >= 0) & (pos >= 3)
-    return PackedBatch(
-        input_ids=rng.integers(0, VOCAB, (ROWS, SEQ)).astype(np.int32),
-        position_ids=pos,
-        segment_ids=segs,
-        loss_mask=loss_mask,
-        advantages=np.where(loss_mask, rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
-        sampler_logprobs=np.where(loss_mask, -np.log(VOCAB) + 0.1 * rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
-        token_versions=np.where(loss_mask, 0, -1).astype(np.int32),
-    )
+    return random_packed_batch(seed, ROWS, SEQ, VOCAB, segments=2)
 
 
 def learner():
@@ -101,7 +82,7 @@ def _free_port() -> int:
 
 def _run(out, case: str, nproc: int, mesh: dict, mode: str = "train", timeout: int = 600) -> None:
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}", JAX_PLATFORMS="cpu")
+    env = worker_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}", JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, str(out), str(i), str(nproc), coordinator, case, json.dumps(mesh), mode],

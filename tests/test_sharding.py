@@ -6,12 +6,12 @@ losses, metrics and updated parameters for this process to compare.
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from random_packed_batch import worker_env
 
 from marin_rl.learner.learner import LearnerConfig, MeshConfig
 
@@ -31,7 +31,7 @@ import numpy as np
 from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, OptimizerConfig
 from marin_rl.learner.losses import LossConfig
 from marin_rl.model.build import ModelConfig, tiny_llama
-from marin_rl.types import PackedBatch
+from random_packed_batch import random_packed_batch
 
 out_dir, cases = sys.argv[1], json.loads(sys.argv[2])
 assert jax.device_count() == 8, jax.devices()
@@ -39,26 +39,7 @@ ROWS, SEQ, VOCAB = 16, 64, 128
 
 
 def batch(seed):
-    rng = np.random.default_rng(seed)
-    segs = np.full((ROWS, SEQ), -1, np.int32)
-    pos = np.zeros((ROWS, SEQ), np.int32)
-    for r in range(ROWS):  # three packed segments of random lengths, then padding
-        cuts = np.sort(rng.choice(np.arange(8, SEQ - 4), size=3, replace=False))
-        start = 0
-        for s, end in enumerate(cuts):
-            segs[r, start:end] = s
-            pos[r, start:end] = np.arange(end - start)
-            start = end
-    loss_mask = (segs >= 0) & (pos >= 3)
-    return PackedBatch(
-        input_ids=rng.integers(0, VOCAB, (ROWS, SEQ)).astype(np.int32),
-        position_ids=pos,
-        segment_ids=segs,
-        loss_mask=loss_mask,
-        advantages=np.where(loss_mask, rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
-        sampler_logprobs=np.where(loss_mask, -np.log(VOCAB) + 0.1 * rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
-        token_versions=np.where(loss_mask, 0, -1).astype(np.int32),
-    )
+    return random_packed_batch(seed, ROWS, SEQ, VOCAB, segments=3)
 
 
 for name, mesh, opts in cases:
@@ -104,7 +85,7 @@ PARAM_ATOL = 5e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, str(out), json.dumps(CASES)],
         env=env,

@@ -358,7 +358,7 @@ class Orchestrator:
                 "servers": self.servers.ready_calls(),
             },
             {"learner": cfg.placement.learner, "servers": cfg.placement.servers},
-            max(cfg.placement.wait_timeout_s, cfg.inference.startup_timeout_s),
+            self.servers.start_timeout_s,
         )
         addresses = ready["servers"]
         self.servers.addresses = list(addresses)

@@ -46,7 +46,9 @@ class ServerPool:
         """(actor, ready ref) per server, for `wait_for_actors` (the ref yields the server's address)."""
         return [(s, s.get_address.remote()) for s in self.actors]
 
-    def _timeout(self) -> float:
+    @property
+    def start_timeout_s(self) -> float:
+        """How long a server may take to be placed and start serving."""
         return max(self.config.placement.wait_timeout_s, self.config.inference.startup_timeout_s)
 
     def broadcast(self, update: WeightUpdate) -> list[dict]:
@@ -81,7 +83,7 @@ class ServerPool:
         replaced again until `placement.wait_timeout_s` passes. Returns the weight update's stats (empty when no
         weights were published yet)."""
         t = time.time()
-        deadline = t + self._timeout()
+        deadline = t + self.start_timeout_s
         self.restarts += 1
         while True:
             try:

@@ -69,6 +69,10 @@ class OrchestratorConfig:
     were handed out; a batch is formed only when no group is in flight. Exact for environments whose episodes are a
     function of the problem and the sampled tokens; `checkpoint.every` should be a multiple of
     `broadcast.sync_every` (a resumed run serves the checkpoint's weights)."""
+    max_restarts_per_role: int = 20
+    """How many dead actors of one role (the inference servers together; the env actors of one environment) the
+    driver replaces before it stops the run with an error naming the role. Counted from the driver's start (a
+    resumed run starts again from 0); 0: a dead actor ends the run."""
 
 
 @dataclass
@@ -169,6 +173,8 @@ class RunConfig:
             raise ValueError("tracking.wandb_mode must be 'disabled', 'offline' or 'online'")
         if self.batcher.max_seq_len > self.inference.max_seq_len:
             raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
+        if self.orchestrator.max_restarts_per_role < 0:
+            raise ValueError("orchestrator.max_restarts_per_role must be >= 0")
         if self.replay.max_age < self.orchestrator.max_staleness:
             raise ValueError(
                 f"replay.max_age={self.replay.max_age} < orchestrator.max_staleness={self.orchestrator.max_staleness}: "

@@ -12,7 +12,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from marked_processes import dead_weight_slot_dirs, marked_processes, new_mark, wait_until
 
+from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
 from marin_rl.learner.checkpoint import (
     MARKER_FILE,
@@ -282,11 +284,15 @@ def _config(tmp_path: Path, name: str, num_steps: int, every: int) -> Path:
     return path
 
 
-def _start(config: Path, log: Path) -> subprocess.Popen:
+_SLOTS = (DEFAULT_ROOT, PRIVATE_PREFIX)
+
+
+def _start(config: Path, log: Path, mark: tuple[str, str] | None = None) -> subprocess.Popen:
     with open(log, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "marin_rl.run", "--config", str(config)],
             cwd=ROOT,
+            env=dict(os.environ, **dict([mark])) if mark else None,
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own session: Ray's processes can be found (and reaped) by session id
@@ -372,12 +378,18 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
     reference = _start(ref_cfg, ref_log)  # the uninterrupted run, alongside the one to be killed
     procs = [reference]
     try:
-        proc = _start(cfg, log)
+        mark = new_mark()
+        proc = _start(cfg, log, mark)
         procs.append(proc)
-        # 1. SIGKILL once a checkpoint is complete and a later step was trained (so work after it is lost)
+        # 1. SIGKILL once a checkpoint is complete and a later step was trained (so work after it is lost); within
+        # 10 s nothing of that run is left: no process (Ray's, the actors', the watchdog's) and no weight slot
         saved, killed_after = _signal_when(proc, log, out, signal.SIGKILL, lambda s, last: s and last > max(s))
         proc.wait()
+        seconds = wait_until(lambda: not marked_processes(*mark) and not dead_weight_slot_dirs(*_SLOTS), 10)
+        left, slots = marked_processes(*mark), dead_weight_slot_dirs(*_SLOTS)
         _reap_session(proc.pid)
+        assert left == [] and slots == [], f"left 10 s after the driver's SIGKILL: processes {left}, slots {slots}"
+        print(f"the killed run's processes and weight slots were gone {seconds:.1f}s after the driver's SIGKILL")
         first_resume = max(saved)
         assert 1 <= first_resume < killed_after < steps
         # 2. resume; SIGTERM once it trained a step: it finishes that step, checkpoints it and exits with 130

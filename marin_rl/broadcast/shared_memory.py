@@ -125,13 +125,18 @@ def _host_id() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):  # no /proc (not Linux), or gone since
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def remove_stale_directories(root: str = DEFAULT_ROOT) -> list[str]:

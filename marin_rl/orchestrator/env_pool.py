@@ -13,6 +13,7 @@ from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
 from marin_rl.orchestrator.actors import EnvActor
 from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")
@@ -52,6 +53,7 @@ class EnvPool:
         """ref -> (replica, ticket, actor), in hand-out order."""
         self.batch_size = RolloutsPerBatch(tokens_per_batch, self.env.sampling.max_tokens + 16)
         self.restarts = 0
+        self.budget = RestartBudget(f"env actors of {self.env.name}", config.orchestrator.max_restarts_per_role)
         self.failed_groups = 0
         """Groups that raised (e.g. their server went away) and were handed out again."""
         self._new_failures = 0
@@ -165,7 +167,9 @@ class EnvPool:
             self.restart(replica)
 
     def restart(self, replica: int) -> None:
-        """Replace a dead env actor."""
+        """Replace a dead env actor (`RestartLimitExceeded` once this environment's actors used up
+        `orchestrator.max_restarts_per_role`)."""
+        self.budget.spend(f"env actor {self.env.name}/{replica}")
         logger.error("env actor %s/%d died; restarting it", self.env.name, replica)
         self.restarts += 1
         self.actors[replica] = self._spawn(replica)

@@ -49,6 +49,7 @@ from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.server_pool import ServerPool
+from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
 from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer
@@ -105,6 +106,7 @@ class Orchestrator:
         self.output_dir = config.output_dir
         self.env_names = [e.name for e in config.envs]
         self.stop = stop or StopRequest()
+        self._watchdog: Watchdog | None = None
         self._started_ray = False
         self.learner: LearnerGroup | None = None
         self.launcher: Launcher | None = None
@@ -235,6 +237,9 @@ class Orchestrator:
         metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
         metrics["time/elapsed_s"] = now
         metrics.update(self.servers.stats())
+        for name, pool in self.pools.items():  # counted, never silent: actors replaced, groups handed out again
+            metrics[f"envs/{name}/actor_restarts"] = float(pool.restarts)
+            metrics[f"envs/{name}/failed_groups"] = float(pool.failed_groups)
         self.window = {"gen_tokens": 0, "since": now}
         metrics.update(self.hooks.run(step, last, stopping=self.stop.requested))
         tracker.log(metrics, step=step)
@@ -331,9 +336,13 @@ class Orchestrator:
         cfg = self.config.orchestrator
         if ray.is_initialized():
             return
+        sweep_orphans()  # processes and weight slots that a crashed run on this machine left
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:
+            # every process of this local Ray dies with the driver, even when the driver is SIGKILLed
+            self._watchdog = Watchdog()
+            self._watchdog.start()
             # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
             ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True,
                      logging_level=logging.WARNING)  # fmt: skip
@@ -405,6 +414,9 @@ class Orchestrator:
             self.launcher.release()
         if self._started_ray:
             ray.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def _find_resume(self) -> str | None:

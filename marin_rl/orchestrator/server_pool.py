@@ -18,6 +18,7 @@ from marin_rl.broadcast.base import WeightUpdate
 from marin_rl.config import RunConfig
 from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")
@@ -34,6 +35,7 @@ class ServerPool:
         self.addresses: list[str] = []
         self.last_update: WeightUpdate | None = None
         self.restarts = 0
+        self.budget = RestartBudget("inference servers", config.orchestrator.max_restarts_per_role)
         self._stats_refs: list = []
 
     def _spawn(self, index: int):
@@ -80,8 +82,10 @@ class ServerPool:
     def restart(self, index: int) -> dict:
         """Replace server `index`: start a new one where the placement allows, wait until it serves, send it the
         latest weights. A replacement that dies while starting (e.g. placed on a node that is dying too) is
-        replaced again until `placement.wait_timeout_s` passes. Returns the weight update's stats (empty when no
+        replaced again until `placement.wait_timeout_s` passes. Raises `RestartLimitExceeded` once the servers
+        used up `orchestrator.max_restarts_per_role`. Returns the weight update's stats (empty when no
         weights were published yet)."""
+        self.budget.spend(f"inference server {index}")
         t = time.time()
         deadline = t + self.start_timeout_s
         self.restarts += 1

@@ -1,0 +1,197 @@
+"""The driver's watchdog: when the driver dies without shutting down (SIGKILL, the OOM killer), the processes its run
+started on this machine die within seconds, and the next run removes whatever a crash still left.
+
+Marking: before it starts a local Ray, the driver puts `RUN_TOKEN_VARIABLE=<driver pid>:<driver start time>` into
+its environment. Every process the run starts here inherits it: Ray's GCS, raylet, monitor and workers, the actors,
+and what the actors start (vLLM servers in their own sessions, sandboxes). Process groups and sessions would miss
+those that start sessions of their own, and a dead driver's children are reparented, so the environment is the one
+mark that survives.
+
+Watching: `Watchdog.start()` launches this module as a small separate process (its own session, so a Ctrl-C or a
+kill of the driver's group does not take it along). It polls the driver; once the driver is gone it sends SIGTERM,
+then SIGKILL after a grace period, to every process carrying the token, and then removes the shared-memory weight
+slots whose learner died. A driver that shuts down normally stops its watchdog (`Watchdog.stop()`).
+
+Sweeping: `sweep_orphans()` (run by every driver before it starts Ray) does the same for any token whose driver is
+gone, for the case where the watchdog was killed together with its driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+logger = logging.getLogger(__name__)
+
+RUN_TOKEN_VARIABLE = "MARIN_RL_RUN"
+"""Environment variable whose value, '<driver pid>:<driver start time>', marks every process of one run."""
+
+GRACE_S = 3.0
+"""How long processes get after SIGTERM before SIGKILL."""
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/<pid>/stat (state first), None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()  # the command name in parentheses may hold spaces
+
+
+def process_token(pid: int) -> str | None:
+    """'<pid>:<start time in clock ticks since boot>' of a live process (None when it is gone or a zombie): unlike
+    the pid alone, it never names a later process that reused the pid."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in "ZX":
+        return None
+    return f"{pid}:{fields[19]}"  # field 22 of stat, the 20th after the name and state
+
+
+def driver_alive(token: str) -> bool:
+    """Whether the driver that a run token names still runs."""
+    pid = token.split(":", 1)[0]
+    return pid.isdigit() and process_token(int(pid)) == token
+
+
+def _run_tokens() -> dict[int, str]:
+    """pid -> run token of every readable process that carries one."""
+    found = {}
+    prefix = f"{RUN_TOKEN_VARIABLE}=".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        for entry in entries:
+            if entry.startswith(prefix):
+                found[int(name)] = entry[len(prefix) :].decode(errors="replace")
+                break
+    return found
+
+
+def processes_of(token: str) -> list[int]:
+    """The live processes (zombies excluded) that carry `token`, this process excluded."""
+    pids = []
+    for pid, t in _run_tokens().items():
+        fields = _stat_fields(pid)
+        if t == token and pid != os.getpid() and fields is not None and fields[0] not in "ZX":
+            pids.append(pid)
+    return pids
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def end_run_processes(token: str, grace_s: float = GRACE_S) -> int:
+    """SIGTERM every process of the run `token`, SIGKILL those left after `grace_s`; returns how many there were.
+    Repeats until none is left, as dying parents may still have started children."""
+    ended: set[int] = set()
+    for _ in range(10):
+        pids = processes_of(token)
+        if not pids:
+            break
+        ended.update(pids)
+        _signal_all(pids, signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while time.time() < deadline and processes_of(token):
+            time.sleep(0.1)
+        _signal_all(processes_of(token), signal.SIGKILL)
+        time.sleep(0.1)
+    return len(ended)
+
+
+def remove_dead_weight_slots() -> list[str]:
+    """Remove the shared-memory weight slots whose learner process is gone; returns their paths."""
+    from marin_rl.broadcast.shared_memory import remove_stale_directories  # numpy/jax: loaded only when needed
+
+    return remove_stale_directories()
+
+
+def sweep_orphans() -> dict[str, int]:
+    """End the processes of every run whose driver is gone (token -> processes ended) and remove dead learners'
+    weight slots: what a crash left when its watchdog died with the driver."""
+    orphaned = {t for t in _run_tokens().values() if not driver_alive(t)}
+    ended = {t: end_run_processes(t) for t in sorted(orphaned)}
+    for token, count in ended.items():
+        if count:
+            logger.warning("removed %d processes left by the run of the dead driver %s", count, token)
+    if orphaned:
+        remove_dead_weight_slots()
+    return ended
+
+
+class Watchdog:
+    """Marks this driver's run and keeps a watcher process that ends the run's processes if the driver dies."""
+
+    def __init__(self, poll_s: float = 0.5):
+        self.poll_s = poll_s
+        self.token = process_token(os.getpid())
+        self.process: subprocess.Popen | None = None
+        self._previous: str | None = None
+
+    def start(self) -> None:
+        """Mark the environment (before Ray starts) and launch the watcher."""
+        self._previous = os.environ.get(RUN_TOKEN_VARIABLE)
+        os.environ[RUN_TOKEN_VARIABLE] = self.token
+        env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_VARIABLE}  # the watcher must not end itself
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, "--driver", self.token, "--poll-s", str(self.poll_s)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        """After a normal shutdown: end the watcher and unmark the environment."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self._previous is None:
+            os.environ.pop(RUN_TOKEN_VARIABLE, None)
+        else:
+            os.environ[RUN_TOKEN_VARIABLE] = self._previous
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The watcher process: wait for the driver to die, then end its run's processes and free their slots."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--driver", required=True, help="the driver's run token, '<pid>:<start time>'")
+    parser.add_argument("--poll-s", type=float, default=0.5, help="seconds between checks of the driver")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the driver stopping us after a normal shutdown
+    while driver_alive(args.driver):
+        time.sleep(args.poll_s)
+    t = time.time()
+    count = end_run_processes(args.driver)
+    removed = remove_dead_weight_slots()
+    print(
+        f"marin_rl watchdog: driver {args.driver.split(':')[0]} died; ended {count} processes of its run and "
+        f"removed {len(removed)} weight slot directories in {time.time() - t:.1f}s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Finding a test's processes by a mark in their environment: every process a run starts on this machine inherits
+it, whatever session or parent it ends up with, so the mark counts what a killed run left independently of how
+marin_rl itself tracks its processes."""
+
+import os
+import time
+import uuid
+
+
+def new_mark() -> tuple[str, str]:
+    """(variable, value) of a fresh mark to put in a started process's environment."""
+    return "MARIN_RL_TEST_MARK", uuid.uuid4().hex
+
+
+def marked_processes(variable: str, value: str) -> list[int]:
+    """Live processes (zombies excluded) whose environment has `variable=value`."""
+    entry = f"{variable}={value}".encode()
+    pids = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if entry in env and state not in "ZX":
+            pids.append(int(name))
+    return pids
+
+
+def dead_weight_slot_dirs(root: str, prefix: str) -> list[str]:
+    """Weight slot directories under `root` whose owning process (the pid after `prefix`) is gone or a zombie."""
+    dead = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if not name.startswith(prefix):
+            continue
+        pid = name[len(prefix) :].split("-", 1)[0]
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                alive = f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except (OSError, IndexError):
+            alive = False
+        if not alive:
+            dead.append(os.path.join(root, name))
+    return dead
+
+
+def wait_until(condition, timeout: float, poll_s: float = 0.1) -> float:
+    """Seconds until `condition()` held (polled), or `timeout` when it never did."""
+    t = time.time()
+    while not condition() and time.time() - t < timeout:
+        time.sleep(poll_s)
+    return time.time() - t

@@ -1,0 +1,105 @@
+"""The driver's watchdog: a SIGKILLed driver's processes (its own children, those in sessions of their own, their
+children) and its dead learner's weight slots are gone within seconds; the next run sweeps what a dead watchdog
+left."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from marked_processes import dead_weight_slot_dirs, marked_processes, new_mark, wait_until
+
+from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
+from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, driver_alive, process_token, sweep_orphans
+
+# A driver as the orchestrator is one: it starts the watchdog, then processes that inherit its environment: a child,
+# a child in a session of its own with a grandchild (as vLLM servers and Ray's processes are), and a weight slot
+# directory owned by the child (as the learner's is).
+DRIVER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from marin_rl.orchestrator.watchdog import Watchdog
+    Watchdog(poll_s=0.2).start()
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    child = subprocess.Popen(sleep)
+    subprocess.Popen(["bash", "-c", " ".join(sleep[:2]) + ' "import time; time.sleep(600)" & wait'],
+                     start_new_session=True)
+    os.makedirs(os.path.join(sys.argv[1], f"{sys.argv[2]}{child.pid}-test"))
+    print(child.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_process_token_names_one_live_process_and_never_a_dead_or_zombie_one():
+    token = process_token(os.getpid())
+    assert token.startswith(f"{os.getpid()}:") and driver_alive(token)
+    assert not driver_alive(f"{os.getpid()}:1")  # the same pid, another start time: a reused pid
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    assert process_token(proc.pid) is None, "an unreaped zombie is dead"
+    proc.wait()
+    assert process_token(proc.pid) is None
+
+
+@pytest.mark.skipif(not os.path.isdir(DEFAULT_ROOT), reason="needs /dev/shm")
+def test_a_sigkilled_driver_leaves_no_process_and_no_weight_slot(tmp_path):
+    mark = new_mark()
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, DEFAULT_ROOT, PRIVATE_PREFIX],
+        env=dict(os.environ, **dict([mark])),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    child = int(driver.stdout.readline())
+    slot_dir = os.path.join(DEFAULT_ROOT, f"{PRIVATE_PREFIX}{child}-test")
+    try:
+        wait_until(lambda: len(marked_processes(*mark)) == 5, 30)  # driver, watcher, child, bash, its sleeper
+        assert len(marked_processes(*mark)) == 5, marked_processes(*mark)
+        assert os.path.isdir(slot_dir)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        seconds = wait_until(lambda: not marked_processes(*mark) and not os.path.isdir(slot_dir), 10)
+        assert marked_processes(*mark) == [], "processes left 10 s after the driver died (the watcher's exit included)"
+        assert slot_dir not in dead_weight_slot_dirs(DEFAULT_ROOT, PRIVATE_PREFIX), "the dead child's slots are left"
+        print(f"all gone {seconds:.1f}s after the driver's SIGKILL")
+        _, report = driver.communicate(timeout=30)  # the watcher reports on the driver's stderr, which it inherits
+        assert f"driver {driver.pid} died; ended 3 processes of its run" in report, report
+    finally:
+        for pid in marked_processes(*mark):
+            os.kill(pid, signal.SIGKILL)
+        if os.path.isdir(slot_dir):
+            os.rmdir(slot_dir)
+
+
+def test_the_next_run_sweeps_the_processes_of_a_dead_driver_whose_watchdog_died_too():
+    gone = subprocess.Popen(["sleep", "60"])
+    dead_driver = process_token(gone.pid)  # a driver that has died since
+    gone.kill()
+    gone.wait()
+    assert not driver_alive(dead_driver)
+    left = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env=dict(os.environ, **{RUN_TOKEN_VARIABLE: dead_driver}),
+        start_new_session=True,
+    )
+    ours = subprocess.Popen(  # a live driver's process is never touched
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env=dict(os.environ, **{RUN_TOKEN_VARIABLE: process_token(os.getpid())}),
+    )
+    try:
+        time.sleep(0.5)
+        ended = sweep_orphans()
+        assert ended.get(dead_driver) == 1
+        assert left.wait(timeout=10) == -signal.SIGTERM
+        assert ours.poll() is None
+    finally:
+        for p in (left, ours):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -25,3 +25,47 @@ def test_zero_means_a_dead_actor_ends_the_run_and_negative_is_refused():
         RestartBudget("inference servers", 0).spend("inference server 0")
     with pytest.raises(SystemExit, match="orchestrator.max_restarts_per_role must be >= 0"):
         parse_config(["--config", "experiments/quickstart.yaml", "--orchestrator.max_restarts_per_role", "-1"])
+
+
+@pytest.mark.slow
+def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing(tmp_path):
+    """A live run with `max_restarts_per_role: 1`: the env actor killed after step 2 is replaced (and counted in
+    the step metrics); killed again after step 4, the run stops with the bound's error and shuts everything down."""
+    import json
+    import subprocess
+    import time
+
+    import ray
+
+    from marin_rl.orchestrator.hooks import StepHook
+    from marin_rl.orchestrator.orchestrator import Orchestrator
+
+    out = tmp_path / "run"
+    config = parse_config(
+        ["--config", "experiments/quickstart.yaml", "--output_dir", str(out), "--orchestrator.num_steps", "30",
+         "--orchestrator.eval_every", "1000", "--orchestrator.num_cpus", "2", "--learner.warm_start.steps", "10",
+         "--orchestrator.max_restarts_per_role", "1", "--checkpoint.save_on_exit", "false"]
+    )  # fmt: skip
+    orchestrator = Orchestrator(config)
+    killed = []
+
+    def kill_env_actor(step: int) -> None:
+        if step in (2, 4):
+            ray.kill(orchestrator.pools["addition"].actors[0])
+            killed.append(step)
+
+    orchestrator.hooks.hooks.append(StepHook("kill_env_actor", 1, kill_env_actor))
+    with pytest.raises(RestartLimitExceeded, match="env actors of addition were already replaced 1 times"):
+        orchestrator.run()
+    assert killed == [2, 4]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    restarts = [r["envs/addition/actor_restarts"] for r in rows if "envs/addition/actor_restarts" in r]
+    assert restarts[:2] == [0.0, 0.0] and restarts[-1] == 1.0, restarts
+    assert max(r["step"] for r in rows if "learner/loss" in r) < 30, "the run stopped at the bound"
+    deadline = time.time() + 30  # and shut everything down on its way out
+    while (left := subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()) and (
+        time.time() < deadline
+    ):
+        time.sleep(0.5)
+    assert left == [], f"actor processes still running: {left}"
+    assert orchestrator._watchdog is None, "the watcher is stopped with the run"

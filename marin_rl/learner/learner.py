@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from marin_rl.learner.distributed import host_arrays
+from marin_rl.learner.distributed import host_arrays, is_primary
 from marin_rl.learner.losses import (
     OBJECTIVES,
     LossConfig,
@@ -602,9 +603,18 @@ class Learner:
         return host_arrays(jax.tree_util.tree_leaves(eqx.filter(self.model, eqx.is_array)))
 
     def export_hf(self, path: str, tokenizer) -> str:
-        """Save the current policy and `tokenizer` as a Hugging Face checkpoint at `path` (local or fsspec URL)."""
+        """Save the current policy and `tokenizer` as a Hugging Face checkpoint at `path` (local or fsspec URL).
+
+        A multi-host learner gathers the policy on every process (each must call this), but only process 0 writes
+        `path`: Levanter's converter writes every file on every process, and two processes writing one directory
+        race (one read the other's half-written tokenizer_config.json). The others write to a scratch directory
+        that is removed."""
         with self._sharding():  # a sharded policy is gathered under its own mesh
-            return export_hf_checkpoint(self.model, tokenizer, path)
+            if is_primary():
+                return export_hf_checkpoint(self.model, tokenizer, path)
+            with tempfile.TemporaryDirectory(prefix="marin_rl_hf_scratch_") as scratch:
+                export_hf_checkpoint(self.model, tokenizer, scratch)
+            return path
 
     # ---- checkpoint state ------------------------------------------------------------------------------
     def state(self) -> dict:

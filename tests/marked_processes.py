@@ -12,6 +12,15 @@ def new_mark() -> tuple[str, str]:
     return "MARIN_RL_TEST_MARK", uuid.uuid4().hex
 
 
+def _running(pid: str) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
 def marked_processes(variable: str, value: str) -> list[int]:
     """Live processes (zombies excluded) whose environment has `variable=value`."""
     entry = f"{variable}={value}".encode()
@@ -20,11 +29,9 @@ def marked_processes(variable: str, value: str) -> list[int]:
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
                 env = f.read().split(b"\0")
-            with open(f"/proc/{name}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        except OSError:
             continue
-        if entry in env and state not in "ZX":
+        if entry in env and _running(name):
             pids.append(int(name))
     return pids
 
@@ -35,13 +42,7 @@ def dead_weight_slot_dirs(root: str, prefix: str) -> list[str]:
     for name in os.listdir(root) if os.path.isdir(root) else []:
         if not name.startswith(prefix):
             continue
-        pid = name[len(prefix) :].split("-", 1)[0]
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                alive = f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-        except (OSError, IndexError):
-            alive = False
-        if not alive:
+        if not _running(name[len(prefix) :].split("-", 1)[0]):
             dead.append(os.path.join(root, name))
     return dead
 

@@ -33,9 +33,9 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
     the step metrics); killed again after step 4, the run stops with the bound's error and shuts everything down."""
     import json
     import subprocess
-    import time
 
     import ray
+    from marked_processes import wait_until
 
     from marin_rl.orchestrator.hooks import StepHook
     from marin_rl.orchestrator.orchestrator import Orchestrator
@@ -62,10 +62,10 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
     restarts = [r["envs/addition/actor_restarts"] for r in rows if "envs/addition/actor_restarts" in r]
     assert restarts[:2] == [0.0, 0.0] and restarts[-1] == 1.0, restarts
     assert max(r["step"] for r in rows if "learner/loss" in r) < 30, "the run stopped at the bound"
-    deadline = time.time() + 30  # and shut everything down on its way out
-    while (left := subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()) and (
-        time.time() < deadline
-    ):
-        time.sleep(0.5)
-    assert left == [], f"actor processes still running: {left}"
+
+    def actor_processes() -> list[str]:
+        return subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()
+
+    wait_until(lambda: not actor_processes(), 30, poll_s=0.5)  # and shut everything down on its way out
+    assert actor_processes() == [], f"actor processes still running: {actor_processes()}"
     assert orchestrator._watchdog is None, "the watcher is stopped with the run"

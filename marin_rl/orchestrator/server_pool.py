@@ -34,7 +34,6 @@ class ServerPool:
         self.actors = [self._spawn(i) for i in range(config.inference.num_servers)]
         self.addresses: list[str] = []
         self.last_update: WeightUpdate | None = None
-        self.restarts = 0
         self.budget = RestartBudget("inference servers", config.orchestrator.max_restarts_per_role)
         self._stats_refs: list = []
 
@@ -47,6 +46,11 @@ class ServerPool:
     def ready_calls(self) -> list:
         """(actor, ready ref) per server, for `wait_for_actors` (the ref yields the server's address)."""
         return [(s, s.get_address.remote()) for s in self.actors]
+
+    @property
+    def restarts(self) -> int:
+        """Servers replaced by this driver."""
+        return self.budget.spent
 
     @property
     def start_timeout_s(self) -> float:
@@ -88,7 +92,6 @@ class ServerPool:
         self.budget.spend(f"inference server {index}")
         t = time.time()
         deadline = t + self.start_timeout_s
-        self.restarts += 1
         while True:
             try:
                 ray.kill(self.actors[index])

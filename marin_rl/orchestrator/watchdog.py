@@ -35,21 +35,16 @@ GRACE_S = 3.0
 """How long processes get after SIGTERM before SIGKILL."""
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat (state first), None when the process is gone."""
+def process_token(pid: int) -> str | None:
+    """'<pid>:<start time in clock ticks since boot>' of a live process (None when it is gone or a zombie): unlike
+    the pid alone, it never names a later process that reused the pid."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2 :].split()  # the command name in parentheses may hold spaces
-
-
-def process_token(pid: int) -> str | None:
-    """'<pid>:<start time in clock ticks since boot>' of a live process (None when it is gone or a zombie): unlike
-    the pid alone, it never names a later process that reused the pid."""
-    fields = _stat_fields(pid)
-    if fields is None or fields[0] in "ZX":
+    fields = stat[stat.rindex(")") + 2 :].split()  # from the state on: the command name may hold spaces
+    if fields[0] in "ZX":
         return None
     return f"{pid}:{fields[19]}"  # field 22 of stat, the 20th after the name and state
 
@@ -81,12 +76,7 @@ def _run_tokens() -> dict[int, str]:
 
 def processes_of(token: str) -> list[int]:
     """The live processes (zombies excluded) that carry `token`, this process excluded."""
-    pids = []
-    for pid, t in _run_tokens().items():
-        fields = _stat_fields(pid)
-        if t == token and pid != os.getpid() and fields is not None and fields[0] not in "ZX":
-            pids.append(pid)
-    return pids
+    return [pid for pid, t in _run_tokens().items() if t == token and pid != os.getpid() and process_token(pid)]
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

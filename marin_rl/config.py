@@ -66,13 +66,15 @@ class OrchestratorConfig:
     """Make the run a deterministic function of the config, so that a resumed run ends exactly where an
     uninterrupted one does (at some cost in throughput). Requires `max_staleness: 0`. Each group is sampled with a
     seed derived from (seed, env, epoch, problem index); finished groups enter the buffers in the order their problems
-    were handed out; a batch is formed only when no group is in flight. Exact for environments whose episodes are a
+    were handed out; a batch is formed only when no group is in flight; evaluation samples are seeded per held-out
+    problem. Exact for environments whose episodes are a
     function of the problem and the sampled tokens; `checkpoint.every` should be a multiple of
     `broadcast.sync_every` (a resumed run serves the checkpoint's weights)."""
     max_restarts_per_role: int = 20
-    """How many dead actors of one role (the inference servers together; the env actors of one environment) the
-    driver replaces before it stops the run with an error naming the role. Counted from the driver's start (a
-    resumed run starts again from 0); 0: a dead actor ends the run."""
+    """How many dead actors of one role (the inference servers together; the env actors of one environment; the
+    learner, replaced as a whole and rolled back to its latest checkpoint) the driver replaces before it stops the run
+    with an error naming the role. Counted from the driver's start (a resumed run starts again from 0); 0: a dead
+    actor ends the run."""
 
 
 @dataclass

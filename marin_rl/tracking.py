@@ -69,6 +69,13 @@ class JsonlTracker(Tracker):
         self.history.append(row)
         self._write(row)
 
+    def mark_resume(self, step: int, checkpoint: str | None) -> None:
+        """The run went back to `step` without a new process (its learner was replaced and restored from
+        `checkpoint`, None: the start): a resume marker, so rows logged from now on for later steps supersede those
+        logged before."""
+        self.history = [r for r in self.history if r["step"] <= step]
+        self._write({"resume": {"step": step, "checkpoint": checkpoint, "time": time.time()}})
+
     def log_summary(self, metrics: dict[str, Any]):
         self._write({"summary": {k: _jsonable(v) for k, v in metrics.items()}})
 

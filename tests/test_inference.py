@@ -342,3 +342,36 @@ def test_control_routes_need_the_run_secret_and_change_what_is_served(setup, tmp
         server.resume()
         server.apply_weights(served, learner.weights())
         transport.close()
+
+
+def _closed_address() -> str:
+    """An address on which nothing listens (a port just bound and released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_request_to_an_unreachable_server_is_sent_to_another_and_counted(setup):
+    import openai
+
+    from marin_rl.inference.client import PolicyClient
+
+    tok, env, _, _, address = setup
+    prompt = env.encode_prompt(env.train_problems()[0])
+    dead = _closed_address()
+
+    async def sample(servers, seeds):
+        client = PolicyClient(servers, timeout_s=30)
+        out = [(await client.sample(prompt, n=1, max_tokens=5, seed=s))[0] for s in seeds]
+        return out, client.retried_requests
+
+    seeds = [11, 12, 13]
+    expected, _ = asyncio.run(sample([address], seeds))
+    got, retried = asyncio.run(sample([dead, address], seeds))  # the dead one is tried first (listed first, idle)
+    assert retried == 1, "one request found the dead server; later ones avoid it"
+    assert [s.token_ids for s in got] == [s.token_ids for s in expected], "a seeded request samples the same"
+    assert {s.server for s in got} == {address}
+    with pytest.raises(openai.APIConnectionError):
+        asyncio.run(sample([dead], [1]))

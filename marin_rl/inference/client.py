@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 import httpx
 import numpy as np
-from openai import AsyncOpenAI
+from openai import APIConnectionError, APITimeoutError, AsyncOpenAI
+
+logger = logging.getLogger("marin_rl")
 
 
 @dataclass
@@ -82,11 +85,20 @@ class PolicyClient:
             for s in self.servers
         }
         self._outstanding = dict.fromkeys(self.servers, 0)
+        self._unreachable_until = dict.fromkeys(self.servers, 0.0)
+        self.retried_requests = 0
+        """Requests sent again to another server because theirs could not be reached."""
         # httpx's connection pool does work quadratic in the number of waiting requests; queue them here instead.
         self._slots = {s: asyncio.Semaphore(max_concurrent_requests) for s in self.servers}
 
-    def _pick_server(self) -> str:
-        return min(self.servers, key=lambda s: self._outstanding[s])
+    UNREACHABLE_S = 30.0
+    """How long a server that refused a connection gets no new requests while others are there."""
+
+    def _pick_server(self, exclude: list[str]) -> str:
+        """The reachable server with the fewest outstanding requests (those that just failed to connect last)."""
+        now = time.time()
+        candidates = [s for s in self.servers if s not in exclude]
+        return min(candidates, key=lambda s: (self._unreachable_until[s] > now, self._outstanding[s]))
 
     async def sample(
         self,
@@ -99,17 +111,32 @@ class PolicyClient:
         stop: list[str] | None = None,
         seed: int | None = None,
     ) -> list[Sample]:
-        """Sample `n` completions of `prompt_ids` in one request to the least-loaded server."""
-        server = self._pick_server()
-        self._outstanding[server] += n
-        start = time.time()
-        try:
-            async with self._slots[server]:
-                resp = await self._create(server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids)
-        finally:
-            self._outstanding[server] -= n
-        latency = time.time() - start
-        return self._parse(resp, n, server, latency)
+        """Sample `n` completions of `prompt_ids` in one request to the least-loaded server. A server that cannot be
+        reached (`openai.APIConnectionError`: gone, restarting) is avoided for `UNREACHABLE_S` and the request is sent
+        to another one (counted in `retried_requests`); the error is raised once every server failed to connect."""
+        tried: list[str] = []
+        while True:
+            server = self._pick_server(tried)
+            self._outstanding[server] += n
+            start = time.time()
+            try:
+                async with self._slots[server]:
+                    resp = await self._create(
+                        server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids
+                    )
+            except APIConnectionError as e:
+                if isinstance(e, APITimeoutError):  # reached but slow: sending it elsewhere would double the work
+                    raise
+                tried.append(server)
+                self._unreachable_until[server] = time.time() + self.UNREACHABLE_S
+                if len(tried) == len(self.servers):
+                    raise
+                self.retried_requests += 1
+                logger.warning("server %s cannot be reached; sending the request to another server", server)
+                continue
+            finally:
+                self._outstanding[server] -= n
+            return self._parse(resp, n, server, time.time() - start)
 
     async def _create(self, server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids):
         return await self._clients[server].completions.create(

@@ -50,6 +50,7 @@ from marin_rl.inference.openai_api import (
     FrontEndCounters,
     openai_app,
 )
+from marin_rl.inference.reaper import reap_with_parent
 from marin_rl.inference.vllm_env import vllm_python
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class VllmServer:
         self.log_path = os.path.join(log_dir or self._workdir, f"{name}.log")
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
+        self._reaper: subprocess.Popen | None = None  # ends vLLM's group if this process dies
         self.restarts = 0
         self._failed_checks = 0
         self._shm_before: set[str] = set()
@@ -210,6 +212,7 @@ class VllmServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stop() ends the engine and workers too
         )
+        self._reaper = reap_with_parent(self.proc.pid)  # and so does this process's death, even by SIGKILL
         logger.info("%s: launched vLLM (pid %d) on port %d, log %s", self.name, self.proc.pid, self.port, self.log_path)
         deadline = start + self.startup_timeout_s
         while True:
@@ -269,6 +272,7 @@ class VllmServer:
         proc = self.proc
         if proc is None:
             return
+        reaper, self._reaper = self._reaper, None
         try:
             pgid = os.getpgid(proc.pid)
         except ProcessLookupError:
@@ -290,6 +294,9 @@ class VllmServer:
                 continue
             break
         proc.poll()
+        if reaper is not None:  # it exits once the group is gone; collect it
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                reaper.wait(timeout=5)
         self._reap_shared_memory()
 
     def _reap_shared_memory(self) -> None:

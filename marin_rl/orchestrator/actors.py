@@ -10,6 +10,7 @@ import asyncio
 import shutil
 import tempfile
 import time
+import traceback
 
 import numpy as np
 import ray
@@ -17,6 +18,7 @@ import ray
 from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import SamplingParams, reference_examples
+from marin_rl.envs.iteration import stream_id
 from marin_rl.inference.client import PolicyClient, SeededPolicy
 from marin_rl.learner import distributed
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
@@ -158,6 +160,17 @@ class ServerActor:
             shutil.rmtree(self._export_dir, ignore_errors=True)
 
 
+class EpisodeError(RuntimeError):
+    """An episode raised. Carries the original exception as text: some clients' exceptions (the `openai` client's
+    connection errors) cannot be rebuilt on the driver, which would then see Ray's `UnserializableException`
+    instead of a failed task."""
+
+    @classmethod
+    def wrapping(cls, error: BaseException) -> EpisodeError:
+        detail = "".join(traceback.format_exception(error)[-3:]).strip()
+        return cls(f"{type(error).__name__}: {error}\n{detail}")
+
+
 @ray.remote(num_cpus=0)
 class EnvActor:
     """Runs episodes of one environment against the inference servers (many groups concurrently)."""
@@ -169,7 +182,10 @@ class EnvActor:
         self.env = make_environment(self.env_config, self.tokenizer, seed=config.orchestrator.seed)
         self.servers = servers
         self.client: PolicyClient | None = None
+        self._retries_of_old_clients = 0
+        self._retries_reported = 0
         self.timeout = config.inference.request_timeout_s
+        self.eval_seed = config.orchestrator.seed if config.orchestrator.deterministic else None
         self.problems = self.env.train_problems()
         if not self.problems:
             raise ValueError(f"environment {self.env_config.name} has no training problems")
@@ -182,6 +198,8 @@ class EnvActor:
     def set_servers(self, servers: list[str]) -> None:
         """Send new requests to `servers` (a server was replaced); requests in flight finish where they are."""
         self.servers = list(servers)
+        if self.client is not None:
+            self._retries_of_old_clients += self.client.retried_requests
         self.client = None
 
     def num_problems(self) -> int:
@@ -197,22 +215,51 @@ class EnvActor:
             raise IndexError(f"problem index {problem_index} outside the {len(self.problems)} training problems")
         problem = self.problems[problem_index]
         policy = self._policy() if seed is None else SeededPolicy(self._policy(), seed)
-        group = await self.env.run_group(policy, problem, self.env_config.group_size, self.env_config.sampling)
-        return group.to_dict()
+        try:
+            group = await self.env.run_group(policy, problem, self.env_config.group_size, self.env_config.sampling)
+        except Exception as e:
+            raise EpisodeError.wrapping(e) from None
+        out = group.to_dict()
+        out["retried_requests"] = self._take_retried_requests()
+        return out
+
+    def _take_retried_requests(self) -> int:
+        """Requests this actor's clients sent again to another server since the last call."""
+        total = self._retries_of_old_clients + (self.client.retried_requests if self.client is not None else 0)
+        new, self._retries_reported = total - self._retries_reported, total
+        return new
 
     def warm_start_examples(self) -> list[tuple[list[int], list[int]]]:
         """(prompt_ids, completion_ids + EOS) pairs from the environment's reference completions."""
         return reference_examples(self.env, self.tokenizer)
 
+    def _eval_policy(self, problem: int):
+        """The policy for evaluating held-out problem `problem`: seeded per problem in deterministic runs, so that an
+        evaluation is a function of the weights (the same samples at every evaluation of the run)."""
+        if self.eval_seed is None:
+            return self._policy()
+        seed = np.random.SeedSequence([self.eval_seed, stream_id(self.env_config.name), 1 << 20, problem])
+        return SeededPolicy(self._policy(), int(seed.generate_state(1)[0]) >> 2)
+
     async def evaluate(self) -> dict[str, float]:
         """Mean reward, pass@1 and pass@k on held-out problems (k = eval_samples_per_problem)."""
+        try:
+            return await self._evaluate()
+        except Exception as e:
+            raise EpisodeError.wrapping(e) from None
+
+    async def _evaluate(self) -> dict[str, float]:
         cfg = self.env_config
         problems = self.env.eval_problems()[: cfg.num_eval_problems]
         k = cfg.eval_samples_per_problem
-        groups = await asyncio.gather(*(self.env.run_group(self._policy(), p, k, cfg.sampling) for p in problems))
+        groups = await asyncio.gather(
+            *(self.env.run_group(self._eval_policy(i), p, k, cfg.sampling) for i, p in enumerate(problems))
+        )
         rewards = np.array([[r.reward for r in g.rollouts] for g in groups])
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.sampling.max_tokens)
-        greedy_groups = await asyncio.gather(*(self.env.run_group(self._policy(), p, 1, greedy) for p in problems))
+        greedy_groups = await asyncio.gather(
+            *(self.env.run_group(self._eval_policy(i), p, 1, greedy) for i, p in enumerate(problems))
+        )
         greedy_rewards = np.array([g.rollouts[0].reward for g in greedy_groups])
         name = cfg.name
         return {

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
@@ -24,7 +24,8 @@ class EnvPool:
 
     `launch(n)` hands out up to `n` problems (each replica runs at most `concurrency` groups at once); `collect()`
     returns the finished groups. Deterministic runs (`orchestrator.deterministic`) sample each group with a seed
-    derived from its ticket and collect groups only in hand-out order.
+    derived from its ticket and collect groups only in hand-out order; a group that fails (or whose actor dies) is
+    sampled again with the same seed in its place in that order, so the run goes on as if nothing had failed.
     """
 
     def __init__(
@@ -51,11 +52,15 @@ class EnvPool:
         self.iterator = ProblemIterator(num_problems, config.orchestrator.seed, stream_id(self.env.name))
         self.inflight: dict[ray.ObjectRef, tuple[int, ProblemTicket, Any]] = {}
         """ref -> (replica, ticket, actor), in hand-out order."""
+        self.to_resample: list[tuple[int, ProblemTicket]] = []
+        """Deterministic runs: failed groups (replica, ticket) to start again, at the head of the order."""
         self.batch_size = RolloutsPerBatch(tokens_per_batch, self.env.sampling.max_tokens + 16)
         self.restarts = 0
         self.budget = RestartBudget(f"env actors of {self.env.name}", config.orchestrator.max_restarts_per_role)
         self.failed_groups = 0
         """Groups that raised (e.g. their server went away) and were handed out again."""
+        self.retried_requests = 0
+        """Requests sent again to another server because theirs could not be reached (the group went on)."""
         self._new_failures = 0
         self._failures_in_a_row = 0
 
@@ -65,8 +70,13 @@ class EnvPool:
 
     @property
     def in_flight_rollouts(self) -> int:
-        """Rollouts of the groups in flight."""
-        return len(self.inflight) * self.env.group_size
+        """Rollouts of the groups in flight (and of those waiting to be sampled again)."""
+        return (len(self.inflight) + len(self.to_resample)) * self.env.group_size
+
+    @property
+    def busy(self) -> bool:
+        """Whether a group is in flight or waiting to be sampled again."""
+        return bool(self.inflight or self.to_resample)
 
     def _spawn(self, replica: int):
         options = {} if self.launcher is None else self.launcher.env_options(self.index, replica)
@@ -75,7 +85,19 @@ class EnvPool:
         )
 
     def launch(self, groups: int) -> int:
-        """Start up to `groups` groups on replicas with room (fewest in flight first); returns how many started."""
+        """Start up to `groups` groups on replicas with room (fewest in flight first); returns how many started.
+        Groups to sample again (deterministic runs) start first, at the head of the order, outside that count."""
+        if self.to_resample:
+            again = {}
+            for replica, ticket in self.to_resample:
+                actor = self.actors[replica]
+                again[actor.run_group.remote(ticket.index, self.iterator.sample_seed(ticket))] = (
+                    replica,
+                    ticket,
+                    actor,
+                )
+            self.inflight = {**again, **self.inflight}
+            self.to_resample = []
         started = 0
         per_replica = [0] * len(self.actors)
         for replica, _, _ in self.inflight.values():
@@ -104,7 +126,7 @@ class EnvPool:
         A group whose actor died is not returned: its ticket is requeued (handed out again first) and the actor
         restarted.
         """
-        if not self.inflight:
+        if not self.inflight or self.to_resample:  # deterministic: the head of the order is to be sampled again
             return []
         refs = self.wait_refs()
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -116,15 +138,17 @@ class EnvPool:
             try:
                 group = ray.get(ref)
             except RayActorError:
-                self.iterator.requeue(ticket)
+                self._hand_out_again(replica, ticket)
                 self._new_failures += 1  # its node may be gone, and a server with it
                 if self.actors[replica] is actor:
                     self.restart(replica)
                 continue
-            except RayTaskError as e:  # the episode raised: most often its server is gone; hand the problem out again
-                self._failed(ticket, e)
+            except (RayTaskError, UnserializableException) as e:  # the episode raised: most often its server is
+                # gone; hand the problem out again
+                self._failed(replica, ticket, e)
                 continue
             self._failures_in_a_row = 0
+            self.retried_requests += int(group.pop("retried_requests", 0))
             self.batch_size.observe_rollout_tokens(
                 [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]
             )
@@ -134,8 +158,14 @@ class EnvPool:
     MAX_FAILURES_IN_A_ROW = 200
     """More groups failing in a row than this, with none succeeding in between, is a bug, not an outage."""
 
-    def _failed(self, ticket: ProblemTicket, error: Exception) -> None:
-        self.iterator.requeue(ticket)
+    def _hand_out_again(self, replica: int, ticket: ProblemTicket) -> None:
+        if self.deterministic:
+            self.to_resample.append((replica, ticket))  # same seed, same place in the order
+        else:
+            self.iterator.requeue(ticket)  # first in line
+
+    def _failed(self, replica: int, ticket: ProblemTicket, error: Exception) -> None:
+        self._hand_out_again(replica, ticket)
         self.failed_groups += 1
         self._new_failures += 1
         self._failures_in_a_row += 1
@@ -173,6 +203,19 @@ class EnvPool:
         logger.error("env actor %s/%d died; restarting it", self.env.name, replica)
         self.restarts += 1
         self.actors[replica] = self._spawn(replica)
+
+    def drop_in_flight(self) -> int:
+        """Cancel the groups in flight and forget them (the run rolled back: the restored problem order hands their
+        problems out again); returns how many were dropped."""
+        for ref in self.inflight:
+            try:
+                ray.cancel(ref)  # an async actor task: its episode is cancelled where it awaits
+            except Exception:
+                pass
+        dropped = len(self.inflight) + len(self.to_resample)
+        self.inflight.clear()
+        self.to_resample = []
+        return dropped
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint state: the problem order (in-flight problems become redo), the batch-size estimate, counters."""

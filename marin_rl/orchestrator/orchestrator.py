@@ -14,6 +14,10 @@ from the latest complete checkpoint: the learner is restored, the servers get it
 problems whose groups were in flight are handed out again first, the warm start is not rerun and metrics.jsonl is
 appended to. `orchestrator.deterministic` makes the loop a deterministic function of the config (see its docstring),
 so a resumed run ends exactly where an uninterrupted one does.
+
+Supervision: dead env actors and servers are replaced (`EnvPool`, `ServerPool`); a dead learner process is replaced
+with its peers and the run rolled back in-run to the latest checkpoint (`Orchestrator._replace_learner`); each role
+at most `orchestrator.max_restarts_per_role` times.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
+from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.orchestrator.server_pool import ServerPool
 from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
@@ -109,6 +114,10 @@ class Orchestrator:
         self._watchdog: Watchdog | None = None
         self._started_ray = False
         self.learner: LearnerGroup | None = None
+        self.learner_budget = RestartBudget("learner", config.orchestrator.max_restarts_per_role)
+        self.rolled_back_steps = 0
+        """Learner steps lost to learner deaths (trained, then rolled back to a checkpoint and trained again)."""
+        self.vocab_size = 0
         self.launcher: Launcher | None = None
         self.control_secret = config.inference.control_secret or secrets.token_urlsafe(24)
         self.servers: ServerPool | None = None
@@ -132,6 +141,9 @@ class Orchestrator:
         self.window = {"gen_tokens": 0, "since": time.time()}
         self.broadcast_transport: str | None = None  # what weights travel through ('auto' decides at the first)
         self.hooks = self._make_hooks()
+        self.jsonl = None  # the metrics log (a rollback marks it like a resume)
+        self._initial_state: dict[str, Any] | None = None  # pools and buffers before step 1: a rollback target
+        self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _loop(self, tracker) -> None:
@@ -140,20 +152,25 @@ class Orchestrator:
         allows, wait briefly, admit finished groups into the buffers. A checkpoint is taken in the first part, so a
         resumed run, which starts at the second, continues the same sequence of decisions."""
         while True:
-            if self.training is not None and self._training_done():
-                self._complete_step(tracker)
-            if self.step >= self.config.orchestrator.num_steps or (self.stop.requested and self.training is None):
-                return
-            if self.training is None and not self.stop.requested:
-                self._try_train()
-            if not self.stop.requested:
-                self._launch_groups()
-            self._wait_for_anything()
-            self._admit_finished_groups()
+            try:
+                if self.training is not None and self._training_done():
+                    self._complete_step(tracker)
+                if self.step >= self.config.orchestrator.num_steps or (self.stop.requested and self.training is None):
+                    return
+                if self.training is None and not self.stop.requested:
+                    self._try_train()
+                if not self.stop.requested:
+                    self._launch_groups()
+                self._wait_for_anything()
+                self._admit_finished_groups()
+            except RayActorError as e:
+                if not self.learner.owns(e):
+                    raise
+                self._replace_learner(e)
 
     def _training_done(self) -> bool:
-        """Whether every learner process has finished the step in flight."""
-        return len(ray.wait(self.training, num_returns=len(self.training), timeout=0)[0]) == len(self.training)
+        """Whether every learner process has finished the step in flight (raises a dead process's error)."""
+        return LearnerGroup.finished(self.training)
 
     def _wait_for_anything(self, timeout_s: float = 0.05) -> None:
         """Block until a group or the learner step finishes, at most `timeout_s`."""
@@ -165,7 +182,7 @@ class Orchestrator:
 
     def _try_train(self) -> None:
         """Form a batch and start a learner step on it (deterministic runs: only once no group is in flight)."""
-        if self.config.orchestrator.deterministic and any(p.inflight for p in self.pools.values()):
+        if self.config.orchestrator.deterministic and any(p.busy for p in self.pools.values()):
             return
         result = self.batcher.try_make_batch(self.step)
         if isinstance(result, BatchWait):
@@ -221,7 +238,7 @@ class Orchestrator:
 
     def _complete_step(self, tracker) -> None:
         """Book a finished learner step: its metrics, the batch's and the buffers', the due hooks, the log line."""
-        metrics = ray.get(self.training)[0]
+        metrics = LearnerGroup.get(self.training)[0]
         self.training = None
         self.step += 1
         step, last = self.step, self.step == self.config.orchestrator.num_steps
@@ -240,11 +257,65 @@ class Orchestrator:
         for name, pool in self.pools.items():  # counted, never silent: actors replaced, groups handed out again
             metrics[f"envs/{name}/actor_restarts"] = float(pool.restarts)
             metrics[f"envs/{name}/failed_groups"] = float(pool.failed_groups)
+            metrics[f"envs/{name}/retried_requests"] = float(pool.retried_requests)
+        metrics["learner/restarts"] = float(self.learner_budget.spent)
+        metrics["learner/rolled_back_steps"] = float(self.rolled_back_steps)
         self.window = {"gen_tokens": 0, "since": now}
         metrics.update(self.hooks.run(step, last, stopping=self.stop.requested))
         tracker.log(metrics, step=step)
         if step % self.config.tracking.console_every == 0 or last:
             logger.info(console_line(step, metrics, self.env_names))
+
+    # ---- a dead learner ----------------------------------------------------------------------------------
+    def _replace_learner(self, error: RayActorError) -> None:
+        """A learner process died: replace the whole learner and roll the run back, in-run, to the latest complete
+        checkpoint (to the start of the run when there is none: the same initial weights and warm start).
+
+        The servers and env actors stay up. The groups in flight are cancelled, and the restored problem order hands
+        their problems out again; the buffers, counters and problem order are the checkpoint's, so steps trained
+        since it are trained again (counted in `learner/rolled_back_steps`), and nothing is skipped or sampled twice
+        beyond that. The servers get the restored weights before anything new is generated, and the metrics log
+        gets a resume marker, so each step has one effective row. `RestartLimitExceeded` once the learner was
+        replaced `orchestrator.max_restarts_per_role` times.
+        """
+        while True:
+            self.learner_budget.spend("a learner process")
+            started, before = time.time(), self.step
+            cause = str(error).splitlines()[0][:200] if str(error) else ""
+            logger.error("a learner process died (%s: %s) after step %d; replacing the learner and rolling back to "
+                         "the latest checkpoint", type(error).__name__, cause, before)  # fmt: skip
+            self.learner.kill()
+            self.training = self.formed = None
+            self.waiting_for = {}
+            dropped = sum(pool.drop_in_flight() for pool in self.pools.values())
+            restarts = {n: pool.restarts for n, pool in self.pools.items()}
+            path = latest_checkpoint(self.config.checkpoint_dir)
+            try:
+                self._start_learner(wait=True)
+                if path is not None:
+                    self._restore(path)
+                else:
+                    self._warm_start()  # a fresh learner has the initial weights; the warm start is deterministic
+                    self._load_run_state(self._initial_state)
+                    self.last_saved_step = None
+                self._broadcast()
+            except RayActorError as e:
+                if not self.learner.owns(e):
+                    raise
+                error = e
+                continue
+            break
+        for n, pool in self.pools.items():  # counted over the whole run, not only up to the checkpoint
+            pool.restarts = max(pool.restarts, restarts[n])
+        self.served_version = self.step
+        self.rolled_back_steps += before - self.step
+        if self.jsonl is not None:
+            self.jsonl.mark_resume(self.step, path)
+        self.window = {"gen_tokens": 0, "since": time.time()}
+        logger.warning(
+            "learner replaced in %.1fs: rolled back from step %d to step %d (%s); %d group(s) in flight dropped",
+            time.time() - started, before, self.step, path or "the start of the run", dropped,
+        )  # fmt: skip
 
     # ---- step hooks -----------------------------------------------------------------------------------
     def _make_hooks(self) -> StepHooks:
@@ -318,11 +389,15 @@ class Orchestrator:
         return out
 
     def _warm_start(self) -> dict[str, Any]:
+        """Supervised warm start on the environments' demonstrations (the same ones again when a learner that died
+        before the first checkpoint is replaced: an environment may draw them at random)."""
         if self.config.learner.warm_start.steps <= 0:
             return {}
-        examples = []
-        for pool in self.pools.values():
-            examples += ray.get(pool.actors[0].warm_start_examples.remote())
+        if self._warm_examples is None:
+            self._warm_examples = []
+            for pool in self.pools.values():
+                self._warm_examples += ray.get(pool.actors[0].warm_start_examples.remote())
+        examples = self._warm_examples
         logger.info(
             "warm start: %d supervised steps on %d demonstrations", self.config.learner.warm_start.steps, len(examples)
         )
@@ -354,12 +429,12 @@ class Orchestrator:
         cfg = self.config
         tokenizer = load_tokenizer(cfg.tokenizer)
         vocab_size = len(tokenizer)
+        self.vocab_size = vocab_size
         t = time.time()
         self.launcher = Launcher(cfg)
         self.launcher.check()
         self.launcher.reserve()
-        self.learner = LearnerGroup(cfg, vocab_size, self.launcher)
-        learner_ready = self.learner.start()
+        learner_ready = self._start_learner(wait=False)
         self.servers = ServerPool(cfg, self.launcher, self.control_secret)
         ready = wait_for_actors(
             {
@@ -391,6 +466,19 @@ class Orchestrator:
         }
         self.batcher = Batcher(cfg.batcher, self.buffers, fractions)
         logger.info("policy: %s parameters (learner on %d host(s))", f"{ready['learner'][0]:,}", cfg.learner.hosts)
+
+    def _start_learner(self, wait: bool) -> list[ray.ObjectRef]:
+        """Start the learner's processes (in the placement's bundles); their ready calls, awaited when `wait`
+        (bounded by `placement.wait_timeout_s`)."""
+        self.learner = LearnerGroup(self.config, self.vocab_size, self.launcher)
+        ready = self.learner.start()
+        if wait:
+            wait_for_actors(
+                {"learner": list(zip(self.learner.actors, ready, strict=True))},
+                {"learner": self.config.placement.learner},
+                self.config.placement.wait_timeout_s,
+            )
+        return ready
 
     def shutdown(self) -> None:
         """Stop servers and kill every actor, release the placement groups; shut Ray down if this run started it."""
@@ -457,6 +545,7 @@ class Orchestrator:
         self.learner.run("save_checkpoint", path, self.step)
         prune_checkpoints(root, self.config.checkpoint.keep)
         self.last_saved_step = self.step
+        self._initial_state = self._warm_examples = None  # a dead learner now returns to this checkpoint
         seconds = time.time() - start
         logger.info("checkpoint: saved step %d to %s in %.1fs", self.step, path, seconds)
         return seconds
@@ -474,13 +563,19 @@ class Orchestrator:
         version = self.learner.run("load_checkpoint", path)
         if version != step:
             raise ValueError(f"checkpoint {path}: the learner is at version {version}, the run at step {step}")
+        self._load_run_state(state)
+        self.last_saved_step = step
+
+    def _load_run_state(self, state: dict[str, Any]) -> None:
+        """Set the buffers, problem order and counters from a `_run_state()` (the learner is restored separately)."""
+        step = int(state["step"])
         for n, pool in self.pools.items():
             pool.load_state_dict(state["pools"][n])
             buffer_state = dict(state["buffers"][n])
             if "batcher" in state:  # format 1: the batcher counted too-long rollouts; the buffers do now
                 buffer_state["truncated_too_long"] = state["batcher"]["truncated_too_long"][n]
             self.buffers[n].load_state_dict(buffer_state)
-        self.step = self.last_saved_step = self.served_version = step
+        self.step = self.served_version = step
         self.warm = state["warm_start"]
         self.eval_start = state["eval_start"]
         self.last_eval = state["last_eval"]
@@ -503,7 +598,7 @@ class Orchestrator:
                 self._restore(resume_path)
                 logger.info("resumed from step %d at %s", self.step, resume_path)
             run_name = cfg.tracking.run_name or os.path.basename(os.path.normpath(self.output_dir))
-            tracker, jsonl = make_tracker(
+            tracker, self.jsonl = make_tracker(
                 self.output_dir,
                 cfg.tracking.wandb_mode,
                 cfg.tracking.wandb_project,
@@ -517,6 +612,7 @@ class Orchestrator:
                 self.warm = {"final_loss": warm["losses"][-1] if warm.get("losses") else None}
                 bmetrics = self._broadcast()
                 self.eval_start = self.last_eval = self._evaluate()
+                self._initial_state = self._run_state()  # where a learner that dies before a checkpoint returns
                 logger.info("eval at start: %s", _fmt(self.eval_start))
                 tracker.log({**self.eval_start, **bmetrics, "learner/version": 0}, step=0)
             else:
@@ -533,7 +629,7 @@ class Orchestrator:
             summary = self._summary(start_time, resume_path)
             tracker.log_summary(summary)
             write_summary(self.output_dir, summary)
-            plot_rewards(self.output_dir, jsonl.history, self.env_names)
+            plot_rewards(self.output_dir, self.jsonl.history, self.env_names)
             logger.info(
                 "done: eval reward %.3f -> %.3f (%+.3f) in %.0fs; see %s",
                 summary["eval_reward_start"],
@@ -559,8 +655,11 @@ class Orchestrator:
             "trained_tokens": self.total_trained_tokens,
             "env_restarts": sum(p.restarts for p in self.pools.values()),
             "server_restarts": self.servers.restarts,
+            "learner_restarts": self.learner_budget.spent,
+            "rolled_back_steps": self.rolled_back_steps,
             "server_addresses": list(self.servers.addresses),
             "failed_groups": sum(p.failed_groups for p in self.pools.values()),
+            "retried_requests": sum(p.retried_requests for p in self.pools.values()),
             "broadcast_transport": self.broadcast_transport,
             "final_checkpoint": os.path.join(self.output_dir, "hf", f"step-{self.step}"),
             "warm_start_steps": self.config.learner.warm_start.steps,

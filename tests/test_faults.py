@@ -2,10 +2,12 @@
 recovers by itself. Each run is compared with an uninterrupted one of the same config: every step logged once, every
 problem trained as often, the same batches; and, where the recovery path replays exactly, the same final parameters.
 
-Which recovery paths are exact (`orchestrator.deterministic`):
+Every recovery path is exact (`orchestrator.deterministic`), and the tests assert it:
 - learner: rolled back in-run to the latest checkpoint, the steps since are trained again, the same way;
 - env actor and inference server: the groups they lose are sampled again with their own seeds, in their place in
-  the hand-out order, and the replacement server serves the latest weights before any of them.
+  the hand-out order, and the replacement server serves the latest weights before any of them;
+- one server of two: its requests in flight are sent again to the other server (seeded requests sample the same
+  tokens from the same weights), so no group fails.
 The driver is covered by `test_resume.py` (SIGKILLed, then rerun from its checkpoint: exact, and nothing left behind).
 """
 
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 12, 3
 
 
-def _config(out: Path):
+def _config(out: Path, num_servers: int = 1):
     """A deterministic, shortened quickstart (one-digit addition, so that a short warm start earns rewards)."""
     import yaml
 
@@ -45,6 +47,7 @@ def _config(out: Path):
         num_steps=STEPS, max_staleness=0, deterministic=True, eval_every=1000, num_cpus=2, seed=3
     )
     cfg["checkpoint"] = {"every": EVERY, "keep": 2}
+    cfg["inference"]["num_servers"] = num_servers
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return parse_config(["--config", str(path)])
@@ -61,10 +64,10 @@ def _kill(orchestrator: Orchestrator, role: str) -> None:
         raise ValueError(role)
 
 
-def run_with_faults(out: Path, kills: dict[int, list[str]]) -> tuple[dict, Orchestrator]:
+def run_with_faults(out: Path, kills: dict[int, list[str]], num_servers: int = 1) -> tuple[dict, Orchestrator]:
     """Run the deterministic config into `out`, killing the given roles' actors right after the given steps (each
     step once: a step trained again after a rollback kills nothing). Returns the summary and the orchestrator."""
-    orchestrator = Orchestrator(_config(out))
+    orchestrator = Orchestrator(_config(out, num_servers))
     pending = dict(kills)
 
     def inject(step: int) -> None:
@@ -112,7 +115,13 @@ def reference(tmp_path_factory):
     return out, summary
 
 
-CASES = {"env": ["env"], "server": ["server"], "learner": ["learner"], "learner+server": ["learner", "server"]}
+CASES = {
+    "env": ["env"],
+    "server": ["server"],
+    "server of two": ["server"],  # its requests in flight go to the other server: no group fails
+    "learner": ["learner"],
+    "learner+server": ["learner", "server"],
+}
 
 
 @pytest.mark.slow
@@ -121,7 +130,8 @@ def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupt
     ref_out, ref_summary = reference
     step = random.Random(case).choice([s for s in range(2, STEPS) if s % EVERY])  # not right after a checkpoint
     out = tmp_path / case
-    summary, orchestrator = run_with_faults(out, {step: CASES[case]})
+    two = case == "server of two"
+    summary, orchestrator = run_with_faults(out, {step: CASES[case]}, num_servers=2 if two else 1)
     print(f"{case}: killed after step {step}; summary {json.dumps({k: summary[k] for k in _COUNTS})}")
 
     roles = CASES[case]
@@ -130,7 +140,10 @@ def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupt
     assert summary["server_restarts"] == roles.count("server")
     assert summary["learner_restarts"] == roles.count("learner")
     assert summary["rolled_back_steps"] == (step % EVERY if "learner" in roles else 0)
-    assert (summary["failed_groups"] > 0) == ("server" in roles), "groups lost with a server are counted"
+    if two:
+        assert summary["failed_groups"] == 0 and summary["retried_requests"] > 0, "retried on the other server"
+    else:
+        assert (summary["failed_groups"] > 0) == ("server" in roles), "groups lost with a server are counted"
 
     # every step has one effective row, the same batches and losses as the uninterrupted run
     rows, ref_rows = read_metrics(str(out / "metrics.jsonl")), read_metrics(str(ref_out / "metrics.jsonl"))
@@ -149,4 +162,4 @@ def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupt
 
 
 _COUNTS = ("env_restarts", "server_restarts", "learner_restarts", "rolled_back_steps", "failed_groups",
-           "generated_tokens", "eval_reward_start", "eval_reward_end", "wall_time_s")  # fmt: skip
+           "retried_requests", "generated_tokens", "eval_reward_start", "eval_reward_end", "wall_time_s")  # fmt: skip

@@ -114,7 +114,7 @@ class Orchestrator:
         self._watchdog: Watchdog | None = None
         self._started_ray = False
         self.learner: LearnerGroup | None = None
-        self.learner_budget = RestartBudget("learner", config.orchestrator.max_restarts_per_role)
+        self.learner_budget = RestartBudget("learner processes", config.orchestrator.max_restarts_per_role)
         self.rolled_back_steps = 0
         """Learner steps lost to learner deaths (trained, then rolled back to a checkpoint and trained again)."""
         self.vocab_size = 0
@@ -278,9 +278,9 @@ class Orchestrator:
         gets a resume marker, so each step has one effective row. `RestartLimitExceeded` once the learner was
         replaced `orchestrator.max_restarts_per_role` times.
         """
+        started, before = time.time(), self.step
         while True:
             self.learner_budget.spend("a learner process")
-            started, before = time.time(), self.step
             cause = str(error).splitlines()[0][:200] if str(error) else ""
             logger.error("a learner process died (%s: %s) after step %d; replacing the learner and rolling back to "
                          "the latest checkpoint", type(error).__name__, cause, before)  # fmt: skip

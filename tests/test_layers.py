@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "marin_rl"
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["types", "tokenizer", "logs", "tracking", "report", "placement"]),
+    ("foundation", ["types", "tokenizer", "logs", "tracking", "report", "placement", "processes"]),
     ("model", ["model"]),
     ("replay", ["replay"]),
     ("broadcast", ["broadcast"]),

@@ -13,7 +13,8 @@ import pytest
 from marked_processes import dead_weight_slot_dirs, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
-from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, driver_alive, process_token, sweep_orphans
+from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, driver_alive, sweep_orphans
+from marin_rl.processes import process_token
 
 # A driver as the orchestrator is one: it starts the watchdog, then processes that inherit its environment: a child,
 # a child in a session of its own with a grandchild (as vLLM servers and Ray's processes are), and a weight slot

@@ -52,6 +52,7 @@ from marin_rl.broadcast.base import (
     leaf_dtype,
     register_transport,
 )
+from marin_rl.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -124,21 +125,6 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except (OSError, IndexError):  # no /proc (not Linux), or gone since
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-
-
 def remove_stale_directories(root: str = DEFAULT_ROOT) -> list[str]:
     """Delete the private slot directories under `root` whose learner process is gone (killed before `close`);
     returns their paths."""
@@ -154,7 +140,7 @@ def remove_stale_directories(root: str = DEFAULT_ROOT) -> list[str]:
             pid = int(name[len(PRIVATE_PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(os.path.join(root, name))
     return removed

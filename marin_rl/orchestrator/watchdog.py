@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from marin_rl.processes import process_token
+
 logger = logging.getLogger(__name__)
 
 RUN_TOKEN_VARIABLE = "MARIN_RL_RUN"
@@ -33,20 +35,6 @@ RUN_TOKEN_VARIABLE = "MARIN_RL_RUN"
 
 GRACE_S = 3.0
 """How long processes get after SIGTERM before SIGKILL."""
-
-
-def process_token(pid: int) -> str | None:
-    """'<pid>:<start time in clock ticks since boot>' of a live process (None when it is gone or a zombie): unlike
-    the pid alone, it never names a later process that reused the pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # from the state on: the command name may hold spaces
-    if fields[0] in "ZX":
-        return None
-    return f"{pid}:{fields[19]}"  # field 22 of stat, the 20th after the name and state
 
 
 def driver_alive(token: str) -> bool:

@@ -1,0 +1,33 @@
+"""Whether a process is alive, as the cleanup code needs it: a zombie (dead, not yet reaped by its parent) is not,
+and a process is named by its pid and start time, so that a later process that reused the pid is not taken for it."""
+
+from __future__ import annotations
+
+import os
+
+
+def process_token(pid: int) -> str | None:
+    """'<pid>:<start time in clock ticks since boot>' of a live process (None when it is gone or a zombie): unlike
+    the pid alone, it never names a later process that reused the pid. Linux only (it reads /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # from the state on: the command name may hold spaces
+    if fields[0] in "ZX":
+        return None
+    return f"{pid}:{fields[19]}"  # field 22 of stat, the 20th after the name and state
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie does not. Without /proc (not Linux), whether the pid exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    if not os.path.isdir("/proc"):
+        return True
+    return process_token(pid) is not None

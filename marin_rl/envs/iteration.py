@@ -43,6 +43,11 @@ def stream_id(name: str) -> int:
     return zlib.crc32(name.encode("utf-8"))
 
 
+def derived_seed(*parts: int) -> int:
+    """A sampling seed below 2**30 (what servers accept), a pure function of `parts`."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0]) >> 2
+
+
 class ProblemIterator:
     """Seeded per-epoch shuffle over `num_problems` indices with outstanding-ticket bookkeeping (module docstring).
 
@@ -101,8 +106,7 @@ class ProblemIterator:
 
     def sample_seed(self, ticket: ProblemTicket) -> int:
         """A sampling seed for the ticket, a pure function of (seed, stream, epoch, index), below 2**30."""
-        state = np.random.SeedSequence([self.seed, self.stream, ticket.epoch, ticket.index]).generate_state(1)
-        return int(state[0]) >> 2
+        return derived_seed(self.seed, self.stream, ticket.epoch, ticket.index)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-compatible state: the order's identity, epoch, position, and the tickets to hand out again first

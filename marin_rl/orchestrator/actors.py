@@ -18,7 +18,7 @@ import ray
 from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import SamplingParams, reference_examples
-from marin_rl.envs.iteration import stream_id
+from marin_rl.envs.iteration import derived_seed, stream_id
 from marin_rl.inference.client import PolicyClient, SeededPolicy
 from marin_rl.learner import distributed
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
@@ -238,8 +238,8 @@ class EnvActor:
         evaluation is a function of the weights (the same samples at every evaluation of the run)."""
         if self.eval_seed is None:
             return self._policy()
-        seed = np.random.SeedSequence([self.eval_seed, stream_id(self.env_config.name), 1 << 20, problem])
-        return SeededPolicy(self._policy(), int(seed.generate_state(1)[0]) >> 2)
+        seed = derived_seed(self.eval_seed, stream_id(self.env_config.name), 1 << 20, problem)
+        return SeededPolicy(self._policy(), seed)
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward, pass@1 and pass@k on held-out problems (k = eval_samples_per_problem)."""

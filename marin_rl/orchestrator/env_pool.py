@@ -88,14 +88,7 @@ class EnvPool:
         """Start up to `groups` groups on replicas with room (fewest in flight first); returns how many started.
         Groups to sample again (deterministic runs) start first, at the head of the order, outside that count."""
         if self.to_resample:
-            again = {}
-            for replica, ticket in self.to_resample:
-                actor = self.actors[replica]
-                again[actor.run_group.remote(ticket.index, self.iterator.sample_seed(ticket))] = (
-                    replica,
-                    ticket,
-                    actor,
-                )
+            again = dict(self._start_group(replica, ticket) for replica, ticket in self.to_resample)
             self.inflight = {**again, **self.inflight}
             self.to_resample = []
         started = 0
@@ -106,13 +99,17 @@ class EnvPool:
             replica = min(range(len(self.actors)), key=lambda r: per_replica[r])
             if per_replica[replica] >= self.env.concurrency:
                 break
-            ticket = self.iterator.next()
-            seed = self.iterator.sample_seed(ticket) if self.deterministic else None
-            actor = self.actors[replica]
-            self.inflight[actor.run_group.remote(ticket.index, seed)] = (replica, ticket, actor)
+            ref, entry = self._start_group(replica, self.iterator.next())
+            self.inflight[ref] = entry
             per_replica[replica] += 1
             started += 1
         return started
+
+    def _start_group(self, replica: int, ticket: ProblemTicket) -> tuple[ray.ObjectRef, tuple[int, ProblemTicket, Any]]:
+        """Start `ticket`'s group on `replica` (seeded in deterministic runs); its `inflight` entry."""
+        seed = self.iterator.sample_seed(ticket) if self.deterministic else None
+        actor = self.actors[replica]
+        return actor.run_group.remote(ticket.index, seed), (replica, ticket, actor)
 
     def wait_refs(self) -> list[ray.ObjectRef]:
         """What the driver waits on: every in-flight group, or (deterministic) only the oldest one."""

@@ -49,11 +49,11 @@ class LearnerGroup:
     def get(refs: list[ray.ObjectRef]) -> list[Any]:
         """The results of one call on every process, raising the first failure without waiting for the others
         (which may be blocked in a collective with the dead process)."""
-        pending = list(refs)
+        results, pending = {}, list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready[0])
-        return ray.get(refs)
+            results[ready[0]] = ray.get(ready[0])
+        return [results[r] for r in refs]
 
     @staticmethod
     def finished(refs: list[ray.ObjectRef]) -> bool:

@@ -17,40 +17,25 @@ import json
 import random
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 import ray
+from deterministic_run import deterministic_config, final_learner_arrays
 
 from marin_rl.config import parse_config
 from marin_rl.orchestrator.hooks import StepHook
 from marin_rl.orchestrator.orchestrator import Orchestrator
 from marin_rl.tracking import JsonlTracker, read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 12, 3
 
 
-def _config(out: Path, num_servers: int = 1):
-    """A deterministic, shortened quickstart (one-digit addition, so that a short warm start earns rewards)."""
-    import yaml
-
-    cfg = yaml.safe_load((ROOT / "experiments" / "quickstart.yaml").read_text())
-    cfg["output_dir"] = str(out)
-    env = cfg["envs"][0]
-    env["args"] = {"max_operand": 9, "num_eval": 20, "demo_error_rate": 0.4}
-    env.update(num_eval_problems=16, eval_samples_per_problem=4)
-    cfg["learner"]["warm_start"]["steps"] = 60
-    cfg["learner"]["optimizer"]["learning_rate"] = 1e-3
-    cfg["batcher"]["total_token_budget"] = 1024
-    cfg["orchestrator"].update(
-        num_steps=STEPS, max_staleness=0, deterministic=True, eval_every=1000, num_cpus=2, seed=3
-    )
-    cfg["checkpoint"] = {"every": EVERY, "keep": 2}
-    cfg["inference"]["num_servers"] = num_servers
-    path = out.parent / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return parse_config(["--config", str(path)])
+def _config(out: Path, num_servers: int = 1) -> Path:
+    """A run that learns within its 12 steps (a longer warm start, a higher learning rate, a larger held-out set)."""
+    return deterministic_config(
+        out, STEPS, EVERY, warm_start_steps=60, eval_problems=16, eval_samples=4, learning_rate=1e-3,
+        num_servers=num_servers,
+    )  # fmt: skip
 
 
 def _kill(orchestrator: Orchestrator, role: str) -> None:
@@ -67,7 +52,7 @@ def _kill(orchestrator: Orchestrator, role: str) -> None:
 def run_with_faults(out: Path, kills: dict[int, list[str]], num_servers: int = 1) -> tuple[dict, Orchestrator]:
     """Run the deterministic config into `out`, killing the given roles' actors right after the given steps (each
     step once: a step trained again after a rollback kills nothing). Returns the summary and the orchestrator."""
-    orchestrator = Orchestrator(_config(out, num_servers))
+    orchestrator = Orchestrator(parse_config(["--config", str(_config(out, num_servers))]))
     pending = dict(kills)
 
     def inject(step: int) -> None:
@@ -79,15 +64,7 @@ def run_with_faults(out: Path, kills: dict[int, list[str]], num_servers: int = 1
 
 
 def _final_params(out: Path) -> list[np.ndarray]:
-    from marin_rl.learner.checkpoint import latest_checkpoint, load_learner_state
-    from marin_rl.learner.learner import Learner
-    from marin_rl.tokenizer import load_tokenizer
-
-    cfg = _config(out)
-    learner = Learner(cfg.model, cfg.learner, len(load_tokenizer(cfg.tokenizer)))
-    load_learner_state(learner, latest_checkpoint(str(out / "checkpoints")))
-    assert learner.version == STEPS
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves((learner.model, learner.opt_state))]
+    return final_learner_arrays(out.parent / f"{out.name}.yaml", out, STEPS)
 
 
 def test_a_rollback_marks_the_metrics_log_so_that_each_step_has_one_effective_row(tmp_path):

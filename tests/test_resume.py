@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from deterministic_run import deterministic_config, final_learner_arrays
 from marked_processes import dead_weight_slot_dirs, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
@@ -264,26 +265,6 @@ def test_metrics_log_is_appended_on_resume_and_later_rows_supersede_lost_steps(t
 
 
 # ---- a real run killed with SIGKILL and resumed --------------------------------------------------------------
-def _config(tmp_path: Path, name: str, num_steps: int, every: int) -> Path:
-    """A deterministic, shortened quickstart (one-digit addition so that a short warm start earns rewards)."""
-    import yaml
-
-    cfg = yaml.safe_load((ROOT / "experiments" / "quickstart.yaml").read_text())
-    cfg["output_dir"] = str(tmp_path / name)
-    env = cfg["envs"][0]
-    env["args"] = {"max_operand": 9, "num_eval": 20, "demo_error_rate": 0.4}
-    env.update(num_eval_problems=8, eval_samples_per_problem=2)
-    cfg["learner"]["warm_start"]["steps"] = 30
-    cfg["batcher"]["total_token_budget"] = 1024
-    cfg["orchestrator"].update(
-        num_steps=num_steps, max_staleness=0, deterministic=True, eval_every=1000, num_cpus=2, seed=3
-    )
-    cfg["checkpoint"] = {"every": every, "keep": 2}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
 _SLOTS = (DEFAULT_ROOT, PRIVATE_PREFIX)
 
 
@@ -351,27 +332,13 @@ def _signal_when(proc: subprocess.Popen, log: Path, out: Path, sig: int, ready, 
         time.sleep(0.05)
 
 
-def _final_state(config: Path, output: Path, step: int):
-    """The learner's arrays (policy and optimizer state) in the run's final checkpoint."""
-    from marin_rl.run import parse_config
-    from marin_rl.tokenizer import load_tokenizer
-
-    cfg = parse_config(["--config", str(config)])
-    learner = Learner(cfg.model, cfg.learner, len(load_tokenizer(cfg.tokenizer)))
-    path = latest_checkpoint(str(output / "checkpoints"))
-    assert path == step_path(str(output / "checkpoints"), step)
-    load_learner_state(learner, path)
-    assert learner.version == step
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves((learner.model, learner.opt_state))]
-
-
 @pytest.mark.slow
 def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_path):
     """Deterministic runs (orchestrator.deterministic): one uninterrupted; one SIGKILLed after a checkpoint and a
     later step, resumed, stopped with SIGTERM (clean stop: checkpoint at that step), resumed again to the end."""
     steps, every = 12, 3
-    ref_cfg = _config(tmp_path, "reference", steps, every)
-    cfg = _config(tmp_path, "killed", steps, every)
+    ref_cfg = deterministic_config(tmp_path / "reference", steps, every)
+    cfg = deterministic_config(tmp_path / "killed", steps, every)
     ref_log, log = tmp_path / "reference.log", tmp_path / "killed.log"
     out = tmp_path / "killed"
     ckpts = out / "checkpoints"
@@ -445,8 +412,8 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
         for key in ("learner/loss", "learner/grad_norm", "learner/entropy", "learner/kl_sampler"):
             np.testing.assert_allclose(r[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=f"step {r['step']} {key}")
     assert any(abs(r["learner/loss"]) > 1e-4 for r in ref_rows[1:]), "the comparison needs a learning signal"
-    final = _final_state(cfg, out, steps)
-    ref_final = _final_state(ref_cfg, tmp_path / "reference", steps)
+    final = final_learner_arrays(cfg, out, steps)
+    ref_final = final_learner_arrays(ref_cfg, tmp_path / "reference", steps)
     for a, b in zip(final, ref_final, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     summary = json.loads((out / "summary.json").read_text())

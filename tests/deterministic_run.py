@@ -1,0 +1,58 @@
+"""The deterministic, shortened quickstart that the resume and fault tests run, and the learner state it ends with:
+one-digit addition, so that a short warm start earns rewards."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def deterministic_config(
+    out: Path,
+    num_steps: int,
+    every: int,
+    warm_start_steps: int = 30,
+    eval_problems: int = 8,
+    eval_samples: int = 2,
+    learning_rate: float | None = None,
+    num_servers: int = 1,
+) -> Path:
+    """Write the config of a run into `out` (checkpoint every `every` steps) next to it, as `<out>.yaml`; its path."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "experiments" / "quickstart.yaml").read_text())
+    cfg["output_dir"] = str(out)
+    env = cfg["envs"][0]
+    env["args"] = {"max_operand": 9, "num_eval": 20, "demo_error_rate": 0.4}
+    env.update(num_eval_problems=eval_problems, eval_samples_per_problem=eval_samples)
+    cfg["learner"]["warm_start"]["steps"] = warm_start_steps
+    if learning_rate is not None:
+        cfg["learner"]["optimizer"]["learning_rate"] = learning_rate
+    cfg["batcher"]["total_token_budget"] = 1024
+    cfg["inference"]["num_servers"] = num_servers
+    cfg["orchestrator"].update(
+        num_steps=num_steps, max_staleness=0, deterministic=True, eval_every=1000, num_cpus=2, seed=3
+    )
+    cfg["checkpoint"] = {"every": every, "keep": 2}
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def final_learner_arrays(config: Path, output: Path, step: int) -> list[np.ndarray]:
+    """The learner's arrays (policy and optimizer state) in the final checkpoint of the run of `config` in
+    `output`, which must be at `step`."""
+    from marin_rl.learner.checkpoint import latest_checkpoint, load_learner_state, step_path
+    from marin_rl.learner.learner import Learner
+    from marin_rl.run import parse_config
+    from marin_rl.tokenizer import load_tokenizer
+
+    cfg = parse_config(["--config", str(config)])
+    learner = Learner(cfg.model, cfg.learner, len(load_tokenizer(cfg.tokenizer)))
+    path = latest_checkpoint(str(output / "checkpoints"))
+    assert path == step_path(str(output / "checkpoints"), step)
+    load_learner_state(learner, path)
+    assert learner.version == step
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves((learner.model, learner.opt_state))]

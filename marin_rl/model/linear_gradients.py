@@ -66,15 +66,24 @@ def _layout_aware_dot_bwd(contracting, precision, preferred_element_type, residu
 _layout_aware_dot.defvjp(_layout_aware_dot_fwd, _layout_aware_dot_bwd)
 
 
+def _constrains_nothing(sharding) -> bool:
+    """Whether a dot's `out_sharding` places nothing: None, or a sharding over a mesh without axes."""
+    return sharding is None or bool(getattr(getattr(sharding, "mesh", None), "empty", False))
+
+
 class LayoutAwareDotGeneral(eqx.Module):
     """`jax.lax.dot_general` for `haliax.nn.Linear` whose backward pass orders each gradient contraction (see
     `_contract`) so that few elements are transposed. On XLA:CPU the default rule computes a weight gradient
     `dW[mlp, embed] = Σ_tokens dh[tokens, mlp] · x[tokens, embed]` by copying the whole `dh` (tokens × mlp) into a
     transposed layout; this one copies the smaller `x` (and the weight-sized result) instead. Contractions with
-    batch dimensions, or called with extra options, use the default rule."""
+    batch dimensions, or called with extra options, use the default rule. haliax passes every dot an `out_sharding`;
+    outside an explicitly sharded mesh it is a sharding over the empty mesh, which constrains nothing and is dropped
+    here (a sharding over a real mesh keeps the default rule)."""
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         (lc, rc), (lb, rb) = dimension_numbers
+        if "out_sharding" in kwargs and _constrains_nothing(kwargs["out_sharding"]):
+            del kwargs["out_sharding"]
         if lb or rb or kwargs:
             return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
         return _layout_aware_dot(lhs, rhs, (tuple(lc), tuple(rc)), precision, preferred_element_type)

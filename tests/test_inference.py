@@ -375,3 +375,30 @@ def test_a_request_to_an_unreachable_server_is_sent_to_another_and_counted(setup
     assert {s.server for s in got} == {address}
     with pytest.raises(openai.APIConnectionError):
         asyncio.run(sample([dead], [1]))
+
+
+def test_client_and_server_time_the_same_requests(setup):
+    """What the loop profile reads: the client's latency, the backend time each answer reports, the server's busy
+    time; the backend time fits inside the latency and inside the server's busy time."""
+    from marin_rl.inference.client import PolicyClient
+
+    tok, env, _, server, address = setup
+    prompts = [env.encode_prompt(p) for p in env.train_problems()[:12]]
+    before = server.stats()
+
+    async def sample():
+        client = PolicyClient([address], timeout_s=30)
+        await asyncio.gather(*(client.sample(p, n=2, max_tokens=5) for p in prompts))
+        return client
+
+    start = time.perf_counter()
+    client = asyncio.run(sample())
+    wall = time.perf_counter() - start
+    after = server.stats()
+    assert client.requests == len(prompts) == after["requests"] - before["requests"]
+    assert 0 < client.backend_s < client.request_s  # each answer's backend time, within its latency
+    busy = after["busy_s"] - before["busy_s"]
+    assert 0 < busy <= wall + 1e-3
+    assert client.backend_s / len(prompts) <= busy + 1e-3  # one request's backend time fits in the busy time
+    assert abs((after["backend_s"] - before["backend_s"]) - client.backend_s) < 1e-6 * len(prompts) + 1e-9
+    assert 0 < after["engine_s"] - before["engine_s"] <= busy + 1e-3

@@ -88,6 +88,14 @@ class PolicyClient:
         self._unreachable_until = dict.fromkeys(self.servers, 0.0)
         self.retried_requests = 0
         """Requests sent again to another server because theirs could not be reached."""
+        self.requests = 0
+        """Requests answered."""
+        self.request_s = 0.0
+        """Seconds from sending a request to its answer, summed over answered requests (waiting for a connection slot
+        in this client included)."""
+        self.backend_s = 0.0
+        """Of those, the seconds the servers' backends report having taken (`backend_s` in the answer; servers that do
+        not report it add nothing)."""
         # httpx's connection pool does work quadratic in the number of waiting requests; queue them here instead.
         self._slots = {s: asyncio.Semaphore(max_concurrent_requests) for s in self.servers}
 
@@ -136,7 +144,11 @@ class PolicyClient:
                 continue
             finally:
                 self._outstanding[server] -= n
-            return self._parse(resp, n, server, time.time() - start)
+            latency = time.time() - start
+            self.requests += 1
+            self.request_s += latency
+            self.backend_s += float((resp.model_extra or {}).get("backend_s", 0.0))
+            return self._parse(resp, n, server, latency)
 
     async def _create(self, server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids):
         return await self._clients[server].completions.create(

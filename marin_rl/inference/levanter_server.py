@@ -144,6 +144,7 @@ class _VersionedContext(InferenceContext):
         self.max_stop_tokens = max_stop_tokens
         self.segment_tokens = segment_tokens
         self.num_batches = 0
+        self.engine_s = 0.0  # seconds inside engine calls
         self.num_weight_swaps = 0
         self.generated_tokens = 0
         self._rng = np.random.default_rng()
@@ -330,9 +331,11 @@ class _VersionedContext(InferenceContext):
         with self._engine_idle:
             self._in_engine_call = True
         # The engine resets itself at the start of every generate(): nothing of this call leaks into the next.
+        engine_start = time.perf_counter()
         try:
             result = self.engine.generate(service_requests)
         finally:
+            self.engine_s += time.perf_counter() - engine_start
             with self._engine_idle:
                 self._in_engine_call = False
                 self._engine_idle.notify_all()
@@ -496,7 +499,8 @@ class LevanterInferenceServer(CompletionBackend):
 
     # ---- serving ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Name, served version, engine calls, weight swaps, sampled tokens and the front end's request counts."""
+        """Name, served version, engine calls and their seconds, weight swaps, sampled tokens, and the front end's
+        request counts and seconds (busy: with a request in progress; backend: summed over requests)."""
         return {
             "name": self.name,
             "backend": "levanter",
@@ -506,6 +510,9 @@ class LevanterInferenceServer(CompletionBackend):
             "generated_tokens": self.context.generated_tokens,
             "requests": self.counters.requests,
             "outstanding_requests": self.counters.outstanding,
+            "busy_s": self.counters.busy_s,
+            "backend_s": self.counters.backend_s,
+            "engine_s": self.context.engine_s,
             "paused": not self.context._running.is_set(),
         }
 

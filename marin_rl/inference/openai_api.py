@@ -144,9 +144,12 @@ def completion_response(
     prompts: list[list[int]],
     choices: list[dict[str, Any]],
     completion_tokens: int,
+    backend_s: float | None = None,
 ) -> dict[str, Any]:
-    """The OpenAI `text_completion` body for `choices`, with token usage (each prompt counted `n` times)."""
+    """The OpenAI `text_completion` body for `choices`, with token usage (each prompt counted `n` times) and, as an
+    extra field, `backend_s`: the seconds the backend took (clients tell their HTTP overhead from it)."""
     prompt_tokens = sum(len(p) for p in prompts) * request.n
+    extra = {} if backend_s is None else {"backend_s": backend_s}
     return {
         "id": f"cmpl-{uuid.uuid4().hex[:12]}",
         "object": "text_completion",
@@ -158,6 +161,7 @@ def completion_response(
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
+        **extra,
     }
 
 
@@ -171,6 +175,29 @@ class FrontEndCounters:
     rejected: int = 0
     """Requests answered 400 (bad request) or 503 (backend unavailable)."""
     started_at: float = field(default_factory=time.time)
+    backend_s: float = 0.0
+    """Seconds spent in the backend by the requests it answered (summed over requests)."""
+    _busy_total: float = 0.0
+    _busy_since: float = 0.0
+
+    def request_started(self) -> None:
+        """Count a request that arrived."""
+        self.requests += 1
+        if self.outstanding == 0:
+            self._busy_since = time.perf_counter()
+        self.outstanding += 1
+
+    def request_ended(self) -> None:
+        """Count the end of a request that `request_started` counted (answered or not)."""
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self._busy_total += time.perf_counter() - self._busy_since
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds during which at least one request was in progress."""
+        ongoing = time.perf_counter() - self._busy_since if self.outstanding > 0 else 0.0
+        return self._busy_total + ongoing
 
 
 class CompletionBackend(abc.ABC):
@@ -234,8 +261,7 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest):
-        counts.requests += 1
-        counts.outstanding += 1
+        counts.request_started()
         try:
             if request.max_tokens < 1:
                 raise ValueError("max_tokens must be >= 1")
@@ -245,10 +271,12 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
             served = backend.version
             start = time.time()
             completions = await backend.complete(request, prompts)
+            backend_s = time.time() - start
+            counts.backend_s += backend_s
             choices = [completion_choice(i, c, request, backend.tokenizer, served) for i, c in enumerate(completions)]
             sampled = sum(len(c.token_ids) for c in completions)
             counts.generated_tokens += sampled
-            return completion_response(request, start, prompts, choices, sampled)
+            return completion_response(request, start, prompts, choices, sampled, backend_s)
         except ValueError as e:
             counts.rejected += 1
             raise HTTPException(status_code=400, detail=str(e)) from e
@@ -256,7 +284,7 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
             counts.rejected += 1
             raise HTTPException(status_code=503, detail=f"{backend.name}: {e}") from e
         finally:
-            counts.outstanding -= 1
+            counts.request_ended()
 
     @app.post("/v1/control/{action}")
     async def control(action: str, request: HttpRequest):

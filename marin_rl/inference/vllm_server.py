@@ -541,6 +541,8 @@ class VllmPolicyServer(CompletionBackend):
             "requests": self.counters.requests,
             "generated_tokens": self.counters.generated_tokens,
             "outstanding_requests": self.counters.outstanding,
+            "busy_s": self.counters.busy_s,
+            "backend_s": self.counters.backend_s,
             "restarts": self._restarts,
             "vllm_pid": None if self.server.proc is None else self.server.proc.pid,
             "vllm_url": None if self.server.port is None else self.server.url,  # its /metrics, for instance

@@ -29,6 +29,9 @@ from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import PackedBatch
 
+CLIENT_COUNTERS = ("retried_requests", "requests", "request_s", "backend_s")
+"""`PolicyClient` counters that env actors report with each group."""
+
 
 @ray.remote(num_cpus=0)
 class LearnerActor:
@@ -182,8 +185,11 @@ class EnvActor:
         self.env = make_environment(self.env_config, self.tokenizer, seed=config.orchestrator.seed)
         self.servers = servers
         self.client: PolicyClient | None = None
-        self._retries_of_old_clients = 0
-        self._retries_reported = 0
+        self.eval_client: PolicyClient | None = (
+            None  # evaluation's own, so the profile's request figures are training's
+        )
+        self._old_clients = dict.fromkeys(CLIENT_COUNTERS, 0.0)  # counted by clients replaced since
+        self._reported = dict.fromkeys(CLIENT_COUNTERS, 0.0)
         self.timeout = config.inference.request_timeout_s
         self.eval_seed = config.orchestrator.seed if config.orchestrator.deterministic else None
         self.problems = self.env.train_problems()
@@ -195,12 +201,20 @@ class EnvActor:
             self.client = PolicyClient(self.servers, timeout_s=self.timeout)
         return self.client
 
+    def _eval_client(self) -> PolicyClient:
+        if self.eval_client is None:
+            self.eval_client = PolicyClient(self.servers, timeout_s=self.timeout)
+        return self.eval_client
+
     def set_servers(self, servers: list[str]) -> None:
         """Send new requests to `servers` (a server was replaced); requests in flight finish where they are."""
         self.servers = list(servers)
         if self.client is not None:
-            self._retries_of_old_clients += self.client.retried_requests
-        self.client = None
+            for key in CLIENT_COUNTERS:
+                self._old_clients[key] += getattr(self.client, key)
+        if self.eval_client is not None:
+            self._old_clients["retried_requests"] += self.eval_client.retried_requests
+        self.client = self.eval_client = None
 
     def num_problems(self) -> int:
         """Number of training problems (the driver's `ProblemIterator` hands out indices below it)."""
@@ -215,19 +229,27 @@ class EnvActor:
             raise IndexError(f"problem index {problem_index} outside the {len(self.problems)} training problems")
         problem = self.problems[problem_index]
         policy = self._policy() if seed is None else SeededPolicy(self._policy(), seed)
+        start = time.perf_counter()
         try:
             group = await self.env.run_group(policy, problem, self.env_config.group_size, self.env_config.sampling)
         except Exception as e:
             raise EpisodeError.wrapping(e) from None
         out = group.to_dict()
-        out["retried_requests"] = self._take_retried_requests()
+        counts = self._take_client_counters()
+        out["retried_requests"] = int(counts["retried_requests"])
+        out["profile"] = {"group_s": time.perf_counter() - start, **{k: counts[k] for k in CLIENT_COUNTERS[1:]}}
         return out
 
-    def _take_retried_requests(self) -> int:
-        """Requests this actor's clients sent again to another server since the last call."""
-        total = self._retries_of_old_clients + (self.client.retried_requests if self.client is not None else 0)
-        new, self._retries_reported = total - self._retries_reported, total
-        return new
+    def _take_client_counters(self) -> dict[str, float]:
+        """What this actor's clients counted (`CLIENT_COUNTERS`) since the last call; requests of groups still running
+        are reported with the group that finishes next, so the run's totals are exact."""
+        out = {}
+        for key in CLIENT_COUNTERS:
+            total = self._old_clients[key] + (getattr(self.client, key) if self.client is not None else 0)
+            if key == "retried_requests" and self.eval_client is not None:
+                total += self.eval_client.retried_requests
+            out[key], self._reported[key] = total - self._reported[key], total
+        return out
 
     def warm_start_examples(self) -> list[tuple[list[int], list[int]]]:
         """(prompt_ids, completion_ids + EOS) pairs from the environment's reference completions."""
@@ -237,9 +259,9 @@ class EnvActor:
         """The policy for evaluating held-out problem `problem`: seeded per problem in deterministic runs, so that an
         evaluation is a function of the weights (the same samples at every evaluation of the run)."""
         if self.eval_seed is None:
-            return self._policy()
+            return self._eval_client()
         seed = derived_seed(self.eval_seed, stream_id(self.env_config.name), 1 << 20, problem)
-        return SeededPolicy(self._policy(), seed)
+        return SeededPolicy(self._eval_client(), seed)
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward, pass@1 and pass@k on held-out problems (k = eval_samples_per_problem)."""

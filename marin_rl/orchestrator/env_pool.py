@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
 from typing import Any
 
 import ray
@@ -63,6 +65,8 @@ class EnvPool:
         """Requests sent again to another server because theirs could not be reached (the group went on)."""
         self._new_failures = 0
         self._failures_in_a_row = 0
+        self._launched_at: dict[ray.ObjectRef, float] = {}
+        self._profile_counts: dict[str, float] = defaultdict(float)
 
     @property
     def name(self) -> str:
@@ -109,7 +113,9 @@ class EnvPool:
         """Start `ticket`'s group on `replica` (seeded in deterministic runs); its `inflight` entry."""
         seed = self.iterator.sample_seed(ticket) if self.deterministic else None
         actor = self.actors[replica]
-        return actor.run_group.remote(ticket.index, seed), (replica, ticket, actor)
+        ref = actor.run_group.remote(ticket.index, seed)
+        self._launched_at[ref] = time.perf_counter()
+        return ref, (replica, ticket, actor)
 
     def wait_refs(self) -> list[ray.ObjectRef]:
         """What the driver waits on: every in-flight group, or (deterministic) only the oldest one."""
@@ -132,6 +138,7 @@ class EnvPool:
             if ref not in done:
                 break
             replica, ticket, actor = self.inflight.pop(ref)
+            launched = self._launched_at.pop(ref, None)
             try:
                 group = ray.get(ref)
             except RayActorError:
@@ -146,10 +153,23 @@ class EnvPool:
                 continue
             self._failures_in_a_row = 0
             self.retried_requests += int(group.pop("retried_requests", 0))
+            profile = group.pop("profile", None) or {}
+            if launched is not None:
+                self._profile_counts["groups"] += 1
+                self._profile_counts["turnaround_s"] += time.perf_counter() - launched
+                self._profile_counts["group_s"] += float(profile.get("group_s", 0.0))
+            for key in ("requests", "request_s", "backend_s"):
+                self._profile_counts[key] += float(profile.get(key, 0.0))
             self.batch_size.observe_rollout_tokens(
                 [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]
             )
             out.append((ticket, group))
+        return out
+
+    def take_profile_counts(self) -> dict[str, float]:
+        """Counted since the last call, for the loop profile: groups collected, their seconds inside the env actor
+        and from launch to collect, and their clients' requests and request seconds."""
+        out, self._profile_counts = dict(self._profile_counts), defaultdict(float)
         return out
 
     MAX_FAILURES_IN_A_ROW = 200
@@ -211,6 +231,7 @@ class EnvPool:
                 pass
         dropped = len(self.inflight) + len(self.to_resample)
         self.inflight.clear()
+        self._launched_at.clear()
         self.to_resample = []
         return dropped
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -40,12 +42,16 @@ class StepHooks:
             raise ValueError(f"hook names must be unique, got {names}")
         self.hooks = list(hooks)
 
-    def run(self, step: int, last: bool, stopping: bool = False) -> dict[str, float]:
-        """Run the hooks due after `step`; returns their metrics merged, with each one's wall time."""
+    def run(
+        self, step: int, last: bool, stopping: bool = False, section: Callable[[str], Any] | None = None
+    ) -> dict[str, float]:
+        """Run the hooks due after `step`; returns their metrics merged, with each one's wall time. `section(name)`,
+        when given, is a context manager each hook runs in (the loop profile's timer)."""
         out: dict[str, float] = {}
         for hook in self.hooks:
             if hook.due(step, last, stopping):
                 start = time.perf_counter()
-                out.update(hook.run(step) or {})
+                with section(hook.name) if section is not None else nullcontext():
+                    out.update(hook.run(step) or {})
                 out[f"time/hooks/{hook.name}_s"] = time.perf_counter() - start
         return out

@@ -52,6 +52,7 @@ from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
+from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.orchestrator.server_pool import ServerPool
 from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
@@ -144,6 +145,7 @@ class Orchestrator:
         self.jsonl = None  # the metrics log (a rollback marks it like a resume)
         self._initial_state: dict[str, Any] | None = None  # pools and buffers before step 1: a rollback target
         self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
+        self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _loop(self, tracker) -> None:
@@ -151,22 +153,28 @@ class Orchestrator:
         step (its hooks may checkpoint), form a batch if the learner is idle, start the groups the staleness gate
         allows, wait briefly, admit finished groups into the buffers. A checkpoint is taken in the first part, so a
         resumed run, which starts at the second, continues the same sequence of decisions."""
+        section = self.profile.section
         while True:
             try:
-                if self.training is not None and self._training_done():
-                    self._complete_step(tracker)
+                with section("book"):
+                    if self.training is not None and self._training_done():
+                        self._complete_step(tracker)
                 if self.step >= self.config.orchestrator.num_steps or (self.stop.requested and self.training is None):
                     return
                 if self.training is None and not self.stop.requested:
-                    self._try_train()
+                    with section("batch"):
+                        self._try_train()
                 if not self.stop.requested:
-                    self._launch_groups()
-                self._wait_for_anything()
+                    with section("launch"):
+                        self._launch_groups()
+                with section("wait"):
+                    self._wait_for_anything()
                 self._admit_finished_groups()
             except RayActorError as e:
                 if not self.learner.owns(e):
                     raise
-                self._replace_learner(e)
+                with section("recover"):
+                    self._replace_learner(e)
 
     def _training_done(self) -> bool:
         """Whether every learner process has finished the step in flight (raises a dead process's error)."""
@@ -211,13 +219,16 @@ class Orchestrator:
     def _admit_finished_groups(self) -> None:
         failed = False
         for name, pool in self.pools.items():
-            groups = pool.collect()
+            with self.profile.section("collect"):
+                groups = pool.collect()
+            self.profile.count(**pool.take_profile_counts())
             failed |= pool.take_failures() > 0
-            for ticket, group in groups:
-                admission = self.buffers[name].admit(group, max_version=self.step)
-                self.window["gen_tokens"] += admission.sampled_tokens
-                self.total_gen_tokens += admission.sampled_tokens
-                self._settle(pool, ticket, admission.sampled_by_future_version)
+            with self.profile.section("admit"):
+                for ticket, group in groups:
+                    admission = self.buffers[name].admit(group, max_version=self.step)
+                    self.window["gen_tokens"] += admission.sampled_tokens
+                    self.total_gen_tokens += admission.sampled_tokens
+                    self._settle(pool, ticket, admission.sampled_by_future_version)
         due = time.time() - self._last_server_check > self.config.inference.health_check_every_s
         if failed or due:  # a group failed or an env actor died: a server (or its node) may be gone
             self._last_server_check = time.time()
@@ -253,7 +264,9 @@ class Orchestrator:
         now = time.time()
         metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
         metrics["time/elapsed_s"] = now
-        metrics.update(self.servers.stats())
+        server_stats = self.servers.stats()
+        metrics.update(server_stats)
+        self.profile.observe_servers(server_stats)
         for name, pool in self.pools.items():  # counted, never silent: actors replaced, groups handed out again
             metrics[f"envs/{name}/actor_restarts"] = float(pool.restarts)
             metrics[f"envs/{name}/failed_groups"] = float(pool.failed_groups)
@@ -261,7 +274,8 @@ class Orchestrator:
         metrics["learner/restarts"] = float(self.learner_budget.spent)
         metrics["learner/rolled_back_steps"] = float(self.rolled_back_steps)
         self.window = {"gen_tokens": 0, "since": now}
-        metrics.update(self.hooks.run(step, last, stopping=self.stop.requested))
+        metrics.update(self.hooks.run(step, last, stopping=self.stop.requested, section=self.profile.section))
+        metrics.update(self.profile.end_step(metrics.get("learner/step_time_s", 0.0)))
         tracker.log(metrics, step=step)
         if step % self.config.tracking.console_every == 0 or last:
             logger.info(console_line(step, metrics, self.env_names))
@@ -620,6 +634,7 @@ class Orchestrator:
             self.served_version = self.step
             self.window = {"gen_tokens": 0, "since": time.time()}
             self.stop.armed = True
+            self.profile = LoopProfile()
             self._loop(tracker)
             self.stop.armed = False
             if self.stop.requested:
@@ -627,6 +642,7 @@ class Orchestrator:
                     self.save_checkpoint()  # stopped between learner steps: nothing saved this step yet
                 raise KeyboardInterrupt("stopped on request after a checkpoint")
             summary = self._summary(start_time, resume_path)
+            logger.info(format_profile(summary["profile"]))
             tracker.log_summary(summary)
             write_summary(self.output_dir, summary)
             plot_rewards(self.output_dir, self.jsonl.history, self.env_names)
@@ -667,6 +683,7 @@ class Orchestrator:
             "wall_time_s": time.time() - start_time,
             "output_dir": self.output_dir,
             "resumed_from": resume_path,
+            "profile": self.profile.summary(),
         }
         for n in self.env_names:
             summary[f"eval_reward_start/{n}"] = self.eval_start[f"eval/{n}/reward"]

@@ -31,7 +31,9 @@ STEPS, EVERY = 12, 3
 
 
 def _config(out: Path, num_servers: int = 1) -> Path:
-    """A run that learns within its 12 steps (a longer warm start, a higher learning rate, a larger held-out set)."""
+    """The shortened quickstart (a longer warm start, a higher learning rate, a larger held-out set). 12 steps are
+    too few to learn reliably (the held-out reward rose in it once and stayed flat after a change of float summation
+    order), so these tests assert exactness against the uninterrupted run; learning is the quickstart's test."""
     return deterministic_config(
         out, STEPS, EVERY, warm_start_steps=60, eval_problems=16, eval_samples=4, learning_rate=1e-3,
         num_servers=num_servers,
@@ -133,7 +135,6 @@ def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupt
     # nothing generated twice or lost beyond what the rollback trains again
     assert summary["generated_tokens"] == ref_summary["generated_tokens"]
     assert summary["eval_reward_end"] == pytest.approx(ref_summary["eval_reward_end"], abs=1e-6)
-    assert summary["eval_reward_end"] > summary["eval_reward_start"], "the held-out reward still rises"
     for a, b in zip(_final_params(out), _final_params(ref_out), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

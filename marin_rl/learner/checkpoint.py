@@ -25,6 +25,7 @@ import equinox as eqx
 import fsspec
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from levanter.checkpoint import discover_latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -89,12 +90,17 @@ def _list_steps(root: str) -> list[tuple[int, str, bool]]:
 
 
 def begin_checkpoint(root: str, step: int) -> str:
-    """Prepare `{root}/step-{step}` for writing (an incomplete leftover of a dead process is removed first)."""
+    """Prepare `{root}/step-{step}` for writing (an incomplete leftover of a dead process is removed first). In a
+    multi-host learner every process may call it: process 0 prepares the directory and the others wait for it, so no
+    process removes what another has already written."""
     path = step_path(root, step)
-    fs, plain = _fs(path)
-    if fs.exists(plain):
-        fs.rm(plain, recursive=True)
-    fs.makedirs(plain, exist_ok=True)
+    if is_primary():
+        fs, plain = _fs(path)
+        if fs.exists(plain):
+            fs.rm(plain, recursive=True)
+        fs.makedirs(plain, exist_ok=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"marin_rl: checkpoint directory {path} prepared")
     return path
 
 

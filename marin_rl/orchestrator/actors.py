@@ -184,10 +184,7 @@ class EnvActor:
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.env = make_environment(self.env_config, self.tokenizer, seed=config.orchestrator.seed)
         self.servers = servers
-        self.client: PolicyClient | None = None
-        self.eval_client: PolicyClient | None = (
-            None  # evaluation's own, so the profile's request figures are training's
-        )
+        self.clients: dict[str, PolicyClient] = {}  # by role, see `_client`
         self._old_clients = dict.fromkeys(CLIENT_COUNTERS, 0.0)  # counted by clients replaced since
         self._reported = dict.fromkeys(CLIENT_COUNTERS, 0.0)
         self.timeout = config.inference.request_timeout_s
@@ -196,25 +193,24 @@ class EnvActor:
         if not self.problems:
             raise ValueError(f"environment {self.env_config.name} has no training problems")
 
-    def _policy(self) -> PolicyClient:
-        if self.client is None:  # created inside the actor's event loop
-            self.client = PolicyClient(self.servers, timeout_s=self.timeout)
-        return self.client
+    def _client(self, role: str) -> PolicyClient:
+        """This actor's client for `role`: "train", or "eval" (evaluation has its own, so that the request figures
+        reported with groups are training's). Created inside the actor's event loop, at first use."""
+        if role not in self.clients:
+            self.clients[role] = PolicyClient(self.servers, timeout_s=self.timeout)
+        return self.clients[role]
 
-    def _eval_client(self) -> PolicyClient:
-        if self.eval_client is None:
-            self.eval_client = PolicyClient(self.servers, timeout_s=self.timeout)
-        return self.eval_client
+    def _counted(self, key: str) -> float:
+        """Counter `key` of the live clients: retries over every client, request figures over training's."""
+        roles = list(self.clients) if key == "retried_requests" else ["train"]
+        return sum(getattr(self.clients[r], key) for r in roles if r in self.clients)
 
     def set_servers(self, servers: list[str]) -> None:
         """Send new requests to `servers` (a server was replaced); requests in flight finish where they are."""
         self.servers = list(servers)
-        if self.client is not None:
-            for key in CLIENT_COUNTERS:
-                self._old_clients[key] += getattr(self.client, key)
-        if self.eval_client is not None:
-            self._old_clients["retried_requests"] += self.eval_client.retried_requests
-        self.client = self.eval_client = None
+        for key in CLIENT_COUNTERS:
+            self._old_clients[key] += self._counted(key)
+        self.clients = {}
 
     def num_problems(self) -> int:
         """Number of training problems (the driver's `ProblemIterator` hands out indices below it)."""
@@ -228,7 +224,7 @@ class EnvActor:
         if not 0 <= problem_index < len(self.problems):
             raise IndexError(f"problem index {problem_index} outside the {len(self.problems)} training problems")
         problem = self.problems[problem_index]
-        policy = self._policy() if seed is None else SeededPolicy(self._policy(), seed)
+        policy = self._client("train") if seed is None else SeededPolicy(self._client("train"), seed)
         start = time.perf_counter()
         try:
             group = await self.env.run_group(policy, problem, self.env_config.group_size, self.env_config.sampling)
@@ -245,9 +241,7 @@ class EnvActor:
         are reported with the group that finishes next, so the run's totals are exact."""
         out = {}
         for key in CLIENT_COUNTERS:
-            total = self._old_clients[key] + (getattr(self.client, key) if self.client is not None else 0)
-            if key == "retried_requests" and self.eval_client is not None:
-                total += self.eval_client.retried_requests
+            total = self._old_clients[key] + self._counted(key)
             out[key], self._reported[key] = total - self._reported[key], total
         return out
 
@@ -259,9 +253,9 @@ class EnvActor:
         """The policy for evaluating held-out problem `problem`: seeded per problem in deterministic runs, so that an
         evaluation is a function of the weights (the same samples at every evaluation of the run)."""
         if self.eval_seed is None:
-            return self._eval_client()
+            return self._client("eval")
         seed = derived_seed(self.eval_seed, stream_id(self.env_config.name), 1 << 20, problem)
-        return SeededPolicy(self._eval_client(), seed)
+        return SeededPolicy(self._client("eval"), seed)
 
     async def evaluate(self) -> dict[str, float]:
         """Mean reward, pass@1 and pass@k on held-out problems (k = eval_samples_per_problem)."""

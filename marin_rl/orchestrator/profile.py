@@ -87,7 +87,7 @@ class LoopProfile:
         self._step_start = now
         return out
 
-    def _server_totals(self) -> dict[str, float]:
+    def _server_totals(self) -> tuple[dict[str, float], int]:
         """Per counter name, the increase since first seen, summed over servers; and the number of servers."""
         totals: dict[str, float] = defaultdict(float)
         servers = set()
@@ -95,8 +95,7 @@ class LoopProfile:
             _, index, name = key.split("/", 2)
             servers.add(index)
             totals[name] += last - self._servers_first[key]
-        totals["servers"] = float(len(servers))
-        return totals
+        return totals, len(servers)
 
     def summary(self) -> dict[str, Any]:
         """Totals since the profile started: seconds and fractions of wall time per driver section, busy fractions,
@@ -107,8 +106,7 @@ class LoopProfile:
         out["driver_s"] = {n: self.sections[n] for n in names}
         out["driver_fraction"] = {n: self.sections[n] / wall for n in names}
         out["learner_busy"] = self.learner_s / wall
-        servers = self._server_totals()
-        n_servers = max(servers.pop("servers"), 1.0)
+        servers, n_servers = self._server_totals()
         if "busy_s" in servers:
             out["server_busy"] = servers["busy_s"] / (wall * n_servers)
         if "engine_s" in servers:

@@ -16,6 +16,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "broadcast_nodes": "cross_node_over_memcpy",
     "inference": "http_over_engine",
     "learner_mfu": "mfu",
+    "loop": "loop_over_limit",
     "packing": "packing_efficiency",
 }
 

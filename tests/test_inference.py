@@ -387,7 +387,7 @@ def test_client_and_server_time_the_same_requests(setup):
     before = server.stats()
 
     async def sample():
-        client = PolicyClient([address], timeout_s=30)
+        client = PolicyClient([address], timeout_s=30, max_concurrent_requests=4)  # 12 requests: 8 wait for a slot
         await asyncio.gather(*(client.sample(p, n=2, max_tokens=5) for p in prompts))
         return client
 
@@ -397,6 +397,7 @@ def test_client_and_server_time_the_same_requests(setup):
     after = server.stats()
     assert client.requests == len(prompts) == after["requests"] - before["requests"]
     assert 0 < client.backend_s < client.request_s  # each answer's backend time, within its latency
+    assert 0 < client.queue_s and client.queue_s + client.backend_s < client.request_s  # slot wait: before sending
     busy = after["busy_s"] - before["busy_s"]
     assert 0 < busy <= wall + 1e-3
     assert client.backend_s / len(prompts) <= busy + 1e-3  # one request's backend time fits in the busy time

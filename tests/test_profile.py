@@ -39,7 +39,7 @@ def test_sections_nest_and_split_the_driver_time_exactly():
 def test_summary_derives_overheads_from_the_counters():
     profile = LoopProfile()
     profile.observe_servers({"servers/0/busy_s": 10.0, "servers/0/engine_s": 7.0, "servers/1/busy_s": 0.0})
-    profile.count(groups=4, group_s=2.0, turnaround_s=3.0, requests=40, request_s=1.2, backend_s=0.6)
+    profile.count(groups=4, group_s=2.0, turnaround_s=3.0, requests=40, request_s=1.2, backend_s=0.6, queue_s=0.2)
     time.sleep(0.05)
     profile.observe_servers(
         {
@@ -56,6 +56,7 @@ def test_summary_derives_overheads_from_the_counters():
     assert s["server_request_s"] == pytest.approx(0.6 / 40)
     assert s["request_latency_s"] == pytest.approx(1.2 / 40)
     assert s["request_overhead_s"] == pytest.approx(0.6 / 40)
+    assert s["request_queue_s"] == pytest.approx(0.2 / 40)
     assert s["group_in_actor_s"] == 0.5 and s["group_turnaround_s"] == 0.75
     assert s["group_outside_actor_s"] == pytest.approx(0.25)
     text = format_profile(s)

@@ -237,3 +237,33 @@ def test_step_hooks_run_on_their_cadence_at_the_end_and_when_stopping_in_order()
     ]  # fmt: skip
     with pytest.raises(ValueError, match="unique"):
         StepHooks([StepHook("a", 1, record("a")), StepHook("a", 2, record("a"))])
+
+
+def test_step_hooks_split_lets_only_hooks_without_the_learner_overlap_the_next_step_and_keeps_their_order():
+    from marin_rl.orchestrator.hooks import StepHook, StepHooks
+
+    def hook(name, every, uses_learner):
+        return StepHook(name, every, lambda step: None, uses_learner=uses_learner)
+
+    hooks = StepHooks(
+        [
+            hook("publish", 1, True),
+            hook("broadcast", 1, False),
+            hook("eval", 2, False),
+            hook("export", 0, True),
+            hook("checkpoint", 3, True),
+        ]
+    )
+
+    def names(step, last=False):
+        before, during = hooks.split(step, last)
+        return [h.name for h in before], [h.name for h in during]
+
+    assert names(1) == (["publish"], ["broadcast"])
+    assert names(2) == (["publish"], ["broadcast", "eval"])
+    # a checkpoint needs the learner after the servers' update and the evaluation: nothing may overlap
+    assert names(3) == (["publish", "broadcast", "checkpoint"], [])
+    assert names(4, last=True) == (["publish", "broadcast", "eval", "export", "checkpoint"], [])
+    only_eval = StepHooks([hook("eval", 1, False)])
+    before, during = only_eval.split(1, False)
+    assert before == [] and [h.name for h in during] == ["eval"]

@@ -293,14 +293,26 @@ class InferenceEngine:
         *,
         group_size: int | None = None,
         sampling: SamplingParams | None = None,
+        max_concurrent: int | None = None,
     ) -> list[RolloutGroup]:
-        """One group per problem, all at once and outside the staleness gate (e.g. evaluation); blocks until all
-        are done and returns them in the problems' order. A failed episode raises its error."""
+        """One group per problem, outside the staleness gate (e.g. evaluation): all at once, or at most
+        `max_concurrent` at a time; blocks until all are done and returns them in the problems' order. A failed
+        episode raises its error."""
         size = group_size or self.config.group_size
         params = sampling or self.config.sampling
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
 
         async def run_all():
-            return await asyncio.gather(*(workflow.run_group(self.client, p, size, params) for p in problems))
+            limit = asyncio.Semaphore(max_concurrent) if max_concurrent else None
+
+            async def one(problem: Problem) -> RolloutGroup:
+                if limit is None:
+                    return await workflow.run_group(self.client, problem, size, params)
+                async with limit:
+                    return await workflow.run_group(self.client, problem, size, params)
+
+            return await asyncio.gather(*(one(p) for p in problems))
 
         return list(self._call(run_all()))
 

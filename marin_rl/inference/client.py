@@ -96,6 +96,9 @@ class PolicyClient:
         self.backend_s = 0.0
         """Of those, the seconds the servers' backends report having taken (`backend_s` in the answer; servers that do
         not report it add nothing)."""
+        self.queue_s = 0.0
+        """Of those, the seconds spent waiting in this client for one of the server's `max_concurrent_requests`
+        connection slots (requests beyond them queue here, not in the server)."""
         # httpx's connection pool does work quadratic in the number of waiting requests; queue them here instead.
         self._slots = {s: asyncio.Semaphore(max_concurrent_requests) for s in self.servers}
 
@@ -129,6 +132,7 @@ class PolicyClient:
             start = time.time()
             try:
                 async with self._slots[server]:
+                    queued = time.time() - start
                     resp = await self._create(
                         server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids
                     )
@@ -148,6 +152,7 @@ class PolicyClient:
             self.requests += 1
             self.request_s += latency
             self.backend_s += float((resp.model_extra or {}).get("backend_s", 0.0))
+            self.queue_s += queued
             return self._parse(resp, n, server, latency)
 
     async def _create(self, server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids):

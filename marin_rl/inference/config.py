@@ -75,8 +75,11 @@ class LevanterServerConfig:
     """KV-cache pages per server; None gives every concurrent sequence room for `max_seq_len` tokens."""
     kv_cache_dtype: str = "float32"
     """KV-cache dtype. float32 keeps sampler logprobs within ~1e-5 of the learner's; bfloat16 drifts ~1e-2."""
-    batch_timeout_s: float = 0.02
-    """How long a server waits to gather concurrent requests into one decode batch."""
+    batch_timeout_s: float = 0.002
+    """How long a server waits for more concurrent requests before a decode batch starts (the batch grows while
+    requests arrive less than this apart). Requests that arrive while the engine works join at its next call
+    anyway, so a long wait only idles the engine: under the quickstart's steady stream of small requests, 20 ms
+    gave 35% fewer groups per second than 0–3 ms (benchmarks/RESULTS.md, "Loop")."""
     max_rounds: int = 16
     """Decode-loop iterations per engine call (larger: more throughput, more latency)."""
     segment_tokens: int | None = 256

@@ -29,7 +29,7 @@ from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import PackedBatch
 
-CLIENT_COUNTERS = ("retried_requests", "requests", "request_s", "backend_s")
+CLIENT_COUNTERS = ("retried_requests", "requests", "request_s", "backend_s", "queue_s")
 """`PolicyClient` counters that env actors report with each group."""
 
 

@@ -158,7 +158,7 @@ class EnvPool:
                 self._profile_counts["groups"] += 1
                 self._profile_counts["turnaround_s"] += time.perf_counter() - launched
                 self._profile_counts["group_s"] += float(profile.get("group_s", 0.0))
-            for key in ("requests", "request_s", "backend_s"):
+            for key in ("requests", "request_s", "backend_s", "queue_s"):
                 self._profile_counts[key] += float(profile.get(key, 0.0))
             self.batch_size.observe_rollout_tokens(
                 [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]

@@ -3,7 +3,8 @@
 Loop (one driver thread, everything else in actors), `Orchestrator._loop`:
   env actors generate groups → replay buffers admit them (validation, advantages, staleness) → the batcher forms a
   batch (token budget, packing) when the learner is idle → learner step (a new version) → step hooks: weights
-  published to the servers every `broadcast.sync_every` steps, evaluation, HF export, checkpoint.
+  published every `broadcast.sync_every` steps, HF export, checkpoint; then the next learner step starts while the
+  servers apply the weights and evaluation runs (`StepHooks.split`; on checkpoint steps, in order instead).
 New groups start as the staleness gate allows (`marin_rl.api.staleness`, which states the bound).
 
 Problem order: the driver owns a `ProblemIterator` per environment (in its `EnvPool`) and hands problem indices to
@@ -146,6 +147,7 @@ class Orchestrator:
         self._initial_state: dict[str, Any] | None = None  # pools and buffers before step 1: a rollback target
         self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
         self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
+        self._published = None  # the update the learner published after the step being booked, until it is applied
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _loop(self, tracker) -> None:
@@ -274,7 +276,16 @@ class Orchestrator:
         metrics["learner/restarts"] = float(self.learner_budget.spent)
         metrics["learner/rolled_back_steps"] = float(self.rolled_back_steps)
         self.window = {"gen_tokens": 0, "since": now}
-        metrics.update(self.hooks.run(step, last, stopping=self.stop.requested, section=self.profile.section))
+        # Hooks that need the learner (publish, export, checkpoint) run first; then the next learner step starts,
+        # and the servers' weight update and the evaluation run while it trains (`StepHooks.split`). The batch is
+        # the one the loop would form next anyway: nothing is admitted in between, and new groups start after.
+        before, during = self.hooks.split(step, last, stopping=self.stop.requested)
+        metrics.update(self.hooks.run(step, last, section=self.profile.section, hooks=before))
+        if during:
+            if not last and not self.stop.requested:
+                with self.profile.section("batch"):
+                    self._try_train()
+            metrics.update(self.hooks.run(step, last, section=self.profile.section, hooks=during))
         metrics.update(self.profile.end_step(metrics.get("learner/step_time_s", 0.0)))
         tracker.log(metrics, step=step)
         if step % self.config.tracking.console_every == 0 or last:
@@ -335,8 +346,14 @@ class Orchestrator:
     def _make_hooks(self) -> StepHooks:
         cfg = self.config
 
+        def publish(step: int) -> dict[str, float]:
+            t = time.time()
+            self._published = self._publish()
+            return {"broadcast/publish_s": time.time() - t}
+
         def broadcast(step: int) -> dict[str, float]:
-            out = self._broadcast()
+            update, self._published = self._published, None
+            out = self._apply(update)
             self.served_version = step
             return out
 
@@ -357,20 +374,35 @@ class Orchestrator:
         ck = cfg.checkpoint
         return StepHooks(
             [
-                StepHook("broadcast", cfg.broadcast.sync_every, broadcast),
-                StepHook("eval", cfg.orchestrator.eval_every, evaluate),
+                StepHook("publish", cfg.broadcast.sync_every, publish),
+                StepHook("broadcast", cfg.broadcast.sync_every, broadcast, uses_learner=False),
+                StepHook("eval", cfg.orchestrator.eval_every, evaluate, uses_learner=False),
                 StepHook("export", cfg.model.export_every, export),
                 StepHook("checkpoint", ck.every, checkpoint, at_end=ck.save_on_exit, when_stopping=ck.save_on_exit),
             ]
         )
 
     def _broadcast(self) -> dict[str, float]:
+        """Publish the learner's weights and wait until every server serves them."""
         t = time.time()
-        update = self.learner.run("publish")  # a handle: the arrays travel through the transport
+        out = self._apply(self._publish())
+        out["broadcast/seconds"] = time.time() - t
+        return out
+
+    def _publish(self):
+        """The learner publishes its current weights; returns the update (a handle: the arrays travel through the
+        transport)."""
+        update = self.learner.run("publish")
         if update.transport != self.broadcast_transport:
             logger.info("weights travel through broadcast transport %r (%.1f MB per version)",
                         update.transport, update.num_bytes / 1e6)  # fmt: skip
             self.broadcast_transport = update.transport
+        return update
+
+    def _apply(self, update) -> dict[str, float]:
+        """Every server applies `update` (a replaced server gets it too); returns the `broadcast/...` metrics
+        (`seconds`: the driver's wait)."""
+        t = time.time()
         restarts = self.servers.restarts
         results = self.servers.broadcast(update)
         if self.servers.restarts != restarts:
@@ -628,7 +660,8 @@ class Orchestrator:
                 self.eval_start = self.last_eval = self._evaluate()
                 self._initial_state = self._run_state()  # where a learner that dies before a checkpoint returns
                 logger.info("eval at start: %s", _fmt(self.eval_start))
-                tracker.log({**self.eval_start, **bmetrics, "learner/version": 0}, step=0)
+                start = {**self.eval_start, **bmetrics, "learner/version": 0, "time/elapsed_s": time.time()}
+                tracker.log(start, step=0)
             else:
                 self._broadcast()  # the restored weights reach every server before any new generation
             self.served_version = self.step

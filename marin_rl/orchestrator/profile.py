@@ -4,15 +4,16 @@ inference servers and the env actors were over the same time.
 The driver is one thread, so its time splits exactly: every moment of the loop is in one section (`batch`: forming a
 batch and starting the learner step; `launch`: starting groups; `wait`: blocked until a group or the learner step
 finishes, i.e. idle; `collect`: fetching finished groups from Ray; `admit`: validating them into the replay buffers;
-`book`: booking a finished step; the step hooks `broadcast`, `eval`, `export`, `checkpoint`; `recover`: replacing a
-dead learner). The other parts work concurrently with it and get busy fractions of the same wall time:
+`book`: booking a finished step; the step hooks `publish`, `broadcast`, `eval`, `export`, `checkpoint`; `recover`:
+replacing a dead learner). The other parts work concurrently with it and get busy fractions of the same wall time:
 
 - learner: time inside its train steps (`learner/step_time_s`) over wall time;
 - servers: time with at least one request in progress (`busy`), and, for the embedded engine, time inside engine
   calls (`engine`), each over wall time, averaged over servers;
 - requests (training's; evaluation has a client of its own): mean latency seen by the env actors' clients against
   the mean time the server's backend took for the same requests (it reports it in each answer), the difference
-  being HTTP, JSON, event-loop and client-queue time per request;
+  being HTTP, JSON, event-loop and client-queue time per request; the client-queue part (waiting for one of the
+  client's connection slots per server) is counted on its own (`request_queue_s`);
 - groups: mean time a group spends inside its env actor against the driver's launch-to-collect time, the difference
   being Ray scheduling, transfer and the time a finished group waits for the driver to look.
 
@@ -26,7 +27,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any
 
-DRIVER_SECTIONS = ("batch", "launch", "wait", "collect", "admit", "book", "broadcast", "eval", "export", "checkpoint")
+DRIVER_SECTIONS = (
+    "batch", "launch", "wait", "collect", "admit", "book", "publish", "broadcast", "eval", "export", "checkpoint",
+)  # fmt: skip
 """The driver's sections in report order (`recover` and any other section follow when they occurred)."""
 
 
@@ -118,6 +121,7 @@ class LoopProfile:
             if c["backend_s"]:  # the servers report their time in each answer
                 out["server_request_s"] = c["backend_s"] / c["requests"]
                 out["request_overhead_s"] = out["request_latency_s"] - out["server_request_s"]
+            out["request_queue_s"] = c["queue_s"] / c["requests"]
         if c["groups"]:
             out["groups"] = int(c["groups"])
             out["group_in_actor_s"] = c["group_s"] / c["groups"]
@@ -144,7 +148,8 @@ def format_profile(p: dict[str, Any]) -> str:
         lines.append(
             f"  requests: {p['requests']}, {1000 * p['request_latency_s']:.1f} ms at the client, "
             f"{1000 * p['server_request_s']:.1f} ms "
-            f"in the server's backend ({1000 * p['request_overhead_s']:.1f} ms HTTP/client overhead)"
+            f"in the server's backend ({1000 * p['request_overhead_s']:.1f} ms HTTP/client overhead, of which "
+            f"{1000 * p.get('request_queue_s', 0.0):.1f} ms waiting for a connection slot in the client)"
         )
     if "groups" in p:
         lines.append(

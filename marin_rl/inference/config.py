@@ -79,7 +79,7 @@ class LevanterServerConfig:
     """How long a server waits for more concurrent requests before a decode batch starts (the batch grows while
     requests arrive less than this apart). Requests that arrive while the engine works join at its next call
     anyway, so a long wait only idles the engine: under the quickstart's steady stream of small requests, 20 ms
-    gave 35% fewer groups per second than 0–3 ms (benchmarks/RESULTS.md, "Loop")."""
+    gave a third fewer groups per second than 0–3 ms (benchmarks/RESULTS.md, "The loop against its parts")."""
     max_rounds: int = 16
     """Decode-loop iterations per engine call (larger: more throughput, more latency)."""
     segment_tokens: int | None = 256

@@ -98,27 +98,31 @@ def cpu_by_role(samples: list, start: float, end: float) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def loop_window(metrics_path: str) -> tuple[float, float]:
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def loop_window(rows: list[dict]) -> tuple[float, float]:
     """Wall-clock start (the step-0 row) and end (the last step's row) of the loop."""
-    rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
     times = [(r.get("step", 0), r["time/elapsed_s"]) for r in rows if "time/elapsed_s" in r]
     return min(times)[1], max(times)[1]
 
 
-def time_to_reward(metrics_path: str, target: float) -> tuple[float | None, int | None]:
-    """Seconds from the loop's start to the first step whose evaluation reaches `target`, and that step."""
-    rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
-    steps = [r for r in rows if "time/elapsed_s" in r and r.get("step", 0) >= 1]
+def time_to_reward(rows: list[dict], target: float) -> tuple[float | None, int | None]:
+    """Seconds from the loop's start to the first step whose evaluation reaches `target`, and that step (a step's
+    row holds its evaluation and the time the step was booked)."""
+    steps = sorted((r for r in rows if "time/elapsed_s" in r and r.get("step", 0) >= 1), key=lambda r: r["step"])
     if not steps:
         return None, None
     start = next((r["time/elapsed_s"] for r in rows if r.get("step") == 0 and "time/elapsed_s" in r), None)
     if start is None:  # older runs do not time step 0: one typical step before step 1
-        first = sorted(steps, key=lambda r: r["step"])[:3]
+        first = steps[:3]
         start = first[0]["time/elapsed_s"] - (first[-1]["time/elapsed_s"] - first[0]["time/elapsed_s"]) / 2
-    for r in rows:
-        if r.get("step", 0) >= 1 and r.get("eval/mean_reward", -1) >= target:
-            at = next(s["time/elapsed_s"] for s in steps if s["step"] == r["step"])
-            return at - start, r["step"]
+    for r in steps:
+        if r.get("eval/mean_reward", -1) >= target:
+            return r["time/elapsed_s"] - start, r["step"]
     return None, None
 
 
@@ -238,13 +242,16 @@ def main() -> None:
         overrides += ["--orchestrator.num_steps", str(steps)]
     if args.smoke:
         overrides += ["--orchestrator.eval_every", "0", "--checkpoint.every", "0"]
+    samples: list = []
     if args.from_run:  # measure the parts against a finished run of the same config
         output_dir = args.from_run
         with open(os.path.join(output_dir, "summary.json")) as f:
             summary = json.load(f)
     else:
         summary, samples = run_loop(config_path, output_dir, overrides)
-        start, end = loop_window(os.path.join(output_dir, "metrics.jsonl"))
+    rows = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    if samples:
+        start, end = loop_window(rows)
         cpu = cpu_by_role(samples, start, end)
         if cpu:
             cores = os.cpu_count() or 1
@@ -274,7 +281,7 @@ def main() -> None:
           f"({sampled / server_s:,.0f} tok/s) at {concurrency} groups at once", flush=True)  # fmt: skip
 
     limit = max(learner_s, server_s)
-    reached_s, reached_step = time_to_reward(os.path.join(output_dir, "metrics.jsonl"), args.reward)
+    reached_s, reached_step = time_to_reward(rows, args.reward)
     rows = collections.OrderedDict(
         [
             ("loop (s)", loop_s),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -304,11 +305,9 @@ class InferenceEngine:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
 
         async def run_all():
-            limit = asyncio.Semaphore(max_concurrent) if max_concurrent else None
+            limit = asyncio.Semaphore(max_concurrent) if max_concurrent else contextlib.nullcontext()
 
             async def one(problem: Problem) -> RolloutGroup:
-                if limit is None:
-                    return await workflow.run_group(self.client, problem, size, params)
                 async with limit:
                     return await workflow.run_group(self.client, problem, size, params)
 

@@ -347,13 +347,10 @@ class Orchestrator:
         cfg = self.config
 
         def publish(step: int) -> dict[str, float]:
-            t = time.time()
-            self._published = self._publish()
-            return {"broadcast/publish_s": time.time() - t}
+            return self._publish()
 
         def broadcast(step: int) -> dict[str, float]:
-            update, self._published = self._published, None
-            out = self._apply(update)
+            out = self._apply_published()
             self.served_version = step
             return out
 
@@ -384,24 +381,24 @@ class Orchestrator:
 
     def _broadcast(self) -> dict[str, float]:
         """Publish the learner's weights and wait until every server serves them."""
-        t = time.time()
-        out = self._apply(self._publish())
-        out["broadcast/seconds"] = time.time() - t
-        return out
+        return {**self._publish(), **self._apply_published()}
 
-    def _publish(self):
-        """The learner publishes its current weights; returns the update (a handle: the arrays travel through the
-        transport)."""
+    def _publish(self) -> dict[str, float]:
+        """The learner publishes its current weights (the update, a handle whose arrays travel through the
+        transport, waits for `_apply_published`); returns `broadcast/publish_s`."""
+        t = time.time()
         update = self.learner.run("publish")
         if update.transport != self.broadcast_transport:
             logger.info("weights travel through broadcast transport %r (%.1f MB per version)",
                         update.transport, update.num_bytes / 1e6)  # fmt: skip
             self.broadcast_transport = update.transport
-        return update
+        self._published = update
+        return {"broadcast/publish_s": time.time() - t}
 
-    def _apply(self, update) -> dict[str, float]:
-        """Every server applies `update` (a replaced server gets it too); returns the `broadcast/...` metrics
-        (`seconds`: the driver's wait)."""
+    def _apply_published(self) -> dict[str, float]:
+        """Every server applies the update `_publish` made (a replaced server gets it too); returns the
+        `broadcast/...` metrics (`seconds`: the driver's wait for the servers)."""
+        update, self._published = self._published, None
         t = time.time()
         restarts = self.servers.restarts
         results = self.servers.broadcast(update)

@@ -210,9 +210,10 @@ def smoke_config(path: str) -> str:
     """A tiny variant of the experiment at `path`: a short warm start, few held-out problems."""
     with open(path) as f:
         raw = yaml.safe_load(f)
-    raw["envs"][0]["args"]["num_eval"] = 16
-    raw["envs"][0]["concurrency"] = 8
-    raw["learner"]["warm_start"]["steps"] = 20
+    raw["envs"][0]["args"]["num_eval"] = 4
+    raw["envs"][0].update(concurrency=4, eval_samples_per_problem=1)
+    raw["learner"]["warm_start"]["steps"] = 5
+    raw["batcher"]["total_token_budget"] = 4 * raw["batcher"]["max_seq_len"]
     out = os.path.join(tempfile.mkdtemp(prefix="loop-bench-"), "smoke.yaml")
     with open(out, "w") as f:
         yaml.safe_dump(raw, f)
@@ -235,7 +236,7 @@ def main() -> None:
         return
 
     config_path = smoke_config(args.config) if args.smoke else args.config
-    steps = args.steps or (4 if args.smoke else None)
+    steps = args.steps or (2 if args.smoke else None)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="loop-bench-run-")
     overrides = ["--tracking.wandb_mode", "disabled"]
     if steps is not None:

@@ -12,6 +12,8 @@ import draccus
 from marin_rl.broadcast.base import BroadcastConfig
 from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
 from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.reward_server import RewardModelConfig
+from marin_rl.learner.algorithm import Algorithm, get_algorithm, with_reward_models
 from marin_rl.learner.learner import LearnerConfig
 from marin_rl.model.build import ModelConfig
 from marin_rl.placement import PlacementConfig, tpu_slice_shape
@@ -44,6 +46,10 @@ class EnvConfig:
     """Samples per held-out problem in evaluation (mean reward and pass@k are reported)."""
     num_eval_problems: int | None = None
     """Evaluate on the first this many held-out problems (None: all)."""
+    reward_models: list[str] = field(default_factory=list)
+    """Names of `reward_models` (the run's top-level list) whose scores are named rewards of this environment, each
+    under the model's name and weighted by the environment's `reward_weights` (its `args.reward_weights`, or the
+    class's), which must give each a weight (0 records the score without training on it)."""
 
 
 @dataclass
@@ -67,9 +73,9 @@ class OrchestratorConfig:
     uninterrupted one does (at some cost in throughput). Requires `max_staleness: 0`. Each group is sampled with a
     seed derived from (seed, env, epoch, problem index); finished groups enter the buffers in the order their problems
     were handed out; a batch is formed only when no group is in flight; evaluation samples are seeded per held-out
-    problem. Exact for environments whose episodes are a
-    function of the problem and the sampled tokens; `checkpoint.every` should be a multiple of
-    `broadcast.sync_every` (a resumed run serves the checkpoint's weights)."""
+    problem; the dense engine decodes at one batch shape (`inference.levanter.batch_invariant`). Exact for
+    environments whose episodes are a function of the problem and the sampled tokens; `checkpoint.every` should be a
+    multiple of `broadcast.sync_every` (a resumed run serves the checkpoint's weights)."""
     max_restarts_per_role: int = 20
     """How many dead actors of one role (the inference servers together; the env actors of one environment; the
     learner, replaced as a whole and rolled back to its latest checkpoint) the driver replaces before it stops the run
@@ -144,17 +150,78 @@ class RunConfig:
     """Checkpoints and resuming."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Where the learner, the inference servers and the env actors run (Ray resources, colocation, JAX memory)."""
+    reward_models: list[RewardModelConfig] = field(default_factory=list)
+    """Reward models served to the environments (each a checkpoint of `python -m marin_rl.reward_model`, served by
+    its own reward servers); an environment uses one by naming it in its `reward_models`."""
 
     @property
     def checkpoint_dir(self) -> str:
         """Where checkpoints go: `checkpoint.path`, or `output_dir/checkpoints`."""
         return self.checkpoint.path or os.path.join(self.output_dir, "checkpoints")
 
+    def algorithm(self) -> Algorithm:
+        """The run's algorithm: `learner.algorithm`, or 'ppo' with a critic, or the group algorithm of
+        `replay.advantage_estimator`; with a `reward_inf` call when environments use reward models."""
+        if self.learner.algorithm is not None:
+            base = get_algorithm(self.learner.algorithm)
+        elif self.learner.critic.enabled:
+            base = get_algorithm("ppo")
+        else:
+            base = get_algorithm(self.replay.advantage_estimator)
+        return with_reward_models(base, self.used_reward_models())
+
+    def used_reward_models(self) -> list[str]:
+        """Names of the reward models some environment uses, in `reward_models` order."""
+        used = {name for e in self.envs for name in e.reward_models}
+        return [m.name for m in self.reward_models if m.name in used]
+
+    def reward_model(self, name: str) -> RewardModelConfig:
+        """The reward model called `name` (KeyError naming the known ones)."""
+        for m in self.reward_models:
+            if m.name == name:
+                return m
+        raise KeyError(f"no reward model {name!r}; reward_models has {[m.name for m in self.reward_models]}")
+
+    def _validate_reward_models(self) -> None:
+        names = [m.name for m in self.reward_models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward_models: names must be unique, got {names}")
+        for m in self.reward_models:
+            if not m.path.strip():
+                raise ValueError(f"reward_models[{m.name}].path: the checkpoint directory is required (written by "
+                                 "python -m marin_rl.reward_model)")  # fmt: skip
+        used = set()
+        for e in self.envs:
+            unknown = sorted(set(e.reward_models) - set(names))
+            if unknown:
+                raise ValueError(f"envs[{e.name}].reward_models names {unknown}, which are not in reward_models "
+                                 f"(known: {names})")  # fmt: skip
+            if len(set(e.reward_models)) != len(e.reward_models):
+                raise ValueError(f"envs[{e.name}].reward_models names a model twice: {e.reward_models}")
+            if not e.reward_models:
+                continue
+            used |= set(e.reward_models)
+            weights = e.args.get("reward_weights")
+            if weights is None:
+                weights = load_environment_class(e.env_class).reward_weights
+            missing = [n for n in e.reward_models if n not in (weights or {})]
+            if missing:
+                raise ValueError(
+                    f"envs[{e.name}] uses reward models {missing} but its reward_weights {dict(weights or {})} give "
+                    f"them no weight; set envs[{e.name}].args.reward_weights, e.g. "
+                    f"{{{', '.join(f'{k}: {v}' for k, v in (weights or {}).items())}, {missing[0]}: 1.0}}"
+                )
+        unused = [n for n in names if n not in used]
+        if unused:
+            raise ValueError(f"reward_models {unused} are used by no environment: name them in an environment's "
+                             "reward_models, or remove them")  # fmt: skip
+
     def validate(self) -> None:
         """Cross-field checks that a single dataclass cannot do; raises ValueError naming the fields."""
         names = [e.name for e in self.envs]
         if not names:
             raise ValueError("envs: at least one environment is required")
+        self._validate_reward_models()
         if len(set(names)) != len(names):
             raise ValueError(f"envs: names must be unique, got {names}")
         temps = {e.sampling.temperature for e in self.envs}
@@ -177,6 +244,17 @@ class RunConfig:
             raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
         if self.orchestrator.max_restarts_per_role < 0:
             raise ValueError("orchestrator.max_restarts_per_role must be >= 0")
+        if self.learner.algorithm is not None:  # the algorithm decides what the replay buffers compute
+            self.replay.advantage_estimator = get_algorithm(self.learner.algorithm).advantage_estimator
+        algorithm = get_algorithm(self.learner.algorithm_name)
+        token_rewards = any("token_rewards" in c.reads for c in algorithm.learner_calls())
+        if (self.replay.advantage_estimator == "gae") != token_rewards:
+            raise ValueError(
+                f"replay.advantage_estimator={self.replay.advantage_estimator!r} with algorithm {algorithm.name!r} "
+                f"(learner.algorithm={self.learner.algorithm!r}, learner.critic.enabled={self.learner.critic.enabled}):"
+                " per-token rewards ('gae') are for an algorithm whose learner estimates advantages, such as 'ppo' "
+                "(or critic.enabled: true); choose learner.algorithm: ppo, or a group estimator without a critic"
+            )
         if self.replay.max_age < self.orchestrator.max_staleness:
             raise ValueError(
                 f"replay.max_age={self.replay.max_age} < orchestrator.max_staleness={self.orchestrator.max_staleness}: "
@@ -209,6 +287,8 @@ class RunConfig:
                 "orchestrator.deterministic requires orchestrator.max_staleness: 0 (groups sampled while the learner "
                 f"trains would see a weight update at a timing-dependent point), got {self.orchestrator.max_staleness}"
             )
+        if self.orchestrator.deterministic:  # which groups share an engine batch depends on timing; results must not
+            self.inference.levanter.batch_invariant = True
 
     def env_fractions(self) -> dict[str, float]:
         """Each environment's share of a batch (unset shares split the remainder equally)."""

@@ -1,9 +1,12 @@
 """Whether a process is alive, as the cleanup code needs it: a zombie (dead, not yet reaped by its parent) is not,
-and a process is named by its pid and start time, so that a later process that reused the pid is not taken for it."""
+and a process is named by its pid and start time, so that a later process that reused the pid is not taken for it.
+Also the removal of directories that dead processes owned. Standard library only: the driver's watchdog uses it at the
+moment its driver died, when nothing heavy should stand between it and the cleanup."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 
 def process_token(pid: int) -> str | None:
@@ -31,3 +34,24 @@ def pid_alive(pid: int) -> bool:
     if not os.path.isdir("/proc"):
         return True
     return process_token(pid) is not None
+
+
+def remove_directories_of_dead_processes(root: str, prefix: str) -> list[str]:
+    """Delete the directories under `root` named `<prefix><pid>[-...]` whose process `pid` is gone (or a zombie);
+    returns their paths. A missing `root` removes nothing."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        try:
+            pid = int(name[len(prefix) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not pid_alive(pid):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(os.path.join(root, name))
+    return removed

@@ -177,7 +177,8 @@ def wandb_run_id(output_dir: str, resumed: bool) -> str:
 
 
 def console_line(step: int, m: dict[str, Any], env_names: list[str]) -> str:
-    """One human-readable line per learner step."""
+    """One human-readable line per learner step (with an evaluation: each named reward's held-out mean too, when an
+    environment has more than one, e.g. a verifier's and a reward model's)."""
     parts = [f"step {step:>4}", f"v{int(m.get('learner/version', step))}"]
     for n in env_names:
         r = m.get(f"batches/{n}/reward/mean")
@@ -185,7 +186,10 @@ def console_line(step: int, m: dict[str, Any], env_names: list[str]) -> str:
             parts.append(f"{n} reward {r:.3f}")
         e = m.get(f"eval/{n}/reward")
         if e is not None:
-            parts.append(f"eval {e:.3f}")
+            prefix = f"eval/{n}/rewards/"
+            named = {k[len(prefix) :]: v for k, v in m.items() if k.startswith(prefix)}
+            shown = f" ({', '.join(f'{k} {v:.3f}' for k, v in named.items())})" if len(named) > 1 else ""
+            parts.append(f"eval {e:.3f}{shown}")
     parts.append(f"loss {m.get('learner/loss', float('nan')):+.4f}")
     parts.append(f"gen {m.get('throughput/generated_tokens_per_s', 0):.0f} tok/s")
     parts.append(f"train {m.get('learner/tokens_per_s', 0):.0f} tok/s")

@@ -18,8 +18,8 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
+from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import RunConfig, make_environment, parse_config
-from marin_rl.envs.base import run_groups
 from marin_rl.logs import configure_logging
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
@@ -46,7 +46,11 @@ async def _run(config: RunConfig, env_name: str, server: str, problems: int, gro
     tokenizer = load_tokenizer(config.tokenizer)
     env = make_environment(env_config, tokenizer, seed=config.orchestrator.seed)
     chosen = (env.eval_problems() if held_out else env.train_problems())[:problems]
-    groups = await run_groups(env, [server], chosen, group_size, env_config.sampling)
+    worker = RolloutWorker([server], timeout_s=config.inference.request_timeout_s)
+    try:
+        groups = await worker.run_groups(env, chosen, group_size, env_config.sampling)
+    finally:
+        await worker.aclose()
     console = Console()
     for g in groups:
         _print_group(console, tokenizer, g)

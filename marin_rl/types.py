@@ -282,18 +282,24 @@ class RolloutGroup:
     """The group's rollouts."""
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Unique id of the group."""
+    baseline_reward: float | None = None
+    """ReMax's baseline: the reward of a greedy (temperature 0) episode of the same problem, sampled with the group
+    and not trained on; None when the run's estimator needs none."""
 
     @property
     def rewards(self) -> np.ndarray:
         return np.asarray([r.reward for r in self.rollouts], dtype=np.float64)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "environment": self.environment,
             "problem_id": self.problem_id,
             "group_id": self.group_id,
             "rollouts": [r.to_dict() for r in self.rollouts],
         }
+        if self.baseline_reward is not None:
+            out["baseline_reward"] = self.baseline_reward
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any], validate: bool = True) -> RolloutGroup:
@@ -304,8 +310,9 @@ class RolloutGroup:
                 problem_id=str(d["problem_id"]),
                 group_id=str(d["group_id"]),
                 rollouts=[Rollout.from_dict(r, validate) for r in d["rollouts"]],
+                baseline_reward=None if d.get("baseline_reward") is None else float(d["baseline_reward"]),
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise RolloutFormatError(f"malformed rollout group: {type(e).__name__}: {e}") from e
         for r in group.rollouts:
             if r.environment != group.environment or r.problem_id != group.problem_id:
@@ -333,6 +340,12 @@ class PackedBatch:
     """The sampler's log-probability of each token (0 where the policy did not sample)."""
     token_versions: np.ndarray
     """Policy version that sampled each token; -1 where the policy did not sample."""
+    rewards: np.ndarray | None = None
+    """Reward credited to each sampled token (`marin_rl.replay.gae.token_rewards`); present when the replay buffers
+    leave advantages to a critic (`replay.advantage_estimator: gae`), None otherwise."""
+    truncated: np.ndarray | None = None
+    """With `rewards`: true on every token of an episode cut off by a length limit (its last step bootstraps from
+    the critic's value instead of ending)."""
 
     @property
     def num_rows(self) -> int:

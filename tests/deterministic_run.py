@@ -18,11 +18,13 @@ def deterministic_config(
     eval_samples: int = 2,
     learning_rate: float | None = None,
     num_servers: int = 1,
+    ppo: bool = False,
 ) -> Path:
-    """Write the config of a run into `out` (checkpoint every `every` steps) next to it, as `<out>.yaml`; its path."""
+    """Write the config of a run into `out` (checkpoint every `every` steps) next to it, as `<out>.yaml`; its path.
+    `ppo`: with a critic and GAE (experiments/quickstart_ppo.yaml's settings)."""
     import yaml
 
-    cfg = yaml.safe_load((ROOT / "experiments" / "quickstart.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "experiments" / ("quickstart_ppo.yaml" if ppo else "quickstart.yaml")).read_text())
     cfg["output_dir"] = str(out)
     env = cfg["envs"][0]
     env["args"] = {"max_operand": 9, "num_eval": 20, "demo_error_rate": 0.4}
@@ -42,8 +44,8 @@ def deterministic_config(
 
 
 def final_learner_arrays(config: Path, output: Path, step: int) -> list[np.ndarray]:
-    """The learner's arrays (policy and optimizer state) in the final checkpoint of the run of `config` in
-    `output`, which must be at `step`."""
+    """The learner's arrays (policy and optimizer state, and the critic's when there is one) in the final checkpoint
+    of the run of `config` in `output`, which must be at `step`."""
     from marin_rl.learner.checkpoint import latest_checkpoint, load_learner_state, step_path
     from marin_rl.learner.learner import Learner
     from marin_rl.run import parse_config
@@ -55,4 +57,7 @@ def final_learner_arrays(config: Path, output: Path, step: int) -> list[np.ndarr
     assert path == step_path(str(output / "checkpoints"), step)
     load_learner_state(learner, path)
     assert learner.version == step
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves((learner.model, learner.opt_state))]
+    state = (learner.model, learner.opt_state)
+    if learner.critic is not None:
+        state += (learner.critic.model, learner.critic.opt_state)
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]

@@ -36,6 +36,19 @@ def marked_processes(variable: str, value: str) -> list[int]:
     return pids
 
 
+def describe(pids: list[int]) -> list[str]:
+    """'pid: command line' of each process (for a failure message: what was left)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmd = "(gone)"
+        out.append(f"{pid}: {cmd[:200]}")
+    return out
+
+
 def dead_weight_slot_dirs(root: str, prefix: str) -> list[str]:
     """Weight slot directories under `root` whose owning process (the pid after `prefix`) is gone or a zombie."""
     dead = []

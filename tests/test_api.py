@@ -18,6 +18,7 @@ import pytest
 from marin_rl.api import EngineConfig, InferenceEngine, TrainEngine, get_loss, known_losses, make_batch, register_loss
 from marin_rl.broadcast.base import BroadcastConfig, WeightSubscriber, make_transport
 from marin_rl.config import make_environment, parse_config
+from marin_rl.envs.base import SamplingParams
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.losses import LossConfig
 from marin_rl.model.build import build_model
@@ -180,6 +181,31 @@ def test_engine_calls_generate_submit_wait_pause_and_track_versions(engines):
         assert result.problem.id == env.train_problems()[1].id and len(result.group.rollouts) == 4
         groups = inference.rollout_batch(env.eval_problems()[:3], env, group_size=2)
         assert [g.problem_id for g in groups] == [p.id for p in env.eval_problems()[:3]]
+        # evaluate: the run's held-out metrics. At temperature 0 every sample is the greedy completion, so the
+        # metrics follow from greedy groups sampled through rollout_batch and scored here.
+        problems = env.eval_problems()[:6]
+        greedy = SamplingParams(temperature=0.0, max_tokens=cfg.envs[0].sampling.max_tokens)
+        reference = np.array([g.rollouts[0].reward for g in inference.rollout_batch(problems, env, group_size=1,
+                                                                                    sampling=greedy)])  # fmt: skip
+        metrics = inference.evaluate(env, problems, samples_per_problem=3, sampling=greedy)
+        assert metrics == {
+            "reward": pytest.approx(reference.mean()),
+            "pass@1": pytest.approx((reference > 0).mean()),
+            "pass@3": pytest.approx((reference > 0).mean()),
+            "greedy_reward": pytest.approx(reference.mean()),
+            "problems": 6,
+            "rewards/correct": pytest.approx(reference.mean()),  # the named reward's mean (here it is the reward)
+        }
+        seeded = [inference.evaluate(env, problems, samples_per_problem=4, seed=11) for _ in range(2)]
+        assert seeded[0] == seeded[1]  # seeded samples are a function of the seed and the weights
+        assert 0 <= seeded[0]["pass@1"] <= seeded[0]["pass@4"] <= 1
+        with pytest.raises(ValueError, match="no held-out problems"):
+            inference.evaluate(env, [])
+        # ReMax: a group sampled with its greedy episode carries that episode's reward as its baseline
+        group = inference._call(
+            inference.worker.run_group(env, problems[0], 2, cfg.envs[0].sampling, greedy_baseline=True)
+        )
+        assert len(group.rollouts) == 2 and group.baseline_reward == reference[0]
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])

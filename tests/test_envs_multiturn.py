@@ -130,13 +130,17 @@ def test_multi_turn_tokens_match_the_server_view_and_loss_mask(server):
     log = recorder.log[start:]
     rollouts = [r for g in groups for r in g.rollouts]
     assert len(rollouts) == 6
-    # The server's view: (prompt ids it received, token ids and logprobs it returned), one request per policy turn.
+    # The server's view: (prompt ids it received, token ids and logprobs it returned), one prompt per policy turn
+    # (the client sends the turns it has at once in one request with a list of prompts; choice i answers prompt i).
     served = []
     for body, resp in log:
         assert body["n"] == 1 and body["return_tokens_as_token_ids"] and body["stop_token_ids"] == [tok.eos_token_id]
-        [choice] = resp["choices"]
-        tokens = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
-        served.append((tuple(body["prompt"]), tuple(tokens), tuple(choice["logprobs"]["token_logprobs"])))
+        prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        choices = sorted(resp["choices"], key=lambda c: c["index"])
+        assert len(choices) == len(prompts)
+        for prompt, choice in zip(prompts, choices, strict=True):
+            tokens = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+            served.append((tuple(prompt), tuple(tokens), tuple(choice["logprobs"]["token_logprobs"])))
     assert len(served) == sum(r.metadata["policy_turns"] for r in rollouts) == 6 * 3
     for r in rollouts:
         r.validate(len(tok))
@@ -344,3 +348,33 @@ def test_reward_function_signature_fields_and_weights():
         "judge": 0.25,
         "exact": 1.0,
     }
+
+
+def test_running_sum_rewards_each_turn_and_restates_the_true_total():
+    """Answers right, wrong, right: per-turn rewards 1, 0, 1; the user's next message starts from the true total
+    whatever the policy said; the episode ends after num_terms - 1 turns. The demonstrations follow the same turns."""
+    from marin_rl.envs.multi_turn import Conversation
+    from marin_rl.envs.running_sum import RunningSumEnvironment
+    from marin_rl.inference.client import Sample
+
+    tok = build_char_tokenizer()
+    env = RunningSumEnvironment(tok, num_terms=4, num_train=50, num_eval=10)
+    problem = env.train_problems()[0]
+    terms, totals = problem.fields["terms"], problem.fields["totals"]
+    assert problem.prompt == f"{terms[0]}+{terms[1]}=" and totals == [sum(terms[: i + 2]) for i in range(3)]
+    conv: Conversation = env.new_conversation(problem)
+    sampling = SamplingParams(temperature=1.0, max_tokens=5)
+    answers, replies, rewards = [totals[0], totals[1] + 1, totals[2]], [], []
+    for answer in answers:
+        ids = tok(str(answer), add_special_tokens=False)["input_ids"] + conv.stop_token_ids[:1]
+        conv.add_policy_turn(Sample(ids, [-1.0] * len(ids), str(answer), "stop", 0, 0, "s", 0.0), sampling)
+        messages, reward = asyncio.run(env.env_response(problem, conv))
+        rewards.append(reward["correct"])
+        if messages is None:
+            break
+        replies.append(messages[0]["content"])
+        conv.add_messages(messages)
+    assert rewards == [1.0, 0.0, 1.0] and len(replies) == 2
+    assert replies == [f"{totals[0]}+{terms[2]}=", f"{totals[1]}+{terms[3]}="]  # the true totals, not the policy's
+    demo = env.reference_messages(problem)
+    assert [m["content"] for m in demo] == [str(totals[0]), replies[0], str(totals[1]), replies[1], str(totals[2])]

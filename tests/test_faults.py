@@ -1,6 +1,7 @@
-"""Fault injection: one process of a deterministic run (or two at once) is killed at a random step, and the run
-recovers by itself. Each run is compared with an uninterrupted one of the same config: every step logged once, every
-problem trained as often, the same batches; and, where the recovery path replays exactly, the same final parameters.
+"""Fault injection: processes of a deterministic run are killed after chosen steps (one role after another in one
+run, two roles at once in another, one server of two in a third), and the run recovers by itself. Each run is
+compared with an uninterrupted one of the same config: every step logged once, every problem trained as often, the
+same batches; and, where the recovery path replays exactly, the same final parameters.
 
 Every recovery path is exact (`orchestrator.deterministic`), and the tests assert it:
 - learner: rolled back in-run to the latest checkpoint, the steps since are trained again, the same way;
@@ -14,7 +15,6 @@ The driver is covered by `test_resume.py` (SIGKILLed, then rerun from its checkp
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -94,12 +94,10 @@ def reference(tmp_path_factory):
     return out, summary
 
 
-CASES = {
-    "env": ["env"],
-    "server": ["server"],
-    "server of two": ["server"],  # its requests in flight go to the other server: no group fails
-    "learner": ["learner"],
-    "learner+server": ["learner", "server"],
+CASES = {  # after which steps which roles die (not right after a checkpoint, so a learner's death rolls back)
+    "env, then server, then learner": {2: ["env"], 5: ["server"], 10: ["learner"]},
+    "learner and server at once": {7: ["learner", "server"]},
+    "one server of two": {4: ["server"]},  # its requests in flight go to the other server: no group fails
 }
 
 
@@ -107,18 +105,19 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupted_one(case, reference, tmp_path):
     ref_out, ref_summary = reference
-    step = random.Random(case).choice([s for s in range(2, STEPS) if s % EVERY])  # not right after a checkpoint
-    out = tmp_path / case
-    two = case == "server of two"
-    summary, orchestrator = run_with_faults(out, {step: CASES[case]}, num_servers=2 if two else 1)
-    print(f"{case}: killed after step {step}; summary {json.dumps({k: summary[k] for k in _COUNTS})}")
+    kills = CASES[case]
+    assert all(step % EVERY for step in kills)
+    out = tmp_path / case.replace(" ", "_").replace(",", "")
+    two = case == "one server of two"
+    summary, orchestrator = run_with_faults(out, kills, num_servers=2 if two else 1)
+    print(f"{case}: kills {kills}; summary {json.dumps({k: summary[k] for k in _COUNTS})}")
 
-    roles = CASES[case]
+    roles = [role for step_roles in kills.values() for role in step_roles]
     assert summary["steps"] == STEPS
     assert summary["env_restarts"] == roles.count("env")
     assert summary["server_restarts"] == roles.count("server")
     assert summary["learner_restarts"] == roles.count("learner")
-    assert summary["rolled_back_steps"] == (step % EVERY if "learner" in roles else 0)
+    assert summary["rolled_back_steps"] == sum(step % EVERY for step, r in kills.items() if "learner" in r)
     if two:
         assert summary["failed_groups"] == 0 and summary["retried_requests"] > 0, "retried on the other server"
     else:

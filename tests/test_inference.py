@@ -354,9 +354,7 @@ def _closed_address() -> str:
 
 
 def test_a_request_to_an_unreachable_server_is_sent_to_another_and_counted(setup):
-    import openai
-
-    from marin_rl.inference.client import PolicyClient
+    from marin_rl.inference.client import PolicyClient, ServerUnreachable
 
     tok, env, _, _, address = setup
     prompt = env.encode_prompt(env.train_problems()[0])
@@ -373,7 +371,7 @@ def test_a_request_to_an_unreachable_server_is_sent_to_another_and_counted(setup
     assert retried == 1, "one request found the dead server; later ones avoid it"
     assert [s.token_ids for s in got] == [s.token_ids for s in expected], "a seeded request samples the same"
     assert {s.server for s in got} == {address}
-    with pytest.raises(openai.APIConnectionError):
+    with pytest.raises(ServerUnreachable, match=dead):
         asyncio.run(sample([dead], [1]))
 
 
@@ -387,7 +385,7 @@ def test_client_and_server_time_the_same_requests(setup):
     before = server.stats()
 
     async def sample():
-        client = PolicyClient([address], timeout_s=30, max_concurrent_requests=4)  # 12 requests: 8 wait for a slot
+        client = PolicyClient([address], timeout_s=30, max_concurrent_requests=4, max_prompts_per_request=1)  # 8 wait
         await asyncio.gather(*(client.sample(p, n=2, max_tokens=5) for p in prompts))
         return client
 
@@ -403,3 +401,42 @@ def test_client_and_server_time_the_same_requests(setup):
     assert client.backend_s / len(prompts) <= busy + 1e-3  # one request's backend time fits in the busy time
     assert abs((after["backend_s"] - before["backend_s"]) - client.backend_s) < 1e-6 * len(prompts) + 1e-9
     assert 0 < after["engine_s"] - before["engine_s"] <= busy + 1e-3
+
+
+def test_concurrent_calls_travel_together_and_a_bad_one_fails_alone(setup):
+    """Unseeded calls of one event-loop turn with the same parameters share a request (the completions API's batch
+    form); each gets its own n samples, with the versions and logprobs of its own prompt. A prompt the server refuses
+    fails only its own call."""
+    from marin_rl.inference.client import PolicyClient, ServerError
+
+    tok, env, learner, server, address = setup
+    problems = env.train_problems()[:20]
+    prompts = [env.encode_prompt(p) for p in problems]
+    too_long = prompts[0] * 40  # longer than the server's context
+    before = server.stats()["requests"]
+
+    async def sample():
+        client = PolicyClient([address], timeout_s=60, max_prompts_per_request=8)
+        calls = [client.sample(p, n=3, max_tokens=5, stop_token_ids=[tok.eos_token_id]) for p in prompts]
+        bad = client.sample(too_long, n=3, max_tokens=5, stop_token_ids=[tok.eos_token_id])
+        results = await asyncio.gather(*calls, bad, return_exceptions=True)
+        await client.aclose()
+        return results, client.requests
+
+    results, requests = asyncio.run(sample())
+    *good, bad = results
+    assert isinstance(bad, ServerError) and bad.status == 400 and "max_seq_len" in bad.detail
+    assert all(isinstance(r, list) and len(r) == 3 for r in good), [type(r) for r in good if not isinstance(r, list)]
+    # 21 calls: requests of 8, 8 and 5 prompts; the last, with the bad prompt, is refused (400) and its calls are
+    # resent one by one: 4 answered, the bad one refused again
+    assert requests == 2 + 4 and server.stats()["requests"] - before == requests + 2
+    rollouts = []
+    for prompt, samples in zip(prompts, good, strict=True):
+        for s in samples:
+            assert s.version_start == 0 == s.version_end and s.token_versions == [0] * len(s.token_ids)
+            rollouts.append(Sequence.supervised(prompt, s.token_ids))
+            rollouts[-1].sampler_logprobs[len(prompt) :] = s.sampler_logprobs
+    batch, placed = pack(rollouts, 16, 64)
+    assert len(placed) == len(rollouts)
+    diff = np.abs(learner.logprobs(batch) - batch.sampler_logprobs)[batch.loss_mask]
+    assert diff.size >= 60 and diff.max() <= 1e-4, "each call got samples of its own prompt"

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["config"]),
     ("api", ["api"]),
     ("orchestrator", ["orchestrator"]),
-    ("programs", ["sft", "try_env", "inspect_rollouts"]),
+    ("programs", ["sft", "try_env", "inspect_rollouts", "graph", "reward_model"]),
     ("main", ["run"]),
     ("pipeline", ["marin"]),
 ]

@@ -202,3 +202,47 @@ def test_minibatches_and_epochs_make_several_optimizer_steps_in_one_version():
     assert metrics["learner/trained_tokens"] == sum(s["learner/trained_tokens"] for s in steps[:2])
     metrics = learner.train_step(_full_batch(learner, tok))
     assert learner.version == 2 and metrics["learner/optimizer_steps"] == 8
+
+
+def _np_learning_rate(cfg: OptimizerConfig, t: int) -> float:
+    """The schedule written from its definition: linear warmup, then constant / linear / cosine decay."""
+    w, peak, m = cfg.warmup_steps, cfg.learning_rate, cfg.min_lr_ratio
+    if t < w:
+        return peak * t / w
+    if cfg.schedule == "constant":
+        return peak
+    s = min(t - w, cfg.decay_steps) / cfg.decay_steps
+    if cfg.schedule == "linear":
+        return peak * (1 - (1 - m) * s)
+    return peak * (m + (1 - m) * 0.5 * (1 + np.cos(np.pi * s)))
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [dict(schedule="constant", warmup_steps=3), dict(schedule="linear", warmup_steps=2, decay_steps=5),
+     dict(schedule="cosine", warmup_steps=0, decay_steps=6, min_lr_ratio=0.1),
+     dict(schedule="cosine", warmup_steps=4, decay_steps=4)],
+)  # fmt: skip
+def test_learning_rate_schedules_match_formula_and_drive_the_optimizer(schedule):
+    """lr_at follows the formula, and the optimizer applies it: under a constant gradient Adam's step is
+    -lr_t·g/(|g| + ε) (bias-corrected moments equal g and g²), so each update's size is that step's rate."""
+    cfg = OptimizerConfig(learning_rate=0.01, max_grad_norm=None, eps=1e-12, **schedule)
+    steps = 12
+    expected = np.array([_np_learning_rate(cfg, t) for t in range(steps)])
+    np.testing.assert_allclose([cfg.lr_at(t) for t in range(steps)], expected, rtol=1e-6, atol=1e-12)
+    opt = cfg.build()
+    params = {"w": np.ones(3, np.float32)}
+    grads = {"w": np.array([0.5, -2.0, 1.0], np.float32)}
+    state = opt.init(params)
+    sizes = []
+    for _ in range(steps):
+        updates, state = opt.update(grads, state, params)
+        sizes.append(-np.asarray(updates["w"]) * np.sign(grads["w"]))
+    np.testing.assert_allclose(np.array(sizes), np.repeat(expected[:, None], 3, axis=1), rtol=1e-5, atol=1e-9)
+
+
+def test_decaying_schedules_need_decay_steps():
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimizerConfig(schedule="cosine")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        OptimizerConfig(schedule="step")

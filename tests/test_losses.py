@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from marin_rl.learner.losses import (
     policy_loss,
     sft_loss,
 )
+from marin_rl.model.logprobs import token_logprobs
 from marin_rl.types import RlExample
 
 B, P = hax.Axis("batch", 2), hax.Axis("position", 8)
@@ -299,3 +301,57 @@ def test_masked_positions_contribute_exactly_zero_whatever_they_hold(config):
     assert loss == ref_loss and metrics == ref_metrics
     np.testing.assert_array_equal(grad, ref_grad)
     assert (grad[~mask] == 0).all()
+
+
+class _FixedLogits(eqx.Module):
+    """A 'model' whose logits are its parameters (one vector per position), whatever the input."""
+
+    logits: jnp.ndarray
+    Vocab: hax.Axis = eqx.field(static=True)
+
+    def __call__(self, input_ids, attn_mask=None, pos_ids=None):
+        return hax.named(self.logits, (*input_ids.axes, self.Vocab))
+
+
+@pytest.mark.parametrize("kind", ["token_mean", "sequence_mean"])
+def test_entropy_bonus_value_and_gradient_match_formula(kind):
+    """With zero advantages the loss is -c·aggregate(H); H_t comes from the logits at t-1 through `token_logprobs`,
+    and dH/dz_k = -p_k (z_k - Σ_v p_v z_v), so the gradient of the logits is known in closed form."""
+    rng = np.random.default_rng(12)
+    ex = RlExample(**{**_example(rng).__dict__, "advantages": _zeros()})
+    vocab = hax.Axis("vocab", 5)
+    z0 = rng.normal(size=(2, 8, 5)).astype(np.float32) * 2
+    cfg = LossConfig(objective="ppo", aggregation=kind, entropy_coef=0.05)
+
+    def loss_of(z):
+        lp, ent = token_logprobs(_FixedLogits(z, vocab), ex.input_ids, ex.position_ids, ex.segment_ids)
+        return policy_loss(lp, ent, ex, cfg)
+
+    (loss, metrics), grad = jax.value_and_grad(loss_of, has_aux=True)(jnp.asarray(z0))
+    mask, seg = np.asarray(ex.loss_mask.array), np.asarray(ex.segment_ids.array)
+    z = z0.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    h = -(p * np.log(p)).sum(-1)  # entropy of the distribution the logits at each position give
+    h_tok = np.concatenate([np.zeros((2, 1)), h[:, :-1]], axis=1)  # token t is sampled from the logits at t-1
+    bonus = _np_aggregate(h_tok, mask, seg, kind, 128)
+    np.testing.assert_allclose(float(metrics["entropy_bonus"]), bonus, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), -0.05 * bonus, rtol=1e-5)
+    # d(-c·aggregate(H))/dH_t = -c·a_t, with a_t the aggregation's weight of token t; then the chain rule to z[t-1]
+    if kind == "token_mean":
+        a = mask / mask.sum()
+    else:
+        a = np.zeros((2, 8))
+        seqs = [(b, s) for b in range(2) for s in np.unique(seg[b][seg[b] >= 0]) if (mask[b] & (seg[b] == s)).any()]
+        for b, s in seqs:
+            sel = mask[b] & (seg[b] == s)
+            a[b][sel] = 1.0 / (sel.sum() * len(seqs))
+    dh_dz = -p * (z - (p * z).sum(-1, keepdims=True))
+    expected = np.zeros_like(z)
+    expected[:, :-1] = (-0.05 * a[:, 1:])[..., None] * dh_dz[:, :-1]
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_entropy_coef_must_not_be_negative():
+    with pytest.raises(ValueError, match="entropy_coef"):
+        LossConfig(entropy_coef=-0.1)

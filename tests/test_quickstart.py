@@ -68,3 +68,22 @@ def test_shortened_quickstart_learns(tmp_path):
     # broadcast.transport 'auto' chose shared memory (one machine); its slots are gone with the run
     assert summary["broadcast_transport"] == "shared_memory"
     assert set(glob.glob("/dev/shm/marin_rl-weights-*")) <= weight_dirs_before
+
+
+@pytest.mark.slow
+def test_ppo_quickstart_with_critic_and_gae_learns(tmp_path):
+    """experiments/quickstart_ppo.yaml, shortened: the critic trains beside the policy (its value loss falls and its
+    values track the mean return, the baseline a group estimator would compute) and held-out reward rises."""
+    out = tmp_path / "run"
+    config = parse_config(["--config", "experiments/quickstart_ppo.yaml", "--output_dir", str(out),
+                           "--orchestrator.num_steps", "150", "--orchestrator.eval_every", "150",
+                           "--orchestrator.num_cpus", "2", "--checkpoint.every", "0"])  # fmt: skip
+    summary = run(config)
+    assert summary["eval_reward_end"] - summary["eval_reward_start"] >= 0.2, summary
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "learner/critic/value_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 151))
+    first, last = (sum(r["learner/critic/value_loss"] for r in part) / 20 for part in (steps[:20], steps[-20:]))
+    assert last < 0.7 * first, (first, last)
+    value, ret = (sum(r[f"learner/critic/{k}"] for r in steps[-20:]) / 20 for k in ("value_mean", "return_mean"))
+    assert abs(value - ret) < 0.05, (value, ret)

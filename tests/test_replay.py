@@ -461,3 +461,18 @@ def test_batcher_rejects_shares_that_do_not_match_envs():
         Batcher(BatcherConfig(), {"a": ReplayBuffer("a", ReplayConfig())}, {"b": 1.0})
     with pytest.raises(ValueError, match="batcher.too_long"):
         BatcherConfig(too_long="wrap")
+
+
+def test_remax_advantages_are_rewards_minus_the_greedy_reward_carried_by_the_group():
+    rng = np.random.default_rng(7)
+    buf = ReplayBuffer("e", ReplayConfig(advantage_estimator="remax"), vocab_size=100)
+    group = make_group("e", 4, rng)
+    assert buf.admit(group).reason == "no_greedy_baseline"  # sampled without the greedy episode
+    group.baseline_reward = 0.25
+    back = RolloutGroup.from_dict(group.to_dict())  # the baseline travels with the group (env actor -> driver)
+    assert back.baseline_reward == 0.25 and "baseline_reward" not in make_group("e", 2, rng).to_dict()
+    assert buf.admit(back.to_dict()).accepted
+    rewards = np.array([r.reward for r in group.rollouts])
+    np.testing.assert_allclose([it.advantage for it in buf.items], rewards - 0.25)
+    with pytest.raises(ValueError, match="greedy baseline"):
+        GroupAdvantages("remax")(rewards)

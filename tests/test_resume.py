@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from deterministic_run import deterministic_config, final_learner_arrays
-from marked_processes import dead_weight_slot_dirs, marked_processes, new_mark, wait_until
+from marked_processes import dead_weight_slot_dirs, describe, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
@@ -353,7 +353,7 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
         saved, killed_after = _signal_when(proc, log, out, signal.SIGKILL, lambda s, last: s and last > max(s))
         proc.wait()
         seconds = wait_until(lambda: not marked_processes(*mark) and not dead_weight_slot_dirs(*_SLOTS), 10)
-        left, slots = marked_processes(*mark), dead_weight_slot_dirs(*_SLOTS)
+        left, slots = describe(marked_processes(*mark)), dead_weight_slot_dirs(*_SLOTS)
         _reap_session(proc.pid)
         assert left == [] and slots == [], f"left 10 s after the driver's SIGKILL: processes {left}, slots {slots}"
         print(f"the killed run's processes and weight slots were gone {seconds:.1f}s after the driver's SIGKILL")
@@ -420,3 +420,45 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
     assert summary["steps"] == steps and summary["resumed_from"] == str(ckpts / f"step-{stopped_at}")
     ref_summary = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert summary["generated_tokens"] == ref_summary["generated_tokens"], "nothing generated twice or lost"
+
+
+def test_ppo_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_path):
+    """With a critic (PPO and GAE): a deterministic run SIGKILLed after a checkpoint and a later step, resumed to the
+    end, trains the same steps as an uninterrupted one: policy and critic metrics, and final policy and critic
+    arrays with their optimizer states."""
+    steps, every = 8, 3
+    ref_cfg = deterministic_config(tmp_path / "reference", steps, every, ppo=True)
+    cfg = deterministic_config(tmp_path / "killed", steps, every, ppo=True)
+    ref_log, log, out = tmp_path / "reference.log", tmp_path / "killed.log", tmp_path / "killed"
+    reference = _start(ref_cfg, ref_log)
+    procs = [reference]
+    try:
+        proc = _start(cfg, log)
+        procs.append(proc)
+        saved, killed_after = _signal_when(proc, log, out, signal.SIGKILL, lambda s, last: s and last > max(s))
+        proc.wait()
+        _reap_session(proc.pid)
+        proc = _start(cfg, log)
+        procs.append(proc)
+        _wait(proc, log, 400)
+        _wait(reference, ref_log, 400)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            _reap_session(p.pid)
+    assert f"resumed from step {max(saved)}" in log.read_text() and max(saved) < killed_after < steps
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    ref_rows = read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(steps + 1)) == [r["step"] for r in ref_rows]
+    keys = ("learner/loss", "learner/grad_norm", "learner/critic/value_loss", "learner/critic/grad_norm",
+            "learner/critic/return_mean", "learner/critic/explained_variance")  # fmt: skip
+    for r, ref in zip(rows[1:], ref_rows[1:], strict=True):
+        for key in keys:
+            np.testing.assert_allclose(r[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=f"step {r['step']} {key}")
+    assert any(r["learner/critic/value_loss"] > 1e-4 for r in ref_rows[1:]), "the critic needs something to learn"
+    final = final_learner_arrays(cfg, out, steps)
+    ref_final = final_learner_arrays(ref_cfg, tmp_path / "reference", steps)
+    for a, b in zip(final, ref_final, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -44,7 +44,8 @@ def batch(seed):
 
 for name, mesh, opts in cases:
     loss = LossConfig(objective="ppo", kl_coef=opts.pop("kl_coef", 0.0))
-    cfg = LearnerConfig(optimizer=OptimizerConfig(learning_rate=1e-3), loss=loss, mesh=MeshConfig(**mesh), **opts)
+    cfg = LearnerConfig(optimizer=OptimizerConfig(learning_rate=1e-3, eps=1e-4), loss=loss, mesh=MeshConfig(**mesh),
+                        **opts)
     learner = Learner(ModelConfig(architecture=tiny_llama()), cfg, VOCAB)
     np.savez(f"{out_dir}/{name}_init.npz", *learner.weights())
     metrics = [learner.train_step(batch(step)) for step in range(2)]
@@ -76,9 +77,12 @@ print("done")
 
 COMPARED = ("learner/loss", "learner/pg_loss", "learner/entropy", "learner/kl_sampler", "learner/grad_norm")
 LOSS_RTOL = 1e-5
-# Adam divides each gradient element by its own magnitude, so elements with near-zero gradients turn the (different)
-# float summation order of the sharded reductions into update differences of a few 1e-5 at lr 1e-3 (measured:
-# 1.4e-5 on dp4, 3.2e-5 on 2×2×2); losses, gradient norms and metrics agree to 1e-5 relative.
+# Adam divides each gradient element by its own magnitude: with its default ε = 1e-8, an element whose gradient is
+# near zero turns the (different) float summation order of the sharded reductions into an update difference of up to
+# the learning rate itself (seen: 5.8e-5 at lr 1e-3 on one element of 131,072, on an AMD EPYC host). The workers use
+# ε = 1e-4, which keeps updates a smooth function of the gradients below that magnitude, so parameters must agree to
+# PARAM_ATOL while the steps still move them by far more (asserted below); losses, gradient norms and metrics agree to
+# 1e-5 relative.
 PARAM_ATOL = 5e-5
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 import signal
 import time
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import ray
 
+from marin_rl.api import EngineConfig, InferenceEngine
 from marin_rl.broadcast.base import BroadcastConfig, make_transport
 from marin_rl.config import RunConfig
 from marin_rl.envs.arithmetic import AdditionEnvironment
@@ -326,3 +328,41 @@ def test_dead_vllm_is_restarted_with_current_weights(served):
     for s in samples:
         np.testing.assert_allclose(s.sampler_logprobs, ref.sequence(weights, prompt, s.token_ids), atol=1e-4)
         assert tok.decode(s.token_ids, skip_special_tokens=True) == s.text
+
+
+@pytest.mark.slow
+def test_local_inference_engine_serves_through_vllm(vllm_env):
+    """`InferenceEngine.local` with `inference.backend: vllm` starts vLLM in this process's machine, as a run's
+    server actors do (the same `make_policy_server`): samples are token-exact with the learner's logprobs, updates
+    are applied and labelled, and closing the engine removes the checkpoint vLLM started from."""
+    tok = build_char_tokenizer()
+    env = AdditionEnvironment(tok, max_operand=49, num_eval=8)
+    model_config = with_seq_len(ModelConfig(architecture=tiny_llama()), MAX_SEQ_LEN)
+    config = RunConfig(
+        model=model_config,
+        tokenizer=TokenizerConfig(),
+        inference=InferenceConfig(
+            backend="vllm",
+            max_seqs=16,
+            max_seq_len=MAX_SEQ_LEN,
+            vllm=VllmConfig(python=vllm_env, enforce_eager=True, kv_cache_gib=0.25),
+        ),
+        broadcast=BroadcastConfig(transport="in_process"),
+    )
+    sampling = SamplingParams(temperature=1.0, max_tokens=5)
+    engine = InferenceEngine.local(config, EngineConfig(group_size=2, sampling=sampling), tokenizer=tok)
+    scratch = engine.servers[0].scratch_dir
+    assert os.path.isdir(scratch)
+    ref = _Reference(build_model(model_config, len(tok)))
+    leaves = _leaves(build_model(dataclasses.replace(model_config, seed=7), len(tok)))  # other weights
+    with engine:
+        groups = engine.rollout_batch(env.eval_problems()[:4], env)
+        assert {v for g in groups for r in g.rollouts for v in r.turns[1].inference_metadata.token_versions} == {-1}
+        engine.apply_update(make_transport("in_process").publish(5, leaves))
+        assert engine.version == 5 and engine.stats()["servers"][0]["version"] == 5
+        groups = engine.rollout_batch(env.eval_problems()[:4], env)
+        rollouts, batch = _packed(groups)
+        assert {v for r in rollouts for v in r.turns[1].inference_metadata.token_versions} == {5}
+        got = ref.packed(leaves, batch)
+        np.testing.assert_allclose(got[batch.loss_mask], batch.sampler_logprobs[batch.loss_mask], atol=1e-4)
+    assert not os.path.exists(scratch)

@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from marked_processes import dead_weight_slot_dirs, marked_processes, new_mark, wait_until
+from marked_processes import dead_weight_slot_dirs, describe, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
 from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, driver_alive, sweep_orphans
@@ -66,7 +66,8 @@ def test_a_sigkilled_driver_leaves_no_process_and_no_weight_slot(tmp_path):
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         seconds = wait_until(lambda: not marked_processes(*mark) and not os.path.isdir(slot_dir), 10)
-        assert marked_processes(*mark) == [], "processes left 10 s after the driver died (the watcher's exit included)"
+        left = describe(marked_processes(*mark))
+        assert left == [], f"processes left 10 s after the driver died (the watcher's exit included): {left}"
         assert slot_dir not in dead_weight_slot_dirs(DEFAULT_ROOT, PRIVATE_PREFIX), "the dead child's slots are left"
         print(f"all gone {seconds:.1f}s after the driver's SIGKILL")
         _, report = driver.communicate(timeout=30)  # the watcher reports on the driver's stderr, which it inherits

@@ -1,19 +1,25 @@
 """The public Python API: write your own RL loop over the same parts the orchestrator uses.
 
 * `InferenceEngine` — sampling (`agenerate`), gated rollouts (`submit` / `wait`, `prepare_batch` under the staleness
-  bound), ungated rollouts (`rollout_batch`), `pause` / `resume`, versions (`version`, `apply_update`).
+  bound), ungated rollouts (`rollout_batch`, `evaluate`), `pause` / `resume`, versions (`version`, `apply_update`).
 * `TrainEngine` — the Levanter learner: `train_batch(batch, loss_fn=..., loss_weight_fn=...)`, `forward`,
-  `update_weights`, `save` / `load`, `warm_start`.
+  `publish` / `update_weights`, `save` / `load`, `export_hf`, `warm_start`.
+* `RolloutWorker` — groups and held-out evaluations in the caller's event loop (what `InferenceEngine` and the
+  orchestrator's env actors both run).
 * Losses — `register_loss(name)(fn)` for any pure JAX `fn(logprobs, entropy, batch) -> (loss, metrics)`; the
   built-in objectives ('decoupled', 'ppo') are registered the same way. `sequence_means`, `aggregate`, `num_sequences`
   and `proximal_logprobs` help write sequence-level objectives.
 * `make_batch` — groups to a packed, token-exact batch with advantages from any estimator.
 * Workflows are environments (`marin_rl.envs`): a group is `env.run_group(policy, problem, group_size, sampling)`.
 
+The orchestrator runs on these parts: its learner processes are `TrainEngine`s, its env actors run `RolloutWorker`s,
+and `StalenessGate` decides when it starts groups.
+
 The README's "Python API" section states each call's contract.
 """
 
 from marin_rl.api.inference import EngineConfig, GroupResult, InferenceEngine
+from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.api.staleness import GateInputs, StalenessGate
 from marin_rl.api.train import TrainEngine, make_batch
 from marin_rl.learner.losses import (
@@ -33,6 +39,7 @@ __all__ = [
     "GroupResult",
     "InferenceEngine",
     "LossSpec",
+    "RolloutWorker",
     "StalenessGate",
     "TrainEngine",
     "aggregate",

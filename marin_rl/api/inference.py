@@ -12,14 +12,17 @@ Two kinds of work:
   preparation), at most η = `max_staleness` versions ahead. `prepare_batch` also discards, and counts, a finished
   group with a token older than v − η, so no group it returns lags more than η versions behind the served policy:
   with weights pushed after every train step (`TrainEngine.update_weights`), no trained token lags more than η.
-* ungated work — `agenerate`, `rollout_batch` (evaluation, one-off sampling): runs at once, outside the gate.
+* ungated work — `agenerate`, `rollout_batch`, `evaluate` (evaluation, one-off sampling): runs at once, outside
+  the gate.
+
+Groups and evaluations are run by a `RolloutWorker` (`marin_rl.api.rollouts`) on the engine's loop, the same code the
+orchestrator's env actors run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import threading
 import time
@@ -29,12 +32,15 @@ from typing import Any
 
 import httpx
 
+from marin_rl.api.rollouts import RolloutWorker
+from marin_rl.api.servers import make_policy_server
 from marin_rl.api.staleness import GateInputs, StalenessGate
 from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import RunConfig
 from marin_rl.envs.base import Environment, Problem, SamplingParams
+from marin_rl.envs.model_rewards import attach_reward_models
 from marin_rl.inference.client import PolicyClient, Sample
-from marin_rl.model.build import build_model
+from marin_rl.inference.reward_server import RewardClient, RewardServer
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
 
@@ -96,6 +102,9 @@ class InferenceEngine:
         servers: list | None = None,
         transport=None,
         control_secret: str | None = None,
+        reward_addresses: dict[str, list[str]] | None = None,
+        reward_servers: list | None = None,
+        env_reward_models: dict[str, list[str]] | None = None,
     ):
         if not addresses:
             raise ValueError("InferenceEngine needs at least one server address")
@@ -103,6 +112,14 @@ class InferenceEngine:
         self.addresses = list(addresses)
         self.servers = list(servers or [])
         """In-process servers (`local`), which get weights directly; empty for remote servers."""
+        self.reward_servers = list(reward_servers or [])
+        """In-process reward servers (`local` with `reward_models`), stopped by `close`."""
+        timeout = self.config.request_timeout_s
+        self.reward_clients: dict[str, RewardClient] = {
+            name: RewardClient(addrs, name=name, timeout_s=timeout) for name, addrs in (reward_addresses or {}).items()
+        }
+        """A client per reward model (by name); `attach_reward_models` makes them named rewards of an environment."""
+        self._env_reward_models = dict(env_reward_models or {})
         self.control_secret = control_secret
         self._transport = transport
         self._subscribers = [WeightSubscriber(transport, s.apply_weights) for s in self.servers] if transport else []
@@ -124,10 +141,14 @@ class InferenceEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inference-engine", daemon=True)
         self._thread.start()
-        self.client: PolicyClient = self._call(self._make_client())
+        self.worker = RolloutWorker(self.addresses, timeout_s=self.config.request_timeout_s)
+        """Runs the groups and evaluations (on the engine's loop): the same code as the orchestrator's env actors."""
+        self.client: PolicyClient = self._call(self._make_clients())
+        """The client of gated groups and `agenerate` (token ids in and out, per-token versions)."""
 
-    async def _make_client(self) -> PolicyClient:
-        return PolicyClient(self.addresses, timeout_s=self.config.request_timeout_s)
+    async def _make_clients(self) -> PolicyClient:
+        self.worker.client("eval")
+        return self.worker.client("train")
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -139,16 +160,12 @@ class InferenceEngine:
         tokenizer=None,
         num_servers: int | None = None,
     ) -> InferenceEngine:
-        """Start `inference.num_servers` embedded Levanter servers in this process, serving `run_config.model`'s
-        initial weights as version -1, and an engine over them. Weights arrive through `apply_update` (the
-        `broadcast` config's transport; use 'in_process' or 'shared_memory' when the learner is in this process).
-        `config` defaults to the first environment's group size and sampling and `orchestrator.max_staleness`.
-        Blocks until the servers listen (compiling the engine takes a while)."""
-        from marin_rl.inference.levanter_server import LevanterInferenceServer
-
-        if run_config.inference.backend != "levanter":
-            raise ValueError("InferenceEngine.local starts embedded servers (inference.backend: levanter); start vLLM "
-                             "servers yourself and use InferenceEngine.remote")  # fmt: skip
+        """Start `inference.num_servers` servers of `inference.backend` in this process (embedded Levanter engines,
+        or vLLM processes in the vLLM environment), serving `run_config.model`'s initial weights as version -1, and
+        an engine over them. Weights arrive through `apply_update` (the `broadcast` config's transport; use
+        'in_process' or 'shared_memory' when the learner is in this process). `config` defaults to the first
+        environment's group size and sampling and `orchestrator.max_staleness`. Blocks until the servers listen
+        (compiling the engine, or starting vLLM, takes a while)."""
         tokenizer = tokenizer or load_tokenizer(run_config.tokenizer)
         if config is None:
             env = run_config.envs[0]
@@ -158,25 +175,56 @@ class InferenceEngine:
                 max_staleness=run_config.orchestrator.max_staleness,
                 request_timeout_s=run_config.inference.request_timeout_s,
             )
-        servers = []
+        servers, reward_servers, reward_addresses = [], [], {}
         try:
             for i in range(num_servers or run_config.inference.num_servers):
-                model = build_model(run_config.model, len(tokenizer))
-                servers.append(LevanterInferenceServer(model, tokenizer, run_config.inference, name=f"server-{i}"))
+                servers.append(make_policy_server(run_config, tokenizer, f"server-{i}"))
             addresses = [s.start() for s in servers]
+            for name in run_config.used_reward_models():
+                model = run_config.reward_model(name)
+                for i in range(model.num_servers):
+                    reward_servers.append(RewardServer.from_checkpoint(model, f"{name}-{i}"))
+                    reward_addresses.setdefault(name, []).append(reward_servers[-1].start())
         except BaseException:
-            for s in servers:
+            for s in [*servers, *reward_servers]:
                 s.stop()
             raise
-        return cls(addresses, config, servers=servers, transport=make_transport(run_config.broadcast))
+        return cls(
+            addresses,
+            config,
+            servers=servers,
+            transport=make_transport(run_config.broadcast),
+            reward_addresses=reward_addresses,
+            reward_servers=reward_servers,
+            env_reward_models={e.name: list(e.reward_models) for e in run_config.envs},
+        )
 
     @classmethod
     def remote(
-        cls, addresses: list[str], config: EngineConfig | None = None, *, control_secret: str | None = None
+        cls,
+        addresses: list[str],
+        config: EngineConfig | None = None,
+        *,
+        control_secret: str | None = None,
+        reward_addresses: dict[str, list[str]] | None = None,
     ) -> InferenceEngine:
         """An engine over running servers at `addresses` ('host:port'). Pausing and weight updates use their
-        control routes and need `control_secret` (the servers' `inference.control_secret`)."""
-        return cls(addresses, config, control_secret=control_secret)
+        control routes and need `control_secret` (the servers' `inference.control_secret`). `reward_addresses`:
+        running reward servers by model name (for `attach_reward_models`)."""
+        return cls(addresses, config, control_secret=control_secret, reward_addresses=reward_addresses)
+
+    # ---- reward models ------------------------------------------------------------------------------
+    def attach_reward_models(self, workflow: Environment, names: list[str] | None = None) -> Environment:
+        """Make the reward models `names` (default: those the run config's environment of the same name lists in its
+        `reward_models`) named rewards of `workflow`, weighted by its `reward_weights`; returns `workflow`. Raises
+        KeyError naming a model this engine has no servers for."""
+        if names is None:
+            names = self._env_reward_models.get(workflow.name, [])
+        missing = [n for n in names if n not in self.reward_clients]
+        if missing:
+            raise KeyError(f"no reward servers for {missing}; this engine has {sorted(self.reward_clients)}")
+        attach_reward_models(workflow, {n: self.reward_clients[n] for n in names})
+        return workflow
 
     # ---- the event loop -----------------------------------------------------------------------------
     def _call(self, coro, timeout: float | None = None):
@@ -273,7 +321,7 @@ class InferenceEngine:
     ) -> list[Sample]:
         """Sample `n` completions of `prompt_ids` (token ids in, token ids, logprobs and per-token versions out).
         A coroutine for any event loop; defaults come from `config.sampling`. Raises what the server answers
-        (e.g. openai.BadRequestError for a prompt longer than the context)."""
+        (e.g. `marin_rl.inference.client.ServerError` with status 400 for a prompt longer than the context)."""
         sampling = self.config.sampling
         coro = self.client.sample(
             list(prompt_ids),
@@ -301,19 +349,38 @@ class InferenceEngine:
         episode raises its error."""
         size = group_size or self.config.group_size
         params = sampling or self.config.sampling
-        if max_concurrent is not None and max_concurrent < 1:
-            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        problems = list(problems)
+        return self._call(
+            self.worker.run_groups(workflow, problems, size, params, max_concurrent=max_concurrent, role="eval")
+        )
 
-        async def run_all():
-            limit = asyncio.Semaphore(max_concurrent) if max_concurrent else contextlib.nullcontext()
-
-            async def one(problem: Problem) -> RolloutGroup:
-                async with limit:
-                    return await workflow.run_group(self.client, problem, size, params)
-
-            return await asyncio.gather(*(one(p) for p in problems))
-
-        return list(self._call(run_all()))
+    def evaluate(
+        self,
+        workflow: Environment,
+        problems: Iterable[Problem] | None = None,
+        *,
+        samples_per_problem: int = 4,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+        max_concurrent: int | None = None,
+    ) -> dict[str, float]:
+        """Held-out metrics of the served policy, outside the staleness gate, exactly as a run's evaluation computes
+        them: on `problems` (default: all of `workflow.eval_problems()`), mean reward and pass@1 over
+        `samples_per_problem` samples each at `sampling` (default `config.sampling`), pass@k (k =
+        samples_per_problem) and the greedy completion's reward. `seed` makes the samples a function of the seed
+        and the weights. Blocks; returns {reward, pass@1, pass@k, greedy_reward, problems}; raises ValueError when
+        there are no problems and an episode's error."""
+        problems = list(workflow.eval_problems() if problems is None else problems)
+        return self._call(
+            self.worker.evaluate(
+                workflow,
+                problems,
+                samples_per_problem,
+                sampling or self.config.sampling,
+                seed=seed,
+                max_concurrent=max_concurrent,
+            )
+        )
 
     # ---- gated work ---------------------------------------------------------------------------------
     def submit(self, problem: Problem, workflow: Environment) -> None:
@@ -444,7 +511,7 @@ class InferenceEngine:
 
     async def _run_group(self, problem: Problem, workflow: Environment, version: int) -> None:
         try:
-            group = await workflow.run_group(self.client, problem, self.config.group_size, self.config.sampling)
+            group = await self.worker.run_group(workflow, problem, self.config.group_size, self.config.sampling)
         except BaseException as e:  # noqa: BLE001 - handed to the caller of wait/prepare_batch
             with self._cond:
                 self._in_flight -= self.config.group_size
@@ -471,7 +538,8 @@ class InferenceEngine:
 
     # ---- status and lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Version, batches formed, rollouts in flight and finished, the counters, and each local server's stats."""
+        """Version, batches formed, rollouts in flight and finished, the counters, and each local server's stats
+        (`reward_servers`: the local reward servers')."""
         with self._cond:
             out = {
                 "version": self._version,
@@ -481,6 +549,8 @@ class InferenceEngine:
                 **{f"groups/{k}": v for k, v in self.counters.items()},
             }
         out["servers"] = [s.stats() for s in self.servers]
+        if self.reward_servers:
+            out["reward_servers"] = [s.stats() for s in self.reward_servers]
         return out
 
     def close(self) -> None:
@@ -490,10 +560,12 @@ class InferenceEngine:
                 return
             self._closed = True
         try:
-            self._call(self.client.aclose(), timeout=30)
+            self._call(self.worker.aclose(), timeout=30)
+            for client in self.reward_clients.values():
+                self._call(client.aclose(), timeout=30)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
-        for s in self.servers:
+        for s in [*self.servers, *self.reward_servers]:
             s.stop()
         if self._transport is not None:
             self._transport.close()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from marin_rl.broadcast.base import WeightUpdate, make_transport
 from marin_rl.config import RunConfig
 from marin_rl.envs.base import Environment, reference_examples
 from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, save_learner_state
+from marin_rl.learner.distributed import is_primary
 from marin_rl.learner.learner import Learner
 from marin_rl.learner.losses import get_loss
 from marin_rl.replay.advantages import rloo
@@ -44,14 +46,18 @@ def make_batch(
 
 class TrainEngine:
     """The policy and its optimizer (a `Learner` built from `run_config.model` and `run_config.learner`, on its
-    device mesh) and a weight transport (`run_config.broadcast`). Every method blocks until its work is done."""
+    device mesh) and a weight transport (`run_config.broadcast`). Every method blocks until its work is done.
+
+    The orchestrator's learner processes are `TrainEngine`s too. In a multi-host learner (one process per host, in
+    the distributed runtime), every process builds one and makes every call in the same order (they are
+    collectives); process 0 holds the transport, publishes and writes single-copy files."""
 
     def __init__(self, run_config: RunConfig, *, tokenizer=None):
         self.config = run_config
         self.tokenizer = tokenizer or load_tokenizer(run_config.tokenizer)
         temperature = run_config.envs[0].sampling.temperature
         self.learner = Learner(run_config.model, run_config.learner, len(self.tokenizer), temperature=temperature)
-        self.transport = make_transport(run_config.broadcast)
+        self.transport = make_transport(run_config.broadcast) if is_primary() else None
 
     @property
     def version(self) -> int:
@@ -64,12 +70,16 @@ class TrainEngine:
         `learner.optimizer`)."""
         return self.config.learner.optimizer.lr_at(self.learner.optimizer_steps)
 
-    def warm_start(self, env: Environment, steps: int | None = None) -> dict:
-        """Supervised steps on `env`'s reference completions of its training problems (`learner.warm_start`;
-        `steps` overrides its step count). Does not change the version. Returns the loss curve."""
-        examples = reference_examples(env, self.tokenizer)
-        if not examples:
-            raise ValueError(f"environment {env.name} has no reference completions to warm-start on")
+    def warm_start(self, source: Environment | list[tuple[list[int], list[int]]], steps: int | None = None) -> dict:
+        """Supervised steps (`learner.warm_start`; `steps` overrides its step count) on `source`: an environment's
+        reference completions of its training problems, or (prompt_ids, completion_ids) pairs. Does not change the
+        version. Returns the loss curve."""
+        if isinstance(source, Environment):
+            examples = reference_examples(source, self.tokenizer)
+            if not examples:
+                raise ValueError(f"environment {source.name} has no reference completions to warm-start on")
+        else:
+            examples = list(source)
         cfg = self.learner.config.warm_start
         if steps is not None:
             self.learner.config.warm_start = type(cfg)(steps=steps, learning_rate=cfg.learning_rate,
@@ -97,20 +107,40 @@ class TrainEngine:
         temperature), a `(rows, positions)` array aligned with `batch.input_ids` (0 at each row's first position)."""
         return self.learner.logprobs(batch)
 
-    def update_weights(self, inference=None) -> WeightUpdate:
-        """Publish the current weights as `version` through the broadcast transport and, given an
-        `InferenceEngine`, make its servers serve them (blocks until they do). Returns the update."""
-        update = self.transport.publish(self.learner.version, self.learner.model)
-        if inference is not None:
+    def publish(self) -> WeightUpdate | None:
+        """Publish the current weights as `version` through the broadcast transport, without applying them anywhere;
+        returns the update (None on processes other than 0). One process publishes the model's device arrays (cast
+        on the device when `broadcast.dtype` asks); a multi-host learner gathers them first (a collective)."""
+        if jax.process_count() == 1:
+            return self.transport.publish(self.learner.version, self.learner.model)
+        leaves = self.learner.weights()
+        return self.transport.publish(self.learner.version, leaves) if self.transport is not None else None
+
+    def update_weights(self, inference=None) -> WeightUpdate | None:
+        """`publish` and, given an `InferenceEngine`, make its servers serve the update (blocks until they do).
+        Returns the update."""
+        update = self.publish()
+        if inference is not None and update is not None:
             inference.apply_update(update)
         return update
+
+    def export_hf(self, path: str) -> str:
+        """Save the current policy and the tokenizer as a Hugging Face checkpoint at `path` (local or fsspec URL),
+        loadable by `transformers`, vLLM and `model.init_from_hf`; returns `path`."""
+        return self.learner.export_hf(path, self.tokenizer)
 
     def save(self, path: str) -> str:
         """Write a checkpoint (policy, optimizer state, reference model, version) under directory `path` (local or
         fsspec URL) as `path/step-<version>`; returns that directory, complete when this returns."""
         ckpt = begin_checkpoint(path, self.learner.version)
-        save_learner_state(self.learner, ckpt, self.learner.version)
+        self.write_state(ckpt, self.learner.version)
         return ckpt
+
+    def write_state(self, directory: str, step: int) -> None:
+        """Write the learner's state into the prepared checkpoint directory `directory` (`begin_checkpoint`),
+        completion marker last: a run checkpoint is the driver's state with this beside it. `step` is recorded as
+        the checkpoint's step."""
+        save_learner_state(self.learner, directory, step)
 
     def load(self, path: str) -> int:
         """Continue from a checkpoint directory written by `save` (or a run's `checkpoints/step-N`); returns its
@@ -122,4 +152,5 @@ class TrainEngine:
 
     def close(self) -> None:
         """Release the weight transport (shared-memory slots, a Flight server)."""
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()

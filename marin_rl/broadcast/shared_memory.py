@@ -52,7 +52,7 @@ from marin_rl.broadcast.base import (
     leaf_dtype,
     register_transport,
 )
-from marin_rl.processes import pid_alive
+from marin_rl.processes import remove_directories_of_dead_processes
 
 logger = logging.getLogger(__name__)
 
@@ -128,22 +128,7 @@ def _host_id() -> str:
 def remove_stale_directories(root: str = DEFAULT_ROOT) -> list[str]:
     """Delete the private slot directories under `root` whose learner process is gone (killed before `close`);
     returns their paths."""
-    removed = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(PRIVATE_PREFIX):
-            continue
-        try:
-            pid = int(name[len(PRIVATE_PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not pid_alive(pid):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            removed.append(os.path.join(root, name))
-    return removed
+    return remove_directories_of_dead_processes(root, PRIVATE_PREFIX)
 
 
 def _remove_published(directory: str, created: list[str], owned: bool) -> None:

@@ -9,7 +9,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from marin_rl.envs.rewards import RewardFunction, check_reward_weights, combine_rewards, evaluate_rewards
+from marin_rl.envs.rewards import (
+    RewardFunction,
+    aevaluate_rewards,
+    check_reward_weights,
+    combine_rewards,
+    evaluate_rewards,
+)
 from marin_rl.inference.client import PolicyClient, Sample
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
@@ -44,10 +50,16 @@ class Environment(abc.ABC):
     Subclasses take the tokenizer and their own keyword arguments (from the env's `args` in the config).
     `reward_weights` (a class attribute, or the `reward_weights` argument, which replaces it) combines a turn's
     named rewards into its reward: Σ weight · named reward, names without a weight counting 0.
+
+    `add_reward_functions` adds named reward functions from outside the environment (e.g. a reward model's,
+    `marin_rl.envs.model_rewards`): they are evaluated beside the environment's own rewards (single-turn: on each
+    completion; multi-turn: on the whole episode at its end) and weighted by `reward_weights` like them.
     """
 
     name: str = "env"
     reward_weights: dict[str, float] = {"correct": 1.0}
+    added_rewards: dict[str, RewardFunction] = {}
+    """Reward functions added with `add_reward_functions` (by name)."""
 
     def __init__(
         self, tokenizer, *, name: str | None = None, seed: int = 0, reward_weights: dict[str, float] | None = None
@@ -59,6 +71,24 @@ class Environment(abc.ABC):
         if reward_weights is not None:
             self.reward_weights = dict(reward_weights)
         check_reward_weights(self.reward_weights, where=self.name)
+
+    def add_reward_functions(self, functions: dict[str, RewardFunction]) -> None:
+        """Evaluate `functions` (reward functions, sync or async, by name) beside the environment's own rewards from
+        now on. Raises ValueError for a name already in use."""
+        own = set(getattr(self, "reward_functions", {}) or {})
+        taken = sorted((set(functions) & own) | (set(functions) & set(self.added_rewards)))
+        if taken:
+            raise ValueError(f"{self.name}: rewards {taken} are already computed by the environment or added before")
+        self.added_rewards = {**self.added_rewards, **functions}
+
+    async def added_reward_values(
+        self, problem: Problem, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int]
+    ) -> dict[str, float]:
+        """The added reward functions' values for one completion (empty when none were added)."""
+        if not self.added_rewards:
+            return {}
+        fields = {"answer": problem.answer, **problem.fields}
+        return await aevaluate_rewards(self.added_rewards, prompt, completion, prompt_ids, completion_ids, fields)
 
     @abc.abstractmethod
     def train_problems(self) -> list[Problem]:
@@ -104,21 +134,39 @@ class SingleTurnEnvironment(Environment):
         """
         raise NotImplementedError(f"{type(self).__name__} must override `score` or set `reward_functions`")
 
+    def _reward_function_args(
+        self, problem: Problem, prompt_ids: list[int], completion: str, completion_ids: list[int]
+    ) -> tuple:
+        """The arguments of `evaluate_rewards` / `aevaluate_rewards` for this completion, after checking that every
+        named reward (own and added) has a weight."""
+        check_reward_weights(self.reward_weights, [*self.reward_functions, *self.added_rewards], self.name)
+        fields = {"answer": problem.answer, **problem.fields}
+        return self.reward_functions, problem.prompt, completion, list(prompt_ids), list(completion_ids), fields
+
     def rewards(
         self, problem: Problem, prompt_ids: list[int], completion: str, completion_ids: list[int]
     ) -> dict[str, float]:
-        """Named rewards of a sampled completion: `reward_functions` if any are set, else `score`."""
+        """The environment's own named rewards of a sampled completion: `reward_functions` if any are set (all
+        sync), else `score`. Added reward functions are not evaluated here (see `arewards`)."""
         if self.reward_functions:
-            check_reward_weights(self.reward_weights, list(self.reward_functions), self.name)
-            return evaluate_rewards(
-                self.reward_functions,
-                problem.prompt,
-                completion,
-                list(prompt_ids),
-                list(completion_ids),
-                {"answer": problem.answer, **problem.fields},
-            )
+            return evaluate_rewards(*self._reward_function_args(problem, prompt_ids, completion, completion_ids))
         return self.score(problem, completion)
+
+    async def arewards(
+        self, problem: Problem, prompt_ids: list[int], completion: str, completion_ids: list[int]
+    ) -> dict[str, float]:
+        """All named rewards of a sampled completion: the environment's own (`reward_functions`, async ones awaited,
+        or `score`) and the added reward functions'."""
+        if self.reward_functions:
+            own = await aevaluate_rewards(*self._reward_function_args(problem, prompt_ids, completion, completion_ids))
+        else:
+            own = self.score(problem, completion)
+        added = await self.added_reward_values(problem, problem.prompt, completion, list(prompt_ids),
+                                               list(completion_ids))  # fmt: skip
+        clash = sorted(set(own) & set(added))
+        if clash:
+            raise ValueError(f"{self.name}: rewards {clash} are both scored by the environment and added")
+        return {**own, **added}
 
     async def run_episode(self, policy: PolicyClient, problem: Problem, sampling: SamplingParams) -> Rollout:
         [rollout] = await self._sample_rollouts(policy, problem, 1, sampling)
@@ -143,10 +191,13 @@ class SingleTurnEnvironment(Environment):
             temperature=sampling.temperature,
             stop_token_ids=[eos] if eos is not None else None,
         )
+        completions = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        # concurrently: a reward model's client sends the group's completions in one request
+        scored = await asyncio.gather(
+            *(self.arewards(problem, prompt_ids, c, s.token_ids) for c, s in zip(completions, samples, strict=True))
+        )
         rollouts = []
-        for sample in samples:
-            completion = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            rewards = self.rewards(problem, prompt_ids, completion, sample.token_ids)
+        for sample, completion, rewards in zip(samples, completions, scored, strict=True):
             reward = combine_rewards(rewards, self.reward_weights)
             turns = [
                 Turn(role="user", message=problem.prompt, token_ids=list(prompt_ids)),

@@ -305,6 +305,21 @@ class MultiTurnEnvironment(Environment):
             fields,
         )
 
+    async def episode_added_rewards(self, problem: Problem, conversation: Conversation) -> dict[str, float]:
+        """The added reward functions (`add_reward_functions`, e.g. a reward model's) on the whole episode: `prompt`
+        and `prompt_ids` are the rendered prompt, `completion` and `completion_ids` everything after it (policy and
+        environment turns, exact ids)."""
+        if not self.added_rewards:
+            return {}
+        rest = conversation.turns[1:]
+        return await self.added_reward_values(
+            problem,
+            conversation.turns[0].message,
+            "".join(self.tokenizer.decode(t.token_ids, skip_special_tokens=False) for t in rest),
+            list(conversation.prompt_ids),
+            [i for t in rest for i in t.token_ids],
+        )
+
     def reference_messages(self, problem: Problem) -> list[dict] | None:
         """A correct continuation of the prompt for warm start: assistant and environment messages, or None."""
         return None
@@ -394,6 +409,11 @@ class MultiTurnEnvironment(Environment):
                 break
             conv.add_messages(messages, ids)
         final = await self.episode_rewards(problem, conv)
+        added = await self.episode_added_rewards(problem, conv)
+        clash = sorted(set(final) & set(added))
+        if clash:
+            raise ValueError(f"{self.name}: rewards {clash} are both scored by episode_rewards and added")
+        final = {**final, **added}
         self._credit(conv.last_policy_turn, final, "episode_rewards")
         return Rollout(
             environment=self.name,

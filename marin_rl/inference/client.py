@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
-from openai import APIConnectionError, APITimeoutError, AsyncOpenAI
 
 logger = logging.getLogger("marin_rl")
 
@@ -55,41 +54,78 @@ def versions_from_spans(spans: list[dict] | None, num_tokens: int) -> list[int] 
     return out  # type: ignore[return-value]
 
 
+class ServerUnreachable(ConnectionError):
+    """No server could be reached (every one refused the connection or dropped it)."""
+
+
+class ServerError(RuntimeError):
+    """A server answered a completion request with an error: `status` is the HTTP status, `detail` its message
+    (a 400 names what was wrong with the request, e.g. a prompt longer than the context)."""
+
+    def __init__(self, server: str, status: int, detail: str):
+        super().__init__(f"server {server} answered {status}: {detail}")
+        self.server, self.status, self.detail = server, status, detail
+
+
+@dataclass(eq=False)
+class _Call:
+    """One `sample` call waiting to be sent, possibly together with others of the same parameters."""
+
+    prompt_ids: list[int]
+    n: int
+    future: asyncio.Future
+
+
 class PolicyClient:
     """Sends completion requests to one of several servers (least outstanding requests first).
 
     Prompts are sent as token ids and tokens come back as ids (`return_tokens_as_token_ids`, as in vLLM),
     so what the learner trains on is exactly what was sampled.
+
+    Unseeded `sample` calls made in the same turn of the event loop with the same sampling parameters travel as one
+    request with a list of prompts (the completions API's batch form), up to `max_prompts_per_request` of them: an
+    env actor that starts many groups at once then costs the server and itself one request instead of dozens. Each
+    call still gets exactly its own samples; a request refused as a whole (400) is split and its calls sent one by
+    one, so only a bad call fails. Seeded calls always travel alone (a server derives choice k's seed from the
+    request's seed). `max_prompts_per_request=1` sends every call alone.
     """
 
+    RETRIES = 2
+    """Resends of a request a server answered with 5xx (after 0.5 s, then 1 s), as OpenAI's client does."""
+
     def __init__(
-        self, servers: list[str], *, model: str = "policy", timeout_s: float = 600.0, max_concurrent_requests: int = 32
+        self,
+        servers: list[str],
+        *,
+        model: str = "policy",
+        timeout_s: float = 600.0,
+        max_concurrent_requests: int = 32,
+        max_prompts_per_request: int = 64,
     ):
         if not servers:
             raise ValueError("PolicyClient needs at least one server address")
+        if max_prompts_per_request < 1:
+            raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}")
         self.servers = list(servers)
         self.model = model
-        self._clients = {
-            s: AsyncOpenAI(
+        self.max_prompts_per_request = max_prompts_per_request
+        self._http = {
+            s: httpx.AsyncClient(
                 base_url=f"http://{s}/v1",
-                api_key="unused",
                 timeout=timeout_s,
-                max_retries=2,
-                http_client=httpx.AsyncClient(
-                    timeout=timeout_s,
-                    limits=httpx.Limits(
-                        max_connections=max_concurrent_requests, max_keepalive_connections=max_concurrent_requests
-                    ),
+                limits=httpx.Limits(
+                    max_connections=max_concurrent_requests, max_keepalive_connections=max_concurrent_requests
                 ),
             )
             for s in self.servers
         }
         self._outstanding = dict.fromkeys(self.servers, 0)
         self._unreachable_until = dict.fromkeys(self.servers, 0.0)
+        self._pending: dict[tuple, list[_Call]] = {}  # sampling parameters -> calls waiting for this loop turn
         self.retried_requests = 0
         """Requests sent again to another server because theirs could not be reached."""
         self.requests = 0
-        """Requests answered."""
+        """Requests answered (one request may carry several calls' prompts)."""
         self.request_s = 0.0
         """Seconds from sending a request to its answer, summed over answered requests (waiting for a connection slot
         in this client included)."""
@@ -122,79 +158,147 @@ class PolicyClient:
         stop: list[str] | None = None,
         seed: int | None = None,
     ) -> list[Sample]:
-        """Sample `n` completions of `prompt_ids` in one request to the least-loaded server. A server that cannot be
-        reached (`openai.APIConnectionError`: gone, restarting) is avoided for `UNREACHABLE_S` and the request is sent
-        to another one (counted in `retried_requests`); the error is raised once every server failed to connect."""
+        """Sample `n` completions of `prompt_ids` from the least-loaded server. A server that cannot be reached (gone,
+        restarting) is avoided for `UNREACHABLE_S` and the request is sent to another one (counted in
+        `retried_requests`); `ServerUnreachable` is raised once every server failed. A request answered with an
+        error raises `ServerError` (after `RETRIES` resends for a 5xx); one that times out raises
+        `httpx.TimeoutException` (the server was reached: sending it elsewhere would double the work)."""
+        params = {
+            "max_tokens": int(max_tokens),
+            "temperature": float(temperature),
+            "stop": list(stop) if stop else None,
+            "stop_token_ids": [int(t) for t in stop_token_ids or []],
+            "n": int(n),
+        }
+        if seed is not None or self.max_prompts_per_request == 1:
+            return (await self._request([list(prompt_ids)], {**params, "seed": seed}))[0]
+        key = (params["max_tokens"], params["temperature"], tuple(stop or ()), tuple(params["stop_token_ids"]), n)
+        call = _Call(list(prompt_ids), n, asyncio.get_running_loop().create_future())
+        calls = self._pending.setdefault(key, [])
+        if not calls:  # the first call of this turn: send everything gathered once the turn ends
+            asyncio.get_running_loop().call_soon(self._send_pending, key, params)
+        calls.append(call)
+        if len(calls) >= self.max_prompts_per_request:
+            self._send_now(self._pending.pop(key), params)
+        return await call.future
+
+    def _send_pending(self, key: tuple, params: dict) -> None:
+        calls = self._pending.pop(key, None)
+        if calls:
+            self._send_now(calls, params)
+
+    def _send_now(self, calls: list[_Call], params: dict) -> None:
+        task = asyncio.get_running_loop().create_task(self._answer(calls, params))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)  # errors go to the futures
+
+    async def _answer(self, calls: list[_Call], params: dict) -> None:
+        """Send `calls` as one request and hand each its samples; a request refused as a whole is split."""
+        try:
+            results = await self._request([c.prompt_ids for c in calls], params)
+        except ServerError as e:
+            if len(calls) > 1 and e.status == 400:  # some prompt was bad: find out which, fail only that one
+                await asyncio.gather(*(self._answer([c], params) for c in calls))
+                return
+            for c in calls:
+                if not c.future.done():
+                    c.future.set_exception(e)
+            return
+        except asyncio.CancelledError:
+            for c in calls:
+                c.future.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to every waiting call
+            for c in calls:
+                if not c.future.done():
+                    c.future.set_exception(e)
+            return
+        for c, samples in zip(calls, results, strict=True):
+            if not c.future.done():
+                c.future.set_result(samples)
+
+    async def _request(self, prompts: list[list[int]], params: dict) -> list[list[Sample]]:
+        """One completions request for `prompts` (each sampled `n` times), to the least-loaded reachable server;
+        returns each prompt's samples."""
+        n = params["n"]
+        body = {
+            "model": self.model,
+            "prompt": prompts[0] if len(prompts) == 1 else prompts,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            **{k: v for k, v in params.items() if v is not None},
+        }
         tried: list[str] = []
         while True:
             server = self._pick_server(tried)
-            self._outstanding[server] += n
+            self._outstanding[server] += n * len(prompts)
             start = time.time()
             try:
                 async with self._slots[server]:
                     queued = time.time() - start
-                    resp = await self._create(
-                        server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids
-                    )
-            except APIConnectionError as e:
-                if isinstance(e, APITimeoutError):  # reached but slow: sending it elsewhere would double the work
-                    raise
+                    answer = await self._post(server, body)
+            except httpx.TimeoutException:
+                raise  # reached but slow: sending it elsewhere would double the work
+            except (httpx.TransportError, ServerUnreachable) as e:
                 tried.append(server)
                 self._unreachable_until[server] = time.time() + self.UNREACHABLE_S
                 if len(tried) == len(self.servers):
-                    raise
+                    raise ServerUnreachable(f"no server could be reached ({', '.join(tried)}): {e!r}") from e
                 self.retried_requests += 1
                 logger.warning("server %s cannot be reached; sending the request to another server", server)
                 continue
             finally:
-                self._outstanding[server] -= n
+                self._outstanding[server] -= n * len(prompts)
             latency = time.time() - start
             self.requests += 1
             self.request_s += latency
-            self.backend_s += float((resp.model_extra or {}).get("backend_s", 0.0))
+            self.backend_s += float(answer.get("backend_s", 0.0))
             self.queue_s += queued
-            return self._parse(resp, n, server, latency)
+            return self._parse(answer, len(prompts), n, server, latency)
 
-    async def _create(self, server, prompt_ids, n, max_tokens, temperature, stop, seed, stop_token_ids):
-        return await self._clients[server].completions.create(
-            model=self.model,
-            prompt=list(prompt_ids),
-            n=n,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            logprobs=0,
-            stop=stop or None,
-            seed=seed,
-            extra_body={"return_tokens_as_token_ids": True, "stop_token_ids": list(stop_token_ids or [])},
-        )
+    async def _post(self, server: str, body: dict) -> dict:
+        """POST `body` to `server`'s completions route; 5xx answers are resent `RETRIES` times."""
+        for attempt in range(self.RETRIES + 1):
+            response = await self._http[server].post("/completions", json=body)
+            if response.status_code < 500 or attempt == self.RETRIES:
+                break
+            await asyncio.sleep(0.5 * 2**attempt)
+        if response.status_code != 200:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise ServerError(server, response.status_code, str(detail))
+        return response.json()
 
     @staticmethod
-    def _parse(resp, n: int, server: str, latency: float) -> list[Sample]:
-        if len(resp.choices) != n:
-            raise RuntimeError(f"server {server} returned {len(resp.choices)} choices for n={n}")
+    def _parse(answer: dict, num_prompts: int, n: int, server: str, latency: float) -> list[list[Sample]]:
+        choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != num_prompts * n:
+            raise RuntimeError(f"server {server} returned {len(choices)} choices for {num_prompts} prompts × n={n}")
         samples = []
-        for choice in sorted(resp.choices, key=lambda c: c.index):
-            if choice.logprobs is None or choice.logprobs.token_logprobs is None:
+        for choice in choices:
+            logprobs = choice.get("logprobs") or {}
+            if logprobs.get("token_logprobs") is None:
                 raise RuntimeError(f"server {server} returned no logprobs; it must support `logprobs`")
-            extra = choice.model_extra or {}
+            tokens = logprobs["tokens"]
             samples.append(
                 Sample(
-                    token_ids=[_parse_token_id(t) for t in choice.logprobs.tokens],
-                    sampler_logprobs=[float(x) for x in choice.logprobs.token_logprobs],
-                    text=choice.text,
-                    finish_reason=choice.finish_reason or "stop",
-                    version_start=int(extra.get("policy_version_start", -1)),
-                    version_end=int(extra.get("policy_version_end", -1)),
-                    token_versions=versions_from_spans(extra.get("policy_version_spans"), len(choice.logprobs.tokens)),
+                    token_ids=[_parse_token_id(t) for t in tokens],
+                    sampler_logprobs=[float(x) for x in logprobs["token_logprobs"]],
+                    text=choice.get("text", ""),
+                    finish_reason=choice.get("finish_reason") or "stop",
+                    version_start=int(choice.get("policy_version_start", -1)),
+                    version_end=int(choice.get("policy_version_end", -1)),
+                    token_versions=versions_from_spans(choice.get("policy_version_spans"), len(tokens)),
                     server=server,
                     latency_s=latency,
                 )
             )
-        return samples
+        return [samples[i * n : (i + 1) * n] for i in range(num_prompts)]
 
     async def aclose(self) -> None:
-        for c in self._clients.values():
-            await c.close()
+        for c in self._http.values():
+            await c.aclose()
 
 
 def _parse_token_id(token: str) -> int:

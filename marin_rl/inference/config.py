@@ -61,12 +61,23 @@ class VllmConfig:
 
 
 KV_CACHE_DTYPES = ("float32", "bfloat16")
+LEVANTER_ENGINES = ("paged", "dense")
 
 
 @dataclass
 class LevanterServerConfig:
-    """The embedded server (backend 'levanter'): Levanter's JAX inference engine in the server's process."""
+    """The embedded server (backend 'levanter'): a JAX engine in the server's process, on the learner's model code."""
 
+    engine: str = "paged"
+    """'paged': Levanter's engine (paged KV cache, batched prefill, a scheduler of sequences); 'dense': marin_rl's
+    dense-cache sampler (`marin_rl.inference.dense_engine`: a batch of up to `max_seqs` sequences decoded position
+    by position in one compiled loop, prompts included), several times faster on a CPU for short prompts and
+    completions of small Llama-family models, slower for long contexts. `prefill_tokens`, `page_size`, `max_pages`
+    and `max_rounds` are the paged engine's."""
+    batch_invariant: bool = False
+    """Dense engine: decode every batch at `max_seqs` rows instead of the smallest of a few row counts that fits, so
+    a sequence's logprobs are bit-identical whatever shares its batch (across row counts they differ by ~5e-7,
+    because each row count is its own compiled program). `orchestrator.deterministic` turns it on."""
     prefill_tokens: int = 4096
     """Prompt tokens prefilled together; one engine call admits at most this many (and at most `max_seqs`)."""
     page_size: int = 64
@@ -89,6 +100,8 @@ class LevanterServerConfig:
     null: a generation runs under the weights it started with, and updates wait for it."""
 
     def __post_init__(self):
+        if self.engine not in LEVANTER_ENGINES:
+            raise ValueError(f"inference.levanter.engine must be one of {LEVANTER_ENGINES}, got {self.engine!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"inference.levanter.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                              f"{self.kv_cache_dtype!r}")  # fmt: skip

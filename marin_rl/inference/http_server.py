@@ -1,14 +1,29 @@
-"""Serving an ASGI app with uvicorn from a daemon thread (every policy server's HTTP front end), and the address a
-server binds to and advertises (`inference.host`)."""
+"""Serving an ASGI app with uvicorn from a daemon thread (every policy server's HTTP front end), the address a
+server binds to and advertises (`inference.host`), and completing a request's future from a worker thread."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import uvicorn
 
 LOOPBACK = "127.0.0.1"
+
+
+def resolve_future(future: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    """Complete `future` (awaited in the server's event loop) from another thread, once; later calls are ignored."""
+
+    def done():
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    future.get_loop().call_soon_threadsafe(done)
 
 
 def bind_and_advertise(setting: str) -> tuple[str, str]:

@@ -381,11 +381,20 @@ class VllmPolicyServer(CompletionBackend):
 
     `model` is the Levanter model whose weights `model_dir` (an HF checkpoint, e.g. from `export_hf_checkpoint`)
     holds; it gives the layout of the flat leaves that `apply_weights` receives. Run it in-process or inside a
-    server actor.
+    server actor. `scratch_dir` (e.g. the directory `model_dir` was exported to for it) is removed by `stop`.
     """
 
-    def __init__(self, model: LmHeadModel, model_dir: str, tokenizer, config: InferenceConfig, name: str = "vllm-0"):
+    def __init__(
+        self,
+        model: LmHeadModel,
+        model_dir: str,
+        tokenizer,
+        config: InferenceConfig,
+        name: str = "vllm-0",
+        scratch_dir: str | None = None,
+    ):
         self.config = config
+        self.scratch_dir = scratch_dir
         self.name = name
         self.tokenizer = tokenizer
         self.max_seq_len = config.max_seq_len
@@ -441,6 +450,8 @@ class VllmPolicyServer(CompletionBackend):
             self.server.stop()
             if self._weights_path is not None and os.path.exists(self._weights_path):
                 os.remove(self._weights_path)
+        if self.scratch_dir is not None:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
     def _watch(self) -> None:
         interval = self.config.vllm.health_check_interval_s

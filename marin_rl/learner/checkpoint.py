@@ -146,6 +146,7 @@ def save_learner_state(learner: Learner, path: str, step: int) -> None:
                 "version": learner.version,
                 "optimizer_steps": learner.optimizer_steps,
                 "has_reference": learner.reference_model is not None,
+                "has_critic": learner.critic is not None,
             },
         )
     save_checkpoint(learner.state(), step, path, is_temporary=False)
@@ -156,6 +157,9 @@ def load_learner_state(learner: Learner, path: str) -> None:
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER_FILE})")
     info = read_json(path, LEARNER_FILE)
+    if bool(info.get("has_critic", False)) != (learner.critic is not None):
+        raise ValueError(f"checkpoint {path} was written {'with' if info.get('has_critic') else 'without'} a critic, "
+                         f"but learner.critic.enabled is {learner.critic is not None}")  # fmt: skip
     template = learner.state_template(bool(info["has_reference"]))
     mesh = learner.mesh
     if mesh is None:  # the checkpointer places arrays on a mesh: a one-device one here

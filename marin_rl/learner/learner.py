@@ -10,6 +10,7 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import equinox as eqx
 import haliax as hax
@@ -19,6 +20,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from marin_rl.learner.algorithm import get_algorithm, learner_call, register_learner_call
+from marin_rl.learner.critic import Critic, CriticConfig
 from marin_rl.learner.distributed import host_arrays, is_primary
 from marin_rl.learner.losses import (
     OBJECTIVES,
@@ -29,6 +32,7 @@ from marin_rl.learner.losses import (
     loss_normalizers,
     sft_loss,
 )
+from marin_rl.learner.optimizer import LR_SCHEDULES, OptimizerConfig  # noqa: F401 - re-exported
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs
@@ -36,42 +40,6 @@ from marin_rl.replay.packing import Sequence, pack
 from marin_rl.types import PackedBatch, RlExample
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW with global-norm gradient clipping and linear warmup."""
-
-    learning_rate: float = 1e-4
-    """Peak learning rate."""
-    warmup_steps: int = 0
-    """Linear warmup from 0 over this many optimizer steps."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    beta1: float = 0.9
-    """Adam β1."""
-    beta2: float = 0.99
-    """Adam β2."""
-    eps: float = 1e-8
-    """Adam ε."""
-    max_grad_norm: float | None = 1.0
-    """Clip gradients to this global norm (None: no clipping)."""
-
-    def build(self) -> optax.GradientTransformation:
-        if self.warmup_steps > 0:
-            lr = optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
-        else:
-            lr = self.learning_rate
-        chain = []
-        if self.max_grad_norm is not None:
-            chain.append(optax.clip_by_global_norm(self.max_grad_norm))
-        chain.append(optax.adamw(lr, b1=self.beta1, b2=self.beta2, eps=self.eps, weight_decay=self.weight_decay))
-        return optax.chain(*chain)
-
-    def lr_at(self, step: int) -> float:
-        if self.warmup_steps > 0:
-            return self.learning_rate * min(1.0, step / self.warmup_steps)
-        return self.learning_rate
 
 
 @dataclass
@@ -269,6 +237,15 @@ class LearnerConfig:
     microbatches: int = 1
     """Gradient accumulation: split each minibatch's rows into this many chunks, run forward and backward one chunk
     at a time and sum the gradients, normalised by the whole minibatch (the same step as without splitting)."""
+    algorithm: str | None = None
+    """The algorithm, a declared graph of model calls (`marin_rl.learner.algorithm`): 'rloo', 'grpo', 'dr_grpo',
+    'reinforce', 'remax', 'ppo' (critic and GAE), a name registered with `register_algorithm`, or
+    'package.module:NAME'. It also sets `replay.advantage_estimator` and `critic.enabled`. None: chosen by those two
+    fields ('ppo' with a critic, else the replay's estimator)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's value model and GAE (`enabled: true`, with `replay.advantage_estimator: gae`): each train step computes
+    the critic's values of the batch, GAE advantages and returns, the policy's steps, then one critic step on the
+    whole batch (`marin_rl.learner.critic`)."""
 
     def __post_init__(self):
         for name in ("minibatches", "epochs", "microbatches", "hosts"):
@@ -277,8 +254,22 @@ class LearnerConfig:
                 raise ValueError(f"learner.{name} must be an integer >= 1, got {value!r}")
         if self.mode not in LEARNER_MODES:
             raise ValueError(f"learner.mode must be one of {LEARNER_MODES}, got {self.mode!r}")
+        if self.algorithm is not None:
+            try:
+                algorithm = get_algorithm(self.algorithm)
+            except ValueError as e:
+                raise ValueError(f"learner.algorithm: {e}") from None
+            self.critic.enabled = "critic" in algorithm.roles
         if self.mode == "sft" and not self.sft.train_files:
             raise ValueError("learner.sft.train_files must name at least one file when learner.mode is 'sft'")
+
+    @property
+    def algorithm_name(self) -> str:
+        """`algorithm`, or the learner side of the default: 'ppo' with a critic, else a group algorithm (their
+        learner sides are all the same: the policy's steps)."""
+        if self.algorithm is not None:
+            return self.algorithm
+        return "ppo" if self.critic.enabled else "rloo"
 
 
 def _to_example(batch: PackedBatch) -> RlExample:
@@ -349,6 +340,13 @@ class Learner:
         self.version = 0
         self.optimizer_steps = 0
         self.reference_model = None
+        self.algorithm = get_algorithm(config.algorithm_name)
+        """The algorithm whose learner-side calls `train_step` runs (`learner.algorithm`)."""
+        self.learner_calls = self.algorithm.learner_calls()
+        self.reads_token_rewards = any("token_rewards" in c.reads for c in self.learner_calls)
+        has_critic = "critic" in self.algorithm.roles
+        self.critic = Critic(config.critic, model_config, vocab_size, self) if has_critic else None
+        """The value model (an algorithm with a critic role, e.g. 'ppo'), or None."""
         self.loss = get_loss(config.loss.objective)
         """The configured loss (`loss.objective`, looked up in the loss registry); `train_step` may be given another."""
         self.step_metrics: list[dict[str, float]] = []
@@ -540,19 +538,43 @@ class Learner:
             )
         if self.mesh is not None:
             self._check_rows(batch.num_rows, "the batch", m * n)
+        data: dict[str, Any] = {"rollouts": batch}
+        if batch.rewards is not None:
+            data["token_rewards"] = batch.rewards
+        else:
+            data["advantages"] = batch.advantages
+        if batch.rewards is None and self.reads_token_rewards:
+            raise ValueError(f"algorithm {self.algorithm.name!r} needs batches with per-token rewards: set "
+                             "replay.advantage_estimator: gae")  # fmt: skip
+        if batch.rewards is not None and not self.reads_token_rewards:
+            raise ValueError(f"the batch carries per-token rewards (replay.advantage_estimator: gae) but algorithm "
+                             f"{self.algorithm.name!r} does not use them: its group advantages are all 0 (choose an "
+                             "algorithm that does, e.g. learner.algorithm: ppo)")  # fmt: skip
+        metrics: dict[str, float] = {}
+        for call in self.learner_calls:  # the algorithm's learner-side graph, in order
+            metrics.update(learner_call(call.function)(self, data, loss=loss, loss_weight_fn=loss_weight_fn))
+        self.version += 1
+        elapsed = time.time() - start
+        metrics["learner/step_time_s"] = elapsed
+        metrics["learner/tokens_per_s"] = e * float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
+        return metrics
+
+    def _actor_train(self, data: dict[str, Any], loss: LossSpec, loss_weight_fn) -> dict[str, float]:
+        """The policy's `minibatches × epochs` optimizer steps on `data['rollouts']` with `data['advantages']`."""
+        cfg = self.config
+        m, e = cfg.minibatches, cfg.epochs
+        batch = data["rollouts"]
+        if data["advantages"] is not batch.advantages:
+            batch = dataclasses.replace(batch, advantages=np.asarray(data["advantages"], np.float32))
         with self._sharding():
             device_metrics = self._run_steps(batch, loss, loss_weight_fn)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
-        stacked = {k: np.asarray([m[k] for m in self.step_metrics]) for k in self.step_metrics[0]}
+        stacked = {k: np.asarray([x[k] for x in self.step_metrics]) for k in self.step_metrics[0]}
         out = {k: float(v) for k, v in combine_metrics(stacked, rest="mean").items()}
         out["learner/trained_tokens"] = float(np.sum(batch.loss_mask))  # the batch's, not a minibatch's
         self.optimizer_steps += m * e
         out["learner/optimizer_steps"] = float(self.optimizer_steps)
         out["learner/learning_rate"] = cfg.optimizer.lr_at(self.optimizer_steps - 1)
-        self.version += 1
-        elapsed = time.time() - start
-        out["learner/step_time_s"] = elapsed
-        out["learner/tokens_per_s"] = e * float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
         return out
 
     def _run_steps(self, batch: PackedBatch, loss: LossSpec, loss_weight_fn) -> list[dict[str, jax.Array]]:
@@ -592,7 +614,9 @@ class Learner:
         rows = batch.num_rows
         pad = -rows % self.batch_shards  # pad the rows to split evenly over the mesh; the padding is dropped
         if pad:
-            batch = PackedBatch(**{k: np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in vars(batch).items()})
+            batch = PackedBatch(
+                **{k: None if v is None else np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in vars(batch).items()}
+            )
         with self._sharding():
             [lp] = host_arrays([self._logprobs(self.model, self._shard_batch(_to_example(batch)))])
         return lp[:rows]
@@ -619,13 +643,17 @@ class Learner:
     # ---- checkpoint state ------------------------------------------------------------------------------
     def state(self) -> dict:
         """Everything a resumed run needs from the learner, as a pytree of arrays: the policy, the optimizer state,
-        the frozen reference model (None when there is none), the policy version and the optimizer step count."""
+        the frozen reference model (None when there is none), the policy version and the optimizer step count, and
+        the critic with its optimizer state and step count (None without a critic)."""
         return {
             "model": self.model,
             "opt_state": self.opt_state,
             "reference_model": self.reference_model,
             "version": self._replicated(self.version),
             "optimizer_steps": self._replicated(self.optimizer_steps),
+            "critic": None if self.critic is None else self.critic.model,
+            "critic_opt_state": None if self.critic is None else self.critic.opt_state,
+            "critic_steps": None if self.critic is None else self._replicated(self.critic.steps),
         }
 
     def _replicated(self, value: int) -> jax.Array:
@@ -653,6 +681,10 @@ class Learner:
             self.opt_state = self._shard_params(state["opt_state"])
             ref = state.get("reference_model")
             self.reference_model = None if ref is None else self._shard_params(ref)
+            if self.critic is not None:
+                self.critic.model = self._shard_params(state["critic"])
+                self.critic.opt_state = self._shard_params(state["critic_opt_state"])
+                self.critic.steps = int(state["critic_steps"])
         self.version = int(state["version"])
         self.optimizer_steps = int(state["optimizer_steps"])
 
@@ -741,4 +773,44 @@ class Learner:
             if (i + 1) % max(1, cfg.steps // 10) == 0:
                 logger.info("warm start step %d/%d: loss %.4f", i + 1, cfg.steps, losses[-1])
         self.freeze_reference()  # the KL penalty's reference is the warm-started policy
+        if self.critic is not None:
+            self.critic.reset_from(self.model)  # a critic from the policy starts from the warm-started trunk
         return {"losses": losses, "seconds": time.time() - start}
+
+
+# ---- the learner-side calls of the shipped algorithms (`marin_rl.learner.algorithm`) ------------------------------
+def _example(learner: Learner, data: dict[str, Any]) -> RlExample:
+    """The batch as a placed example, made once per train step (kept in `data` under a private key)."""
+    if "_example" not in data:
+        data["_example"] = learner._shard_batch(_to_example(data["rollouts"]))
+    return data["_example"]
+
+
+@register_learner_call("actor_train")
+def actor_train(learner: Learner, data: dict[str, Any], loss=None, loss_weight_fn=None, **_) -> dict[str, float]:
+    """The policy's steps on the batch with `data['advantages']` (reads rollouts, advantages; writes actor)."""
+    return learner._actor_train(data, learner.loss if loss is None else loss, loss_weight_fn)
+
+
+@register_learner_call("critic_inf")
+def critic_inference(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
+    """The critic's values of the batch before any update (reads rollouts; writes values, bootstrap_values)."""
+    data["values"], data["bootstrap_values"] = learner.critic.values(_example(learner, data))
+    return {}
+
+
+@register_learner_call("gae")
+def generalized_advantages(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
+    """GAE over the batch's per-token rewards (reads token_rewards, values, bootstrap_values; writes advantages,
+    returns)."""
+    data["advantages"], data["returns"], metrics = learner.critic.gae(
+        data["rollouts"], data["token_rewards"], data["values"], data["bootstrap_values"]
+    )
+    return {f"learner/{k}": v for k, v in metrics.items()}
+
+
+@register_learner_call("critic_train")
+def critic_train(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
+    """One critic step of the clipped value loss (reads rollouts, values, returns; writes critic)."""
+    metrics = learner.critic.train(_example(learner, data), data["values"], data["returns"])
+    return {f"learner/{k}": v for k, v in metrics.items()}

@@ -21,8 +21,9 @@ Clipped objective: r = exp(logp - logp_old), J = min(r·A, clip(r, 1-ε_low, 1+�
   r, once in w). With TIS on, 'ppo' and 'decoupled' are therefore the same loss and `sampler_weight_cap` is unused.
 
 KL to a frozen reference (added when kl_coef = β > 0): with x = logp_ref - logp on each sampled token, Schulman's
-estimators of KL(π || π_ref) are k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x. The loss is
-  -aggregate(w·J over kept tokens) + β·aggregate(k over all sampled tokens).
+estimators of KL(π || π_ref) are k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x. Entropy bonus (entropy_coef = c > 0): H_t is
+the policy's entropy over the vocabulary at sampled token t (at the sampling temperature, differentiable). The loss is
+  -aggregate(w·J over kept tokens) + β·aggregate(k over all sampled tokens) - c·aggregate(H over all sampled tokens).
 
 Every aggregation is a numerator (a sum over the batch's rows) divided by a denominator that depends only on masks
 and segments (`LossNormalizers`); passing the normalisers of a whole minibatch to `policy_loss` on a slice of its rows
@@ -76,6 +77,9 @@ class LossConfig:
     kl_coef: float = 0.0
     """β of the KL penalty to a frozen reference model (the initial policy). 0: no penalty, and no reference model
     is kept or evaluated."""
+    entropy_coef: float = 0.0
+    """c of the entropy bonus: the loss subtracts c × the policy's entropy over the vocabulary, aggregated over all
+    sampled tokens like the KL term (0: off). Keeps exploration up; typical values are 1e-3 to 1e-2."""
     kl_estimator: str = "k3"
     """Estimator of KL(π || π_ref) per sampled token, x = logp_ref - logp: 'k1' (-x), 'k2' (x²/2) or
     'k3' (exp(x) - 1 - x, unbiased and non-negative)."""
@@ -101,6 +105,8 @@ class LossConfig:
             raise ValueError(f"loss.tis_cap must be > 0 (or None to turn TIS off), got {self.tis_cap}")
         if not self.kl_coef >= 0:
             raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        if not self.entropy_coef >= 0:
+            raise ValueError(f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.max_response_tokens <= 0:
@@ -126,7 +132,7 @@ class LossNormalizers(NamedTuple):
     policy: jnp.ndarray
     """Denominator of the policy-gradient term (over kept tokens)."""
     reference: jnp.ndarray
-    """Denominator of the KL-to-reference term (over all sampled tokens)."""
+    """Denominator of the KL-to-reference and entropy terms (over all sampled tokens)."""
     tokens: jnp.ndarray
     """Number of sampled tokens (at least 1): the denominator of the per-token metric means."""
 
@@ -254,7 +260,7 @@ def policy_loss(
     config: LossConfig,
     normalizers: LossNormalizers | None = None,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
-    """The loss to minimise (-J aggregated, plus β·KL) and per-batch metrics.
+    """The loss to minimise (-J aggregated, plus β·KL, minus c·entropy) and per-batch metrics.
 
     `normalizers` defaults to this batch's own; pass a minibatch's (`loss_normalizers`) when `batch` is a slice of
     its rows: the slices' losses, gradients and metrics then add up to the minibatch's (maxima and minima combine
@@ -314,6 +320,11 @@ def policy_loss(
         kl = aggregate_numerator(k, mask, seg, config.aggregation) / normalizers.reference
         metrics["kl_reference"] = kl
         loss = loss + config.kl_coef * kl
+    if config.entropy_coef > 0:
+        ent = _masked(entropy.array, mask)
+        bonus = aggregate_numerator(ent, mask, seg, config.aggregation) / normalizers.reference
+        metrics["entropy_bonus"] = bonus
+        loss = loss - config.entropy_coef * bonus
     metrics["loss"] = loss
     return loss, metrics
 

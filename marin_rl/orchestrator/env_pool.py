@@ -37,8 +37,11 @@ class EnvPool:
         servers: list[str],
         tokens_per_batch: float,
         launcher: Launcher | None = None,
+        reward_servers: dict[str, list[str]] | None = None,
     ):
         self.config = config
+        self.reward_servers = dict(reward_servers or {})
+        """Addresses of the reward models' servers, by model name (for the actors' model rewards)."""
         self.launcher = launcher
         self.index = index
         self.env = config.envs[index]
@@ -85,7 +88,7 @@ class EnvPool:
     def _spawn(self, replica: int):
         options = {} if self.launcher is None else self.launcher.env_options(self.index, replica)
         return EnvActor.options(name=None, max_concurrency=max(4, self.env.concurrency * 2), **options).remote(
-            self.config, self.index, replica, self.servers
+            self.config, self.index, replica, self.servers, self.reward_servers
         )
 
     def launch(self, groups: int) -> int:

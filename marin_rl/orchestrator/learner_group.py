@@ -17,10 +17,10 @@ from marin_rl.orchestrator.launcher import Launcher
 class LearnerGroup:
     """`learner.hosts` `LearnerActor`s, one per host, started together (`start`) and called together."""
 
-    def __init__(self, config: RunConfig, vocab_size: int, launcher: Launcher):
+    def __init__(self, config: RunConfig, launcher: Launcher):
         n = config.learner.hosts
         self.actors = [
-            LearnerActor.options(max_concurrency=2, **launcher.learner_options(i)).remote(config, vocab_size, i, n)
+            LearnerActor.options(max_concurrency=2, **launcher.learner_options(i)).remote(config, i, n)
             for i in range(n)
         ]
 

@@ -55,6 +55,7 @@ from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
+from marin_rl.orchestrator.reward_pool import RewardServerPool
 from marin_rl.orchestrator.server_pool import ServerPool
 from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
@@ -123,6 +124,7 @@ class Orchestrator:
         self.launcher: Launcher | None = None
         self.control_secret = config.inference.control_secret or secrets.token_urlsafe(24)
         self.servers: ServerPool | None = None
+        self.reward_servers: RewardServerPool | None = None
         self._last_server_check = time.time()
         self.pools: dict[str, EnvPool] = {}
         self.buffers: dict[str, ReplayBuffer] = {}
@@ -479,6 +481,7 @@ class Orchestrator:
         self.launcher.reserve()
         learner_ready = self._start_learner(wait=False)
         self.servers = ServerPool(cfg, self.launcher, self.control_secret)
+        self.reward_servers = RewardServerPool(cfg)  # the reward models' servers (reward_models), if any
         ready = wait_for_actors(
             {
                 "learner": [(a, r) for a, r in zip(self.learner.actors, learner_ready, strict=True)],
@@ -490,10 +493,11 @@ class Orchestrator:
         addresses = ready["servers"]
         self.servers.addresses = list(addresses)
         logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
+        reward_addresses = self.reward_servers.start()
         budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
         fractions = cfg.env_fractions()
         self.pools = {
-            e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget, self.launcher)
+            e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget, self.launcher, reward_addresses)
             for i, e in enumerate(cfg.envs)
         }
         self.buffers = {
@@ -513,7 +517,7 @@ class Orchestrator:
     def _start_learner(self, wait: bool) -> list[ray.ObjectRef]:
         """Start the learner's processes (in the placement's bundles); their ready calls, awaited when `wait`
         (bounded by `placement.wait_timeout_s`)."""
-        self.learner = LearnerGroup(self.config, self.vocab_size, self.launcher)
+        self.learner = LearnerGroup(self.config, self.launcher)
         ready = self.learner.start()
         if wait:
             wait_for_actors(
@@ -527,6 +531,8 @@ class Orchestrator:
         """Stop servers and kill every actor, release the placement groups; shut Ray down if this run started it."""
         if self.servers is not None:
             self.servers.stop()
+        if self.reward_servers is not None:
+            self.reward_servers.stop()
         if self.learner is not None:
             try:
                 ray.get(self.learner.call("close"), timeout=10)  # frees the broadcast's shared memory

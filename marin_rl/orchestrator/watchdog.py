@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from marin_rl.processes import process_token
+from marin_rl.processes import process_token, remove_directories_of_dead_processes
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,17 @@ def end_run_processes(token: str, grace_s: float = GRACE_S) -> int:
     return len(ended)
 
 
-def remove_dead_weight_slots() -> list[str]:
-    """Remove the shared-memory weight slots whose learner process is gone; returns their paths."""
-    from marin_rl.broadcast.shared_memory import remove_stale_directories  # numpy/jax: loaded only when needed
+def weight_slot_location() -> tuple[str, str]:
+    """(root, name prefix) of the shared-memory weight slot directories (`marin_rl.broadcast.shared_memory`)."""
+    from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX  # numpy/jax: loaded only when needed
 
-    return remove_stale_directories()
+    return DEFAULT_ROOT, PRIVATE_PREFIX
+
+
+def remove_dead_weight_slots(location: tuple[str, str] | None = None) -> list[str]:
+    """Remove the shared-memory weight slots (at `location`, default `weight_slot_location()`) whose learner process
+    is gone; returns their paths."""
+    return remove_directories_of_dead_processes(*(location or weight_slot_location()))
 
 
 def sweep_orphans() -> dict[str, int]:
@@ -127,8 +133,21 @@ class Watchdog:
         self._previous = os.environ.get(RUN_TOKEN_VARIABLE)
         os.environ[RUN_TOKEN_VARIABLE] = self.token
         env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_VARIABLE}  # the watcher must not end itself
+        root, prefix = weight_slot_location()  # passed on, so the watcher imports nothing heavy when it must act
         self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, "--driver", self.token, "--poll-s", str(self.poll_s)],
+            [
+                sys.executable,
+                "-m",
+                __name__,
+                "--driver",
+                self.token,
+                "--poll-s",
+                str(self.poll_s),
+                "--slot-root",
+                root,
+                "--slot-prefix",
+                prefix,
+            ],  # fmt: skip
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -156,13 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--driver", required=True, help="the driver's run token, '<pid>:<start time>'")
     parser.add_argument("--poll-s", type=float, default=0.5, help="seconds between checks of the driver")
+    parser.add_argument("--slot-root", required=True, help="where the weight slot directories are")
+    parser.add_argument("--slot-prefix", required=True, help="the name prefix of a weight slot directory")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the driver stopping us after a normal shutdown
     while driver_alive(args.driver):
         time.sleep(args.poll_s)
     t = time.time()
     count = end_run_processes(args.driver)
-    removed = remove_dead_weight_slots()
+    removed = remove_dead_weight_slots((args.slot_root, args.slot_prefix))
     print(
         f"marin_rl watchdog: driver {args.driver.split(':')[0]} died; ended {count} processes of its run and "
         f"removed {len(removed)} weight slot directories in {time.time() - t:.1f}s",

@@ -35,6 +35,12 @@ def dr_grpo(rewards: np.ndarray) -> np.ndarray:
     return r - r.mean()
 
 
+def remax(rewards: np.ndarray, greedy_reward: float) -> np.ndarray:
+    """ReMax (Li et al. 2023): A_i = r_i − r_greedy, the baseline being the reward of the greedy completion of the
+    same prompt."""
+    return np.asarray(rewards, dtype=np.float64) - float(greedy_reward)
+
+
 def reinforce(rewards: np.ndarray, baseline: float) -> np.ndarray:
     """Plain REINFORCE with a baseline: A_i = r_i - b, where b does not depend on this group."""
     return np.asarray(rewards, dtype=np.float64) - float(baseline)
@@ -50,8 +56,9 @@ def ema_baseline(baseline: float, rewards: np.ndarray, decay: float) -> float:
 ESTIMATORS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo}
 """Stateless estimators by name."""
 
-ESTIMATOR_NAMES = (*ESTIMATORS, "reinforce")
-"""Every name `GroupAdvantages` accepts."""
+ESTIMATOR_NAMES = (*ESTIMATORS, "reinforce", "remax", "gae")
+"""Every name `GroupAdvantages` accepts ('remax': the group carries its greedy episode's reward; 'gae': zero group
+advantages, a critic computes per-token ones)."""
 
 
 class GroupAdvantages:
@@ -78,8 +85,15 @@ class GroupAdvantages:
         self.baseline_decay = baseline_decay
         self.baseline = float(baseline_init)
 
-    def __call__(self, rewards: np.ndarray) -> np.ndarray:
-        """One advantage per reward of the group (REINFORCE then updates its baseline with the group)."""
+    def __call__(self, rewards: np.ndarray, baseline_reward: float | None = None) -> np.ndarray:
+        """One advantage per reward of the group (REINFORCE then updates its baseline with the group).
+        `baseline_reward`: ReMax's greedy reward (required for 'remax', unused otherwise)."""
+        if self.name == "remax":
+            if baseline_reward is None:
+                raise ValueError("the 'remax' estimator needs the group's greedy baseline reward")
+            return remax(rewards, baseline_reward)
+        if self.name == "gae":
+            return np.zeros(len(rewards))
         if self.name == "grpo":
             return grpo(rewards, self.grpo_eps, self.grpo_normalize_std)
         if self.name == "reinforce":

@@ -50,7 +50,13 @@ class ReplayConfig:
     max_reuse: int = 1
     """How many batches a rollout may appear in."""
     advantage_estimator: str = "rloo"
-    """'rloo', 'grpo', 'dr_grpo' or 'reinforce' (running baseline); see marin_rl.replay.advantages."""
+    """'rloo', 'grpo', 'dr_grpo', 'reinforce' (running baseline) or 'remax' (each group's env actor also samples a
+    greedy episode, whose reward is the baseline), see marin_rl.replay.advantages; or 'gae': no group
+    advantage, the batches carry per-token rewards and the learner's critic computes advantages
+    (`learner.critic.enabled`)."""
+    gae_reward_credit: str = "per_turn"
+    """'gae' only: which tokens rewards are credited to: 'per_turn' (each turn's reward to the last token the policy
+    sampled by the end of that turn) or 'episode_end' (the episode's total reward to its last sampled token)."""
     grpo_normalize_std: bool = True
     """GRPO only: divide the mean-centred rewards by the group's std (False gives Dr.GRPO's advantages)."""
     reinforce_baseline_decay: float = 0.9
@@ -67,6 +73,10 @@ class ReplayConfig:
             raise ValueError(
                 f"replay.advantage_estimator: unknown advantage estimator {self.advantage_estimator!r}; "
                 f"choose one of {sorted(ESTIMATOR_NAMES)}"
+            )
+        if self.gae_reward_credit not in REWARD_CREDITS:
+            raise ValueError(
+                f"replay.gae_reward_credit must be one of {REWARD_CREDITS}, got {self.gae_reward_credit!r}"
             )
         if self.min_group_size < 1 or self.max_age < 0 or self.capacity < 1 or self.max_reuse < 1:
             raise ValueError("replay: min_group_size, capacity, max_reuse must be >= 1 and max_age >= 0")
@@ -146,16 +156,20 @@ class ReplayItem:
     """Batches it has appeared in."""
     max_len: int | None = None
     """Truncated on admission (`too_long: truncate`): only the first `max_len` tokens are trained on."""
+    reward_credit: str | None = None
+    """'per_turn' or 'episode_end': the sequence carries per-token rewards for a critic (GAE); None: only the
+    group advantage."""
 
     def sequence(self) -> Sequence:
         """The tokens and per-token training fields that go into a batch."""
-        seq = Sequence.from_rollout(self.rollout, self.advantage)
+        seq = Sequence.from_rollout(self.rollout, self.advantage, self.reward_credit)
         return seq if self.max_len is None else seq.truncated(self.max_len)
 
 
 FUTURE_VERSION = "future_version"
 """Rejection reason of a group sampled by a policy version newer than the learner's (see `ReplayBuffer.admit`)."""
 TOO_LONG_POLICIES = ("drop", "truncate")
+REWARD_CREDITS = ("per_turn", "episode_end")
 
 
 @dataclass(frozen=True)
@@ -216,6 +230,7 @@ class ReplayBuffer:
             grpo_normalize_std=config.grpo_normalize_std,
             baseline_decay=config.reinforce_baseline_decay,
         )
+        self.reward_credit = config.gae_reward_credit if config.advantage_estimator == "gae" else None
         self.items: list[ReplayItem] = []  # oldest arrival first
         self.learner_version: int | None = None  # latest version given to `drop_stale`
         self.rejected: Counter[str] = Counter()
@@ -275,7 +290,9 @@ class ReplayBuffer:
         rewards = group.rewards
         if self.config.drop_zero_variance_groups and np.all(rewards == rewards[0]):
             return self._reject("zero_variance", f"all rewards {rewards[0]}", sampled)
-        advantages = self.advantages(rewards)
+        if self.config.advantage_estimator == "remax" and group.baseline_reward is None:
+            return self._reject("no_greedy_baseline", f"group {group.group_id} carries no greedy reward", sampled)
+        advantages = self.advantages(rewards, group.baseline_reward)
         now = time.time()
         self.accepted_groups += 1
         if self.writer is not None:
@@ -299,6 +316,7 @@ class ReplayBuffer:
                 added_at=now,
                 num_tokens=r.num_tokens,
                 oldest_version=r.oldest_version,
+                reward_credit=self.reward_credit,
             )
             if self.max_tokens is not None and r.num_tokens > self.max_tokens:
                 if self.too_long == "drop" or not r.loss_mask()[: self.max_tokens].any():
@@ -408,6 +426,7 @@ class ReplayBuffer:
                     "oldest_version": it.oldest_version,
                     "uses": it.uses,
                     "max_len": it.max_len,
+                    "reward_credit": it.reward_credit,
                 }
                 for it in self.items
             ],
@@ -435,6 +454,7 @@ class ReplayBuffer:
                 oldest_version=int(d["oldest_version"]),
                 uses=int(d["uses"]),
                 max_len=None if d["max_len"] is None else int(d["max_len"]),
+                reward_credit=d.get("reward_credit"),
             )
             for d in state["items"]
         ]

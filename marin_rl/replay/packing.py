@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from marin_rl.replay.gae import token_rewards
 from marin_rl.types import PackedBatch, Rollout
 
 
@@ -23,30 +24,43 @@ class Sequence:
     advantages: np.ndarray
     sampler_logprobs: np.ndarray
     token_versions: np.ndarray
+    rewards: np.ndarray | None = None
+    """Reward credited to each token (GAE batches; see `PackedBatch.rewards`), or None."""
+    episode_truncated: bool = False
+    """The episode was cut off by a length limit (GAE bootstraps its last step)."""
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
     @staticmethod
-    def from_rollout(rollout: Rollout, advantage: float) -> Sequence:
-        """The rollout's token sequence; the advantage is spread over its sampled tokens."""
+    def from_rollout(rollout: Rollout, advantage: float, reward_credit: str | None = None) -> Sequence:
+        """The rollout's token sequence; the advantage is spread over its sampled tokens. `reward_credit`
+        ('per_turn' or 'episode_end', see `token_rewards`) also gives it per-token rewards for a critic."""
         mask = rollout.loss_mask()
+        rewards = None
+        if reward_credit is not None:
+            rewards = token_rewards(rollout, per_turn=reward_credit == "per_turn").astype(np.float32)
         return Sequence(
             token_ids=np.asarray(rollout.token_ids, dtype=np.int32),
             loss_mask=mask,
             advantages=np.where(mask, np.float32(advantage), np.float32(0.0)),
             sampler_logprobs=rollout.sampler_logprobs(),
             token_versions=rollout.token_versions(),
+            rewards=rewards,
+            episode_truncated=rollout.truncated,
         )
 
     def truncated(self, max_len: int) -> Sequence:
-        """The first `max_len` tokens (loss stays only on the sampled tokens that survive)."""
+        """The first `max_len` tokens (loss stays only on the sampled tokens that survive); a sequence that loses
+        tokens counts as truncated (rewards after the cut are dropped: the critic's value stands in for them)."""
         return Sequence(
             token_ids=self.token_ids[:max_len],
             loss_mask=self.loss_mask[:max_len],
             advantages=self.advantages[:max_len],
             sampler_logprobs=self.sampler_logprobs[:max_len],
             token_versions=self.token_versions[:max_len],
+            rewards=None if self.rewards is None else self.rewards[:max_len],
+            episode_truncated=self.episode_truncated or len(self) > max_len,
         )
 
     @staticmethod
@@ -124,6 +138,9 @@ def pack(
     advantages = np.zeros((num_rows, row_len), np.float32)
     sampler_logprobs = np.zeros((num_rows, row_len), np.float32)
     token_versions = np.full((num_rows, row_len), -1, np.int32)
+    with_rewards = any(s.rewards is not None for s in sequences)
+    rewards = np.zeros((num_rows, row_len), np.float32) if with_rewards else None
+    truncated = np.zeros((num_rows, row_len), bool) if with_rewards else None
     fill = [0] * num_rows
     nseg = [0] * num_rows
     placed = []
@@ -140,6 +157,10 @@ def pack(
         advantages[row, a:b] = seq.advantages
         sampler_logprobs[row, a:b] = seq.sampler_logprobs
         token_versions[row, a:b] = seq.token_versions
+        if with_rewards:
+            if seq.rewards is not None:
+                rewards[row, a:b] = seq.rewards
+            truncated[row, a:b] = seq.episode_truncated
         fill[row] = b
         nseg[row] += 1
         placed.append(i)
@@ -151,5 +172,7 @@ def pack(
         advantages=advantages,
         sampler_logprobs=sampler_logprobs,
         token_versions=token_versions,
+        rewards=rewards,
+        truncated=truncated,
     )
     return batch, placed

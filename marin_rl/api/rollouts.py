@@ -1,0 +1,181 @@
+"""`RolloutWorker`: runs a workflow's groups and held-out evaluations against inference servers, in the caller's loop.
+
+This is marin_rl's one implementation of "sample a group" and "evaluate a policy on held-out problems". An
+`InferenceEngine` runs one on its own event-loop thread; each of the orchestrator's env actors runs one in the actor's
+event loop. Workflows are environments: a group is `workflow.run_group(policy, problem, group_size, sampling)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from marin_rl.envs.base import Environment, Problem, SamplingParams
+from marin_rl.envs.iteration import derived_seed, stream_id
+from marin_rl.inference.client import PolicyClient, SeededPolicy
+from marin_rl.types import RolloutGroup
+
+CLIENT_COUNTERS = ("retried_requests", "requests", "request_s", "backend_s", "queue_s")
+"""`PolicyClient` counters a worker reports (`take_counters`): retries over every role, the rest over training's."""
+
+EVAL_SEED_STREAM = 1 << 20
+"""Offset of evaluation seeds in a workflow's seed stream (training groups use the problem order's indices)."""
+
+
+def named_reward_means(groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    """The mean over every rollout of `groups` of each named reward (a rollout's value: the sum over its turns; 0
+    where a rollout lacks it), by name."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    totals: dict[str, float] = {}
+    for r in rollouts:
+        for turn in r.turns:
+            for name, value in turn.rewards.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+    return {name: total / max(len(rollouts), 1) for name, total in sorted(totals.items())}
+
+
+class RolloutWorker:
+    """Samples groups and evaluates held-out problems through one `PolicyClient` per role.
+
+    Roles: "train" (groups that will be trained on; its request figures are what `take_counters` reports) and
+    "eval" (evaluation and one-off sampling). Clients are created in the running event loop at first use, so a
+    worker can be built outside it. Not thread-safe: use it from one event loop.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, timeout_s: float = 600.0):
+        if not addresses:
+            raise ValueError("RolloutWorker needs at least one server address")
+        self.addresses = list(addresses)
+        self.timeout_s = timeout_s
+        self._clients: dict[str, PolicyClient] = {}
+        self._retired: list[PolicyClient] = []  # clients replaced by `set_servers`, closed by `aclose`
+        self._old = dict.fromkeys(CLIENT_COUNTERS, 0.0)  # counted by replaced clients
+        self._reported = dict.fromkeys(CLIENT_COUNTERS, 0.0)
+
+    def client(self, role: str = "train") -> PolicyClient:
+        """The client for `role` ("train" or "eval"), created at first use (call from the worker's event loop)."""
+        if role not in ("train", "eval"):
+            raise ValueError(f"unknown client role {role!r} (train or eval)")
+        if role not in self._clients:
+            self._clients[role] = PolicyClient(self.addresses, timeout_s=self.timeout_s)
+        return self._clients[role]
+
+    def set_servers(self, addresses: Sequence[str]) -> None:
+        """Send new requests to `addresses` (a server was replaced); requests in flight finish where they are."""
+        if not addresses:
+            raise ValueError("RolloutWorker needs at least one server address")
+        self.addresses = list(addresses)
+        for key in CLIENT_COUNTERS:
+            self._old[key] += self._counted(key)
+        self._retired += self._clients.values()
+        self._clients = {}
+
+    async def run_group(
+        self,
+        workflow: Environment,
+        problem: Problem,
+        group_size: int,
+        sampling: SamplingParams,
+        *,
+        seed: int | None = None,
+        role: str = "train",
+        greedy_baseline: bool = False,
+    ) -> RolloutGroup:
+        """One group of `group_size` episodes of `problem`. `seed`: the group's policy calls carry seeds derived
+        from it (`SeededPolicy`), so its samples are a function of the seed and the weights. `greedy_baseline`
+        (ReMax): a greedy episode of the problem runs alongside, and its reward becomes the group's
+        `baseline_reward`. Raises what an episode raises."""
+        policy = self.client(role)
+        if seed is not None:
+            policy = SeededPolicy(policy, seed)
+        if not greedy_baseline:
+            return await workflow.run_group(policy, problem, group_size, sampling)
+        greedy = SamplingParams(temperature=0.0, max_tokens=sampling.max_tokens)
+        group, baseline = await asyncio.gather(
+            workflow.run_group(policy, problem, group_size, sampling),
+            workflow.run_group(self.client(role), problem, 1, greedy),
+        )
+        group.baseline_reward = float(baseline.rollouts[0].reward)
+        return group
+
+    async def run_groups(
+        self,
+        workflow: Environment,
+        problems: Sequence[Problem],
+        group_size: int,
+        sampling: SamplingParams,
+        *,
+        seeds: Sequence[int | None] | None = None,
+        max_concurrent: int | None = None,
+        role: str = "eval",
+    ) -> list[RolloutGroup]:
+        """One group per problem, concurrently (at most `max_concurrent` at a time), in the problems' order, through
+        `role`'s client; `seeds`: one per problem (None: unseeded), as in `run_group`. Raises an episode's error."""
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        seeds = list(seeds) if seeds is not None else [None] * len(problems)
+        limit = asyncio.Semaphore(max_concurrent) if max_concurrent else contextlib.nullcontext()
+
+        async def one(problem: Problem, seed: int | None) -> RolloutGroup:
+            async with limit:
+                return await self.run_group(workflow, problem, group_size, sampling, seed=seed, role=role)
+
+        return list(await asyncio.gather(*(one(p, s) for p, s in zip(problems, seeds, strict=True))))
+
+    async def evaluate(
+        self,
+        workflow: Environment,
+        problems: Sequence[Problem],
+        samples_per_problem: int,
+        sampling: SamplingParams,
+        *,
+        seed: int | None = None,
+        max_concurrent: int | None = None,
+    ) -> dict[str, float]:
+        """Held-out metrics of the served policy on `problems`: mean reward and pass@1 over `samples_per_problem`
+        samples per problem at `sampling`, pass@k (k = samples_per_problem: any sample scored), and the greedy
+        completion's reward. `seed`: each problem's samples are seeded from (seed, workflow, problem index), so in a
+        deterministic run an evaluation is a function of the weights. Keys: reward, pass@1, pass@k, greedy_reward,
+        problems, and `rewards/NAME`: the mean of each named reward over the samples (an episode's value summed over
+        its turns), weighted or not, so a run trained on a reward model's reward still shows the verifier's."""
+        if not problems:
+            raise ValueError(f"no held-out problems to evaluate {workflow.name} on")
+        k = samples_per_problem
+        seeds = None
+        if seed is not None:
+            seeds = [derived_seed(seed, stream_id(workflow.name), EVAL_SEED_STREAM, i) for i in range(len(problems))]
+        groups = await self.run_groups(workflow, problems, k, sampling, seeds=seeds, max_concurrent=max_concurrent)
+        rewards = np.array([[r.reward for r in g.rollouts] for g in groups])
+        greedy = SamplingParams(temperature=0.0, max_tokens=sampling.max_tokens)
+        greedy_groups = await self.run_groups(workflow, problems, 1, greedy, seeds=seeds, max_concurrent=max_concurrent)
+        greedy_rewards = np.array([g.rollouts[0].reward for g in greedy_groups])
+        return {
+            "reward": float(rewards.mean()),
+            "pass@1": float((rewards > 0).mean()),
+            f"pass@{k}": float((rewards > 0).any(axis=1).mean()),
+            "greedy_reward": float(greedy_rewards.mean()),
+            "problems": len(problems),
+            **{f"rewards/{name}": value for name, value in named_reward_means(groups).items()},
+        }
+
+    def _counted(self, key: str) -> float:
+        roles = list(self._clients) if key == "retried_requests" else ["train"]
+        return sum(getattr(self._clients[r], key) for r in roles if r in self._clients)
+
+    def take_counters(self) -> dict[str, float]:
+        """What the clients counted (`CLIENT_COUNTERS`) since the last call. Requests of groups still running are
+        reported with a later call, so the totals over all calls are exact."""
+        out = {}
+        for key in CLIENT_COUNTERS:
+            total = self._old[key] + self._counted(key)
+            out[key], self._reported[key] = total - self._reported[key], total
+        return out
+
+    async def aclose(self) -> None:
+        """Close every client (their connection pools)."""
+        for client in [*self._clients.values(), *self._retired]:
+            await client.aclose()
+        self._clients, self._retired = {}, []

@@ -1,0 +1,35 @@
+"""`make_policy_server`: an inference server of the run's backend in this process, serving its initial policy.
+
+The one way marin_rl builds a server: `InferenceEngine.local` builds its servers with it, and so does each of the
+orchestrator's server actors.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from marin_rl.config import RunConfig
+from marin_rl.model.build import build_model, with_seq_len
+from marin_rl.model.hf import export_hf_checkpoint
+
+
+def make_policy_server(run_config: RunConfig, tokenizer, name: str, *, hf_checkpoint: str | None = None):
+    """A server of `inference.backend` serving `run_config.model`'s initial policy (`init_from_hf`
+    or its seeded random initialisation) as version -1: the embedded Levanter engine, or vLLM (`inference.vllm`),
+    which starts from that policy exported as a Hugging Face checkpoint to a scratch directory removed by `stop`
+    (or from `hf_checkpoint` when given). Not started: `server.start()` blocks until it listens and returns its
+    'host:port' (and raises what the backend raises when it cannot start; vLLM names its log); then `apply_weights`,
+    `pause`, `resume`, `stats`; `stop()` also when `start` failed."""
+    inference = run_config.inference
+    if inference.backend == "vllm":
+        from marin_rl.inference.vllm_server import VllmPolicyServer
+
+        model = build_model(with_seq_len(run_config.model, inference.max_seq_len), len(tokenizer))
+        scratch = None
+        if hf_checkpoint is None:
+            scratch = tempfile.mkdtemp(prefix=f"marin_rl_{name}_hf_")
+            hf_checkpoint = export_hf_checkpoint(model, tokenizer, scratch)
+        return VllmPolicyServer(model, hf_checkpoint, tokenizer, inference, name=name, scratch_dir=scratch)
+    from marin_rl.inference.levanter_server import LevanterInferenceServer
+
+    return LevanterInferenceServer(build_model(run_config.model, len(tokenizer)), tokenizer, inference, name=name)

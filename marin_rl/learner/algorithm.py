@@ -1,0 +1,297 @@
+"""Algorithms as declared graphs of model calls.
+
+An `Algorithm` is data: the model roles it uses (actor, critic, ref, reward), and its calls — generate, inference,
+train or compute — each with the role that runs it, the keys it reads and the keys it writes, and where it runs:
+
+* on the **rollout side** (env actors and replay buffers): generation and the group-level estimators, configured by
+  the algorithm (`advantage_estimator`, a greedy baseline episode for ReMax);
+* on the **learner**: each call is a function registered with `register_learner_call`, which the learner executes
+  in the graph's order on every batch (`Learner.train_step`).
+
+`Algorithm.ordered()` checks the graph when a run starts — every key a call reads is an input or written upstream,
+every role is known, no cycle — and names what is wrong. GRPO, RLOO, Dr.GRPO, REINFORCE, ReMax and PPO (critic and
+GAE) are shipped graphs; `learner.algorithm` chooses one. A new algorithm is a graph plus its learner functions,
+registered from user code (`register_algorithm`, `register_learner_call`); nothing in the orchestrator changes.
+`python -m marin_rl.graph --config X` draws the configured graph (DOT and PNG) and lists its calls in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = ("actor", "critic", "ref", "reward")
+"""Model roles a call can run on ('env' for calls of the environments, 'replay' for the replay buffers)."""
+CALL_KINDS = ("generate", "inference", "train", "compute")
+SIDES = ("rollout", "learner")
+INPUTS = ("prompts",)
+"""Keys the loop provides before any call (problems handed to the env actors)."""
+DELIVERED = ("rollouts", "advantages", "token_rewards")
+"""Rollout-side keys that reach the learner in its batches: the packed rollouts, their group advantages (per token)
+and per-token rewards (`replay.advantage_estimator: gae`). Other rollout-side keys stay on the rollout side."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of an algorithm's graph."""
+
+    name: str
+    """Unique within the graph, e.g. 'critic_inf'."""
+    role: str
+    """The model role that runs it (`ROLES`), or 'env' / 'replay' for rollout-side computation."""
+    kind: str
+    """'generate', 'inference', 'train' or 'compute'."""
+    reads: tuple[str, ...]
+    """Keys it needs (inputs or written by earlier calls)."""
+    writes: tuple[str, ...]
+    """Keys it produces."""
+    side: str = "learner"
+    """'rollout' (env actors and replay buffers) or 'learner' (a registered learner function, `fn`)."""
+    fn: str | None = None
+    """Learner side: the name of its function in `register_learner_call`'s registry (default: `name`)."""
+
+    @property
+    def function(self) -> str:
+        return self.fn or self.name
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A declared algorithm: its calls, and what its rollout side computes."""
+
+    name: str
+    """Name it is chosen by (`learner.algorithm`)."""
+    calls: tuple[Call, ...]
+    """The calls, in any order (`ordered` sorts them)."""
+    advantage_estimator: str
+    """What the replay buffers compute (`replay.advantage_estimator`): a group estimator, or 'gae' for none (the
+    batches carry per-token rewards for learner-side estimation)."""
+    description: str = ""
+    """One line for listings."""
+    greedy_baseline: bool = False
+    """Env actors sample a greedy episode with each group (ReMax)."""
+    reward_models: tuple[str, ...] = ()
+    """Reward models whose scores enter the rewards (`with_reward_models`), by name."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The model roles its calls run on, in `ROLES` order."""
+        used = {c.role for c in self.calls}
+        return tuple(r for r in ROLES if r in used)
+
+    def ordered(self) -> list[Call]:
+        """The calls in an order where each runs after every call it reads from; raises ValueError naming a missing
+        key (and who reads it), an unknown role or kind, a duplicate name or writer, or a cycle."""
+        names = [c.name for c in self.calls]
+        if len(set(names)) != len(names):
+            raise ValueError(f"algorithm {self.name!r}: call names repeat: {names}")
+        writer: dict[str, Call] = {}
+        for c in self.calls:
+            if c.role not in (*ROLES, "env", "replay"):
+                raise ValueError(f"algorithm {self.name!r}: call {c.name!r} runs on unknown role {c.role!r}; "
+                                 f"roles are {ROLES} (or 'env', 'replay' on the rollout side)")  # fmt: skip
+            if c.kind not in CALL_KINDS:
+                raise ValueError(f"algorithm {self.name!r}: call {c.name!r} has unknown kind {c.kind!r} {CALL_KINDS}")
+            if c.side not in SIDES:
+                raise ValueError(f"algorithm {self.name!r}: call {c.name!r} has unknown side {c.side!r} {SIDES}")
+            for key in c.writes:
+                if key in writer or key in INPUTS:
+                    other = writer[key].name if key in writer else "the loop's inputs"
+                    raise ValueError(f"algorithm {self.name!r}: key {key!r} is written by {other!r} and {c.name!r}")
+                writer[key] = c
+        for c in self.calls:
+            for key in c.reads:
+                if key not in writer and key not in INPUTS:
+                    raise ValueError(f"algorithm {self.name!r}: call {c.name!r} reads {key!r}, which no call writes "
+                                     f"(written: {sorted(writer)}; inputs: {list(INPUTS)})")  # fmt: skip
+        order: list[Call] = []
+        state: dict[str, int] = {}  # 1: on the path, 2: done
+
+        def visit(c: Call, path: list[str]) -> None:
+            if state.get(c.name) == 2:
+                return
+            if state.get(c.name) == 1:
+                raise ValueError(f"algorithm {self.name!r} has a cycle: {' -> '.join([*path, c.name])}")
+            state[c.name] = 1
+            for key in c.reads:
+                if key in writer:
+                    visit(writer[key], [*path, c.name])
+            state[c.name] = 2
+            order.append(c)
+
+        for c in self.calls:
+            visit(c, [])
+        rollout_after_learner = [c.name for c in order if c.side == "rollout" and any(
+            writer[k].side == "learner" for k in c.reads if k in writer)]  # fmt: skip
+        if rollout_after_learner:
+            raise ValueError(f"algorithm {self.name!r}: rollout-side calls {rollout_after_learner} read what the "
+                             "learner writes; the rollout side runs before the learner")  # fmt: skip
+        return order
+
+    def learner_calls(self) -> list[Call]:
+        """The learner-side calls in order, each with a registered function (ValueError naming a missing one)."""
+        ordered = self.ordered()
+        rollout_keys = {k for c in ordered if c.side == "rollout" for k in c.writes}
+        calls = [c for c in ordered if c.side == "learner"]
+        for c in calls:
+            kept = [k for k in c.reads if k in rollout_keys and k not in DELIVERED]
+            if kept:
+                raise ValueError(f"algorithm {self.name!r}: learner call {c.name!r} reads {kept}, which stay on the "
+                                 f"rollout side (batches deliver {list(DELIVERED)})")  # fmt: skip
+            if c.function not in _LEARNER_CALLS:
+                raise ValueError(f"algorithm {self.name!r}: call {c.name!r} needs learner function {c.function!r}, "
+                                 f"which is not registered (known: {sorted(_LEARNER_CALLS)})")  # fmt: skip
+        return calls
+
+
+LearnerCall = Callable[..., dict[str, Any]]
+"""fn(learner, data, **options) -> metrics: reads its keys from the dict `data` and stores its writes there."""
+
+_LEARNER_CALLS: dict[str, LearnerCall] = {}
+_ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_learner_call(name: str) -> Callable[[LearnerCall], LearnerCall]:
+    """Decorator: register `fn(learner, data, **options) -> metrics` as the learner function `name`. `data` holds
+    the batch's keys ('rollouts': the `PackedBatch`; 'token_rewards', 'group_advantages' when the batch has them)
+    and what earlier calls wrote; `options` are `train_step`'s (`loss`, `loss_weight_fn`)."""
+
+    def decorator(fn: LearnerCall) -> LearnerCall:
+        _LEARNER_CALLS[name] = fn
+        return fn
+
+    return decorator
+
+
+def learner_call(name: str) -> LearnerCall:
+    """The registered learner function `name`."""
+    return _LEARNER_CALLS[name]
+
+
+def register_algorithm(algorithm: Algorithm) -> Algorithm:
+    """Register (or replace) `algorithm` under its name, after checking its graph (`ordered`); returns it."""
+    algorithm.ordered()
+    _ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
+def known_algorithms() -> list[str]:
+    """Names of the registered algorithms."""
+    return sorted(_ALGORITHMS)
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The registered algorithm `name`; 'package.module:NAME' imports the module first (which registers it). Raises
+    ValueError naming the known ones."""
+    if name not in _ALGORITHMS and ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"algorithm {name!r} cannot be imported: {e}") from e
+        if not isinstance(found, Algorithm):
+            raise ValueError(f"{name!r} is not an Algorithm")
+        return register_algorithm(found) if found.name not in _ALGORITHMS else _ALGORITHMS[found.name]
+    if name not in _ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; registered: {known_algorithms()} (or 'package.module:NAME')")
+    return _ALGORITHMS[name]
+
+
+MODEL_REWARDS = "model_rewards"
+"""The key the `reward_inf` call writes: reward models' scores of the rollouts."""
+REWARD_KEYS = ("rewards", "token_rewards", "greedy_rewards")
+"""Keys of rewards that generate calls write (what an advantage estimate reads)."""
+
+
+def with_reward_models(algorithm: Algorithm, names: tuple[str, ...] | list[str]) -> Algorithm:
+    """`algorithm` with reward models: a rollout-side `reward_inf` call (role 'reward', kind 'inference') reads the
+    rollouts and writes `model_rewards`, which the advantage estimate then reads beside the verifiers' rewards.
+
+    The env actors score every episode with the models as it ends, so the models' rewards join the environment's named
+    rewards (weighted by its `reward_weights`) before any advantage is computed. A rollout-side call that reads a
+    generated reward key (a group estimator) reads `model_rewards` too. When a learner call reads one (PPO's GAE reads
+    `token_rewards`), the generate call writes `rewards` instead and a rollout-side `reward_credit` call (the replay
+    buffer crediting episode rewards to tokens) reads `rewards` and `model_rewards` and writes it. Unchanged when
+    `names` is empty; the name and learner calls stay those of `algorithm`."""
+    names = tuple(names)
+    if not names:
+        return algorithm
+    calls = list(algorithm.calls)
+    generated = {k for c in calls if c.kind == "generate" for k in c.writes if k in REWARD_KEYS}
+    learner_read = sorted({k for c in calls if c.side == "learner" for k in c.reads if k in generated})
+    if learner_read and "rewards" in generated:
+        raise ValueError(f"algorithm {algorithm.name!r}: generate calls write 'rewards' and learner calls read "
+                         f"{learner_read}; with_reward_models cannot route model rewards into both")  # fmt: skip
+    out = []
+    for c in calls:
+        if c.kind == "generate" and learner_read:
+            writes = tuple("rewards" if k in learner_read else k for k in c.writes)
+            c = dataclasses.replace(c, writes=tuple(dict.fromkeys(writes)))
+        elif c.side == "rollout" and any(k in generated for k in c.reads):
+            c = dataclasses.replace(c, reads=(*c.reads, MODEL_REWARDS))
+        out.append(c)
+    reward_inf = Call("reward_inf", "reward", "inference", ("rollouts",), (MODEL_REWARDS,), side="rollout")
+    out.insert(1, reward_inf)
+    for key in learner_read:
+        out.insert(2, Call("reward_credit", "replay", "compute", ("rewards", MODEL_REWARDS), (key,), side="rollout"))
+    described = f"{algorithm.description}; rewards from reward models {', '.join(names)}"
+    result = dataclasses.replace(algorithm, calls=tuple(out), description=described, reward_models=names)
+    result.ordered()  # checked like any graph
+    return result
+
+
+# ---- the shipped graphs ------------------------------------------------------------------------------------------
+GENERATE = Call("actor_generate", "actor", "generate", ("prompts",), ("rollouts", "rewards"), side="rollout")
+TRAIN = Call("actor_train", "actor", "train", ("rollouts", "advantages"), ("actor",))
+
+
+def _group_algorithm(estimator: str, description: str) -> Algorithm:
+    advantages = Call(f"{estimator}_advantages", "replay", "compute", ("rewards",), ("advantages",), side="rollout")
+    return Algorithm(estimator, (GENERATE, advantages, TRAIN), estimator, description)
+
+
+for _name, _description in (
+    ("rloo", "group baseline: each reward minus the mean of the others (REINFORCE leave-one-out)"),
+    ("grpo", "group baseline: rewards centred on the group mean and divided by its std"),
+    ("dr_grpo", "group baseline: rewards centred on the group mean (Dr.GRPO)"),
+    ("reinforce", "REINFORCE with an exponential moving average of rewards as baseline"),
+):
+    register_algorithm(_group_algorithm(_name, _description))
+
+register_algorithm(
+    Algorithm(
+        "remax",
+        (
+            GENERATE,
+            Call("greedy_generate", "actor", "generate", ("prompts",), ("greedy_rewards",), side="rollout"),
+            Call(
+                "remax_advantages", "replay", "compute", ("rewards", "greedy_rewards"), ("advantages",), side="rollout"
+            ),  # fmt: skip
+            TRAIN,
+        ),
+        "remax",
+        "ReMax: each reward minus the reward of the prompt's greedy completion",
+        greedy_baseline=True,
+    )
+)
+
+register_algorithm(
+    Algorithm(
+        "ppo",
+        (
+            Call("actor_generate", "actor", "generate", ("prompts",), ("rollouts", "token_rewards"), side="rollout"),
+            Call("critic_inf", "critic", "inference", ("rollouts",), ("values", "bootstrap_values")),
+            Call(
+                "gae", "critic", "compute", ("token_rewards", "values", "bootstrap_values"), ("advantages", "returns")
+            ),  # fmt: skip
+            TRAIN,
+            Call("critic_train", "critic", "train", ("rollouts", "values", "returns"), ("critic",)),
+        ),
+        "gae",
+        "PPO: a critic's values, GAE advantages per token, the clipped value loss",
+    )
+)

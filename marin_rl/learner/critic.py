@@ -1,0 +1,209 @@
+"""The critic of PPO: a value model with its own optimizer, its per-token values (`critic_inf`), GAE advantages and
+returns for a batch, and the clipped value loss (`critic_train`).
+
+With `learner.critic.enabled`, each train step is: the critic's values of the batch (before any update) → GAE over
+the batch's per-token rewards (`marin_rl.replay.gae`, γ and λ from the config; truncated episodes bootstrap from the
+value after their last token) → the policy steps on those advantages → one critic step on the returns, with PPO's
+clipped value loss
+
+    L_V = ½ · mean over sampled tokens of max((V − R)², (V_old + clip(V − V_old, −ε_V, ε_V) − R)²)
+
+(V_old: the values the advantages were computed with). Batches must carry per-token rewards
+(`replay.advantage_estimator: gae`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import equinox as eqx
+import haliax as hax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from marin_rl.learner.distributed import host_arrays
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.value import ValueModel, head_on, token_values, value_model_from, zero_value_head
+from marin_rl.replay.gae import gae_packed, whiten
+from marin_rl.types import PackedBatch
+
+CRITIC_TRUNKS = ("separate", "policy")
+
+
+@dataclass
+class CriticConfig:
+    """PPO's value model and generalized advantage estimation (off by default: group baselines need no critic)."""
+
+    enabled: bool = False
+    """Train a critic and compute advantages by GAE. Needs `replay.advantage_estimator: gae`."""
+    trunk: str = "separate"
+    """'separate': the critic is a language model of its own with a value head (a copy of the policy's trunk taken at
+    the start of RL, after the warm start, or `init_from_hf`), all of it trained by the value loss. 'policy': a value
+    head on the policy's own trunk, which it reads as it is at each call without training it (the value loss's
+    gradients stop at the trunk); only the head is the critic's, so the critic costs no second model."""
+    init_from_hf: str | None = None
+    """'separate' trunk only: the critic's trunk from this Hugging Face checkpoint (local or fsspec URL; the
+    policy's architecture). None: a copy of the policy's trunk."""
+    gamma: float = 1.0
+    """Discount γ per sampled token."""
+    lam: float = 0.95
+    """GAE's λ: 1 gives Monte Carlo returns minus V, 0 one-step TD errors."""
+    value_clip: float | None = 0.2
+    """ε_V of the clipped value loss (None: unclipped squared error)."""
+    whiten_advantages: bool = True
+    """Shift and scale each batch's advantages to mean 0 and standard deviation 1 over its sampled tokens."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(learning_rate=1e-3))
+    """The critic's AdamW and learning-rate schedule (its own optimizer state; schedules count critic steps, one per
+    train step)."""
+
+    def __post_init__(self):
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"learner.critic.gamma and lam must be in [0, 1], got {self.gamma} and {self.lam}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"learner.critic.value_clip must be > 0 or null, got {self.value_clip}")
+        if self.trunk not in CRITIC_TRUNKS:
+            raise ValueError(f"learner.critic.trunk must be one of {CRITIC_TRUNKS}, got {self.trunk!r}")
+        if self.trunk == "policy" and self.init_from_hf is not None:
+            raise ValueError("learner.critic.init_from_hf is for a separate trunk; with trunk: policy the critic reads "
+                             "the policy's own trunk")  # fmt: skip
+
+
+def value_loss(
+    values: jnp.ndarray, old_values: jnp.ndarray, returns: jnp.ndarray, mask: jnp.ndarray, clip: float | None
+) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+    """PPO's value loss over `(rows, positions)` arrays, a token mean over `mask`: ½·max((V − R)², (V_old +
+    clip(V − V_old, ±clip) − R)²), or ½·(V − R)² when `clip` is None. Returns (loss, metrics)."""
+    fmask = mask.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(fmask), 1.0)
+    v = jnp.where(mask, values, 0.0)
+    old = jnp.where(mask, old_values, 0.0)
+    ret = jnp.where(mask, returns, 0.0)
+    unclipped = (v - ret) ** 2
+    if clip is None:
+        per_token, clipped_frac = unclipped, jnp.zeros(())
+    else:
+        clipped = (old + jnp.clip(v - old, -clip, clip) - ret) ** 2
+        per_token = jnp.maximum(unclipped, clipped)
+        clipped_frac = jnp.sum(fmask * (clipped > unclipped)) / n
+    loss = 0.5 * jnp.sum(per_token * fmask) / n
+    return loss, {"value_loss": loss, "value_clip_frac": clipped_frac, "value_mean": jnp.sum(v * fmask) / n}
+
+
+class Critic:
+    """The value model, its optimizer state and its two calls: `advantages` (critic_inf, then GAE) and `train`
+    (critic_train). Owned by a `Learner` (`learner.critic.enabled`), whose mesh lays out its parameters like the
+    policy's and its batches like the policy's batches.
+
+    `model` is what the critic trains and checkpoints: a whole `ValueModel` with a separate trunk, or with
+    `trunk: policy` a `ValueModel` without trunk (only the head); `value_model()` is the model that computes values."""
+
+    def __init__(self, config: CriticConfig, model_config: ModelConfig, vocab_size: int, learner):
+        self.config = config
+        self.learner = learner
+        self.optimizer = config.optimizer.build()
+        self.shares_policy_trunk = config.trunk == "policy"
+        self.from_policy = config.init_from_hf is None
+        if self.from_policy:
+            trunk = learner.model
+        else:
+            trunk = build_model(dataclasses.replace(model_config, init_from_hf=config.init_from_hf), vocab_size)
+        self.steps = 0
+        self._set(self._initial(trunk))
+        self._values = eqx.filter_jit(self._values_impl)
+        self._train = eqx.filter_jit(self._train_impl, donate="all-except-first")
+
+    def _initial(self, policy) -> ValueModel:
+        if self.shares_policy_trunk:
+            return ValueModel(None, zero_value_head(policy))
+        return value_model_from(policy)
+
+    def value_model(self) -> ValueModel:
+        """The model that computes values: the critic's own, or its head on the policy's current trunk."""
+        return head_on(self.learner.model, self.model.head) if self.shares_policy_trunk else self.model
+
+    def _set(self, model: ValueModel) -> None:
+        with self.learner._sharding():
+            self.model = self.learner._shard_params(model)
+            self.opt_state = self.learner._shard_params(self.optimizer.init(eqx.filter(model, eqx.is_inexact_array)))
+
+    def reset_from(self, policy) -> None:
+        """Take a new copy of `policy`'s trunk (zero value head, fresh optimizer state): the critic of a policy that
+        was just warm-started. No-op for a critic from a Hugging Face checkpoint or on the policy's own trunk (which
+        is the warm-started one already)."""
+        if self.from_policy and not self.shares_policy_trunk:
+            self._set(value_model_from(policy))
+
+    def _values_impl(self, model: ValueModel, ex):
+        values, after = token_values(model, ex.input_ids, ex.position_ids, ex.segment_ids)
+        return values.array, after.array
+
+    def values(self, ex) -> tuple[np.ndarray, np.ndarray]:
+        """critic_inf: (values, after) of the placed example `ex` as host arrays (`token_values`: V before each token,
+        and V after each token, which at an episode's last position is its bootstrap value)."""
+        with self.learner._sharding():
+            values, after = host_arrays(list(self._values(self.value_model(), ex)))
+        return values, after
+
+    def gae(
+        self, batch: PackedBatch, rewards: np.ndarray, values: np.ndarray, after: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+        """GAE over per-token `rewards` with the critic's `values` (truncated episodes bootstrap from `after`):
+        (advantages, whitened when configured; returns; metrics), float32 host arrays."""
+        mask = np.asarray(batch.loss_mask, bool)
+        truncated = np.asarray(batch.truncated, bool) if batch.truncated is not None else np.zeros_like(mask)
+        bootstrap = np.where(truncated, after, 0.0)  # read only at each episode's last position
+        cfg = self.config
+        adv, ret = gae_packed(rewards, values, mask, batch.segment_ids, cfg.gamma, cfg.lam, bootstrap)
+        raw_mean = float(adv[mask].mean()) if mask.any() else 0.0
+        if cfg.whiten_advantages:
+            adv = whiten(adv, mask)
+        ret_m, val_m = ret[mask], values[mask]
+        var = float(ret_m.var()) if ret_m.size else 0.0
+        metrics = {
+            "critic/advantage_mean": raw_mean,
+            "critic/return_mean": float(ret_m.mean()) if ret_m.size else 0.0,
+            "critic/explained_variance": 1.0 - float((ret_m - val_m).var()) / var if var > 0 else 0.0,
+        }
+        return adv.astype(np.float32), ret.astype(np.float32), metrics
+
+    def advantages(self, batch: PackedBatch, ex) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, float]]:
+        """`values` then `gae` for a batch with per-token rewards: (advantages, returns, old values, metrics).
+        Raises ValueError for a batch without rewards."""
+        if batch.rewards is None:
+            raise ValueError("learner.critic needs batches with per-token rewards: set replay.advantage_estimator: gae")
+        values, after = self.values(ex)
+        adv, ret, metrics = self.gae(batch, batch.rewards, values, after)
+        return adv, ret, values.astype(np.float32), metrics
+
+    def _train_impl(self, inputs, opt_state):
+        model, policy, ex, old_values, returns = inputs
+
+        def loss_fn(m):
+            full = head_on(policy, m.head) if policy is not None else m
+            values, _ = token_values(full, ex.input_ids, ex.position_ids, ex.segment_ids)
+            return value_loss(values.array, old_values.array, returns.array, ex.loss_mask.array, self.config.value_clip)
+
+        (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
+        grads = self.learner._shard_params(grads)
+        updates, opt_state = self.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        model = self.learner._shard_params(eqx.apply_updates(model, updates))
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return model, self.learner._shard_params(opt_state), metrics
+
+    def train(self, ex, old_values: np.ndarray, returns: np.ndarray) -> dict[str, float]:
+        """critic_train: one optimizer step of the clipped value loss on the placed example `ex`, towards `returns`
+        from `old_values` (host arrays over its rows and positions); `critic/...` metrics (the loss at the weights
+        before the step)."""
+        axes = ex.input_ids.axes
+        targets = self.learner._shard_batch((hax.named(old_values, axes), hax.named(returns, axes)))
+        with self.learner._sharding():
+            policy = self.learner.model if self.shares_policy_trunk else None
+            self.model, self.opt_state, metrics = self._train((self.model, policy, ex, *targets), self.opt_state)
+            [metrics] = [dict(zip(metrics, host_arrays(list(metrics.values())), strict=True))]
+        self.steps += 1
+        out = {f"critic/{k}": float(v) for k, v in metrics.items()}
+        out["critic/learning_rate"] = self.config.optimizer.lr_at(self.steps - 1)
+        return out

@@ -1,0 +1,76 @@
+"""The optimizer config shared by the policy, the critic and supervised fine-tuning: AdamW with gradient clipping
+and a learning-rate schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import optax
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with global-norm gradient clipping and a learning-rate schedule: linear warmup from 0, then constant,
+    linear decay or cosine decay. Schedules count optimizer steps (a train step takes `minibatches × epochs`)."""
+
+    learning_rate: float = 1e-4
+    """Peak learning rate."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 over this many optimizer steps."""
+    schedule: str = "constant"
+    """After the warmup: 'constant', 'linear' (to min_lr_ratio × peak over decay_steps) or 'cosine' (half a cosine
+    from the peak to min_lr_ratio × peak over decay_steps); the rate stays at its final value afterwards."""
+    decay_steps: int | None = None
+    """Optimizer steps of the decay after the warmup ('linear' and 'cosine' need it: e.g. the run's train steps ×
+    minibatches × epochs, minus warmup_steps)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of a decay, as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam β1."""
+    beta2: float = 0.99
+    """Adam β2."""
+    eps: float = 1e-8
+    """Adam ε."""
+    max_grad_norm: float | None = 1.0
+    """Clip gradients to this global norm (None: no clipping)."""
+
+    def __post_init__(self):
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"optimizer.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule != "constant" and (self.decay_steps is None or self.decay_steps < 1):
+            raise ValueError(f"optimizer.schedule {self.schedule!r} needs decay_steps >= 1 (optimizer steps after the "
+                             f"warmup), got {self.decay_steps}")  # fmt: skip
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def learning_rate_schedule(self) -> optax.Schedule:
+        """The learning rate as a function of the optimizer step count (optax schedule)."""
+        peak, final = self.learning_rate, self.learning_rate * self.min_lr_ratio
+        if self.schedule == "linear":
+            decay = optax.linear_schedule(peak, final, self.decay_steps)
+        elif self.schedule == "cosine":
+            decay = optax.cosine_decay_schedule(peak, self.decay_steps, alpha=self.min_lr_ratio)
+        else:
+            decay = optax.constant_schedule(peak)
+        if self.warmup_steps == 0:
+            return decay
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, self.warmup_steps), decay], [self.warmup_steps])
+
+    def build(self) -> optax.GradientTransformation:
+        scheduled = self.warmup_steps > 0 or self.schedule != "constant"
+        lr = self.learning_rate_schedule() if scheduled else self.learning_rate  # a constant keeps a stateless scale
+        chain = []
+        if self.max_grad_norm is not None:
+            chain.append(optax.clip_by_global_norm(self.max_grad_norm))
+        chain.append(optax.adamw(lr, b1=self.beta1, b2=self.beta2, eps=self.eps, weight_decay=self.weight_decay))
+        return optax.chain(*chain)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (counted from 0)."""
+        return float(self.learning_rate_schedule()(step))

@@ -8,14 +8,17 @@ from marin_rl.replay.gae import gae, gae_packed, token_rewards, whiten
 from marin_rl.types import InferenceMetadata, Rollout, Turn
 
 
-def _reference(rewards, values, mask, gamma, lam, bootstrap=0.0):
-    """A_k = Σ_l (γλ)^l δ_{k+l} over the sampled tokens only, δ_k = r_k + γ V_{k+1} − V_k, V_n = bootstrap."""
+def _reference(rewards, values, mask, gamma, lam, bootstrap=0.0, lam_between=None):
+    """A_k = Σ_l (Π_{j<l} γλ_{k+j}) δ_{k+l} over the sampled tokens only, δ_k = r_k + γ V_{k+1} − V_k, V_n =
+    bootstrap; λ_k is `lam_between` where a token that was not sampled lies between sampled tokens k and k+1."""
     idx = [i for i in range(len(mask)) if mask[i]]
     v = [values[i] for i in idx] + [bootstrap]
     deltas = [rewards[i] + gamma * v[k + 1] - v[k] for k, i in enumerate(idx)]
+    lams = [lam if lam_between is None or k + 1 == len(idx) or idx[k + 1] == i + 1 else lam_between
+            for k, i in enumerate(idx)]  # fmt: skip
     adv, ret = np.zeros(len(mask)), np.zeros(len(mask))
     for k, i in enumerate(idx):
-        adv[i] = sum((gamma * lam) ** j * deltas[k + j] for j in range(len(idx) - k))
+        adv[i] = sum(np.prod([gamma * x for x in lams[k : k + j]]) * deltas[k + j] for j in range(len(idx) - k))
         ret[i] = adv[i] + values[i]
     return adv, ret
 
@@ -37,6 +40,31 @@ def test_gae_matches_the_discounted_sum_of_td_errors(gamma, lam, bootstrap):
         np.testing.assert_allclose(adv, ref_adv, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(ret, ref_ret, rtol=1e-10, atol=1e-12)
         assert np.all(adv[~mask] == 0) and np.all(ret[~mask] == 0)
+
+
+@pytest.mark.parametrize("gamma,lam,lam_between", [(1.0, 1.0, 0.0), (0.99, 0.95, 0.3), (0.9, 0.0, 1.0)])
+def test_lambda_between_turns_matches_the_sum_of_td_errors(gamma, lam, lam_between):
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        rewards, values, mask = _episode(rng)
+        adv, ret = gae(rewards, values, mask, gamma, lam, bootstrap_value=0.4, lam_between_turns=lam_between)
+        ref_adv, ref_ret = _reference(rewards, values, mask, gamma, lam, 0.4, lam_between)
+        np.testing.assert_allclose(adv, ref_adv, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(ret, ref_ret, rtol=1e-10, atol=1e-12)
+
+
+def test_lambda_one_within_and_zero_between_turns_credits_each_turn_alone():
+    """Each token gets the rewards left in its own turn plus V(first token of the next turn) − V(itself): no later
+    turn's reward reaches it."""
+    #                  turn 1 (3 tokens) | env | turn 2 (2 tokens) | env | turn 3
+    mask = np.array([False, True, True, True, False, True, True, False, False, True])
+    rewards = np.array([0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    values = np.array([9.0, 0.5, 0.6, 0.7, 9.0, 0.2, 0.3, 9.0, 9.0, 0.8])
+    adv, _ = gae(rewards, values, mask, 1.0, 1.0, lam_between_turns=0.0)
+    expected = [0, 1 + 0.2 - 0.5, 1 + 0.2 - 0.6, 1 + 0.2 - 0.7, 0, 0.8 - 0.2, 0.8 - 0.3, 0, 0, 1 - 0.8]
+    np.testing.assert_allclose(adv, expected, atol=1e-12)
+    adv_episode, _ = gae(rewards, values, mask, 1.0, 1.0)  # plain λ = 1: every later reward counts
+    np.testing.assert_allclose(adv_episode[1], 2 - 0.5)
 
 
 def test_environment_tokens_neither_get_advantage_nor_break_the_recursion():
@@ -63,7 +91,8 @@ def test_truncated_episode_bootstraps_from_the_last_state_value():
     assert adv[0] == pytest.approx((0.9 * 0.4 - 0.2) + 0.9 * adv[1])
 
 
-def test_packed_rows_equal_each_episode_alone():
+@pytest.mark.parametrize("lam_between", [None, 0.2])
+def test_packed_rows_equal_each_episode_alone(lam_between):
     rng = np.random.default_rng(2)
     rows, positions = 3, 50
     segs = np.full((rows, positions), -1)
@@ -87,9 +116,9 @@ def test_packed_rows_equal_each_episode_alone():
             boot[r, start + length - 1] = b
             episodes.append((r, sl, b))
             start, seg = start + length, seg + 1
-    adv, ret = gae_packed(rewards, values, mask, segs, 0.95, 0.9, boot)
+    adv, ret = gae_packed(rewards, values, mask, segs, 0.95, 0.9, boot, lam_between)
     for r, sl, b in episodes:
-        ref_adv, ref_ret = _reference(rewards[r, sl], values[r, sl], mask[r, sl], 0.95, 0.9, b)
+        ref_adv, ref_ret = _reference(rewards[r, sl], values[r, sl], mask[r, sl], 0.95, 0.9, b, lam_between)
         np.testing.assert_allclose(adv[r, sl], ref_adv, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(ret[r, sl], ref_ret, rtol=1e-10, atol=1e-12)
     assert np.all(adv[segs < 0] == 0)
@@ -100,6 +129,8 @@ def test_rewards_off_the_sampled_tokens_and_bad_parameters_are_refused():
         gae(np.array([1.0, 0.0]), np.zeros(2), np.array([False, True]), 1.0, 1.0)
     with pytest.raises(ValueError, match="gamma and lambda"):
         gae(np.zeros(2), np.zeros(2), np.ones(2, bool), 1.1, 1.0)
+    with pytest.raises(ValueError, match="between turns: 2.0"):
+        gae(np.zeros(2), np.zeros(2), np.ones(2, bool), 1.0, 1.0, lam_between_turns=2.0)
 
 
 def _turn(role, ids, reward=0.0, sampled=False):

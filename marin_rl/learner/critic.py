@@ -51,6 +51,10 @@ class CriticConfig:
     """Discount γ per sampled token."""
     lam: float = 0.95
     """GAE's λ: 1 gives Monte Carlo returns minus V, 0 one-step TD errors."""
+    lam_between_turns: float | None = None
+    """λ across a turn boundary (environment tokens between two sampled tokens of an episode); None: `lam`. With
+    `lam: 1` and `lam_between_turns: 0` each turn's tokens get that turn's reward plus γ·V(next turn) − V: credit per
+    turn, with no later turn's reward in it (GAE over turns as steps)."""
     value_clip: float | None = 0.2
     """ε_V of the clipped value loss (None: unclipped squared error)."""
     whiten_advantages: bool = True
@@ -62,6 +66,8 @@ class CriticConfig:
     def __post_init__(self):
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"learner.critic.gamma and lam must be in [0, 1], got {self.gamma} and {self.lam}")
+        if self.lam_between_turns is not None and not 0.0 <= self.lam_between_turns <= 1.0:
+            raise ValueError(f"learner.critic.lam_between_turns must be in [0, 1] or null: {self.lam_between_turns}")
         if self.value_clip is not None and not self.value_clip > 0:
             raise ValueError(f"learner.critic.value_clip must be > 0 or null, got {self.value_clip}")
         if self.trunk not in CRITIC_TRUNKS:
@@ -156,7 +162,9 @@ class Critic:
         truncated = np.asarray(batch.truncated, bool) if batch.truncated is not None else np.zeros_like(mask)
         bootstrap = np.where(truncated, after, 0.0)  # read only at each episode's last position
         cfg = self.config
-        adv, ret = gae_packed(rewards, values, mask, batch.segment_ids, cfg.gamma, cfg.lam, bootstrap)
+        adv, ret = gae_packed(
+            rewards, values, mask, batch.segment_ids, cfg.gamma, cfg.lam, bootstrap, cfg.lam_between_turns
+        )
         raw_mean = float(adv[mask].mean()) if mask.any() else 0.0
         if cfg.whiten_advantages:
             adv = whiten(adv, mask)

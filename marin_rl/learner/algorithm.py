@@ -264,6 +264,19 @@ for _name, _description in (
 
 register_algorithm(
     Algorithm(
+        "turn_rloo",
+        (
+            GENERATE,
+            Call("turn_rloo_advantages", "replay", "compute", ("rollouts", "rewards"), ("advantages",), side="rollout"),
+            TRAIN,
+        ),
+        "turn_rloo",
+        "per-turn group baseline: each turn's return minus the mean of the others' from the same turn (no critic)",
+    )
+)
+
+register_algorithm(
+    Algorithm(
         "remax",
         (
             GENERATE,

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages
+from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages, turn_rloo_token_advantages
 from marin_rl.replay.packing import Sequence
 from marin_rl.replay.store import RolloutWriter, rollout_to_row
 from marin_rl.types import Rollout, RolloutFormatError, RolloutGroup
@@ -51,12 +51,17 @@ class ReplayConfig:
     """How many batches a rollout may appear in."""
     advantage_estimator: str = "rloo"
     """'rloo', 'grpo', 'dr_grpo', 'reinforce' (running baseline) or 'remax' (each group's env actor also samples a
-    greedy episode, whose reward is the baseline), see marin_rl.replay.advantages; or 'gae': no group
-    advantage, the batches carry per-token rewards and the learner's critic computes advantages
+    greedy episode, whose reward is the baseline), see marin_rl.replay.advantages; 'turn_rloo' (one advantage per
+    policy turn: the turn's return against the group's other episodes' return from the same turn, `turn_lambda`); or
+    'gae': no group advantage, the batches carry per-token rewards and the learner's critic computes advantages
     (`learner.critic.enabled`)."""
     gae_reward_credit: str = "per_turn"
     """'gae' only: which tokens rewards are credited to: 'per_turn' (each turn's reward to the last token the policy
     sampled by the end of that turn) or 'episode_end' (the episode's total reward to its last sampled token)."""
+    turn_lambda: float = 1.0
+    """'turn_rloo' only: λ across turns. 1: each turn's tokens get the rewards of that turn and all later turns
+    against the others' from the same turn on (unbiased); 0: the turn's own reward against the others' reward for
+    that turn (no later reward reaches it; for tasks whose turns do not change each other's rewards)."""
     grpo_normalize_std: bool = True
     """GRPO only: divide the mean-centred rewards by the group's std (False gives Dr.GRPO's advantages)."""
     reinforce_baseline_decay: float = 0.9
@@ -78,6 +83,8 @@ class ReplayConfig:
             raise ValueError(
                 f"replay.gae_reward_credit must be one of {REWARD_CREDITS}, got {self.gae_reward_credit!r}"
             )
+        if not 0.0 <= self.turn_lambda <= 1.0:
+            raise ValueError(f"replay.turn_lambda must be in [0, 1], got {self.turn_lambda}")
         if self.min_group_size < 1 or self.max_age < 0 or self.capacity < 1 or self.max_reuse < 1:
             raise ValueError("replay: min_group_size, capacity, max_reuse must be >= 1 and max_age >= 0")
         if not 0.0 <= self.reinforce_baseline_decay < 1.0:
@@ -143,7 +150,7 @@ class ReplayItem:
     rollout: Rollout
     """The rollout (token ids, logprobs, versions)."""
     advantage: float
-    """Advantage of the rollout within its group."""
+    """Advantage of the rollout within its group (with per-token advantages: their mean over its sampled tokens)."""
     group_id: str
     """Group it was sampled in."""
     added_at: float
@@ -159,10 +166,13 @@ class ReplayItem:
     reward_credit: str | None = None
     """'per_turn' or 'episode_end': the sequence carries per-token rewards for a critic (GAE); None: only the
     group advantage."""
+    token_advantages: np.ndarray | None = None
+    """Advantage of each token (aligned with the rollout's tokens; 'turn_rloo'), or None: `advantage` on every
+    sampled token."""
 
     def sequence(self) -> Sequence:
         """The tokens and per-token training fields that go into a batch."""
-        seq = Sequence.from_rollout(self.rollout, self.advantage, self.reward_credit)
+        seq = Sequence.from_rollout(self.rollout, self.advantage, self.reward_credit, self.token_advantages)
         return seq if self.max_len is None else seq.truncated(self.max_len)
 
 
@@ -292,19 +302,25 @@ class ReplayBuffer:
             return self._reject("zero_variance", f"all rewards {rewards[0]}", sampled)
         if self.config.advantage_estimator == "remax" and group.baseline_reward is None:
             return self._reject("no_greedy_baseline", f"group {group.group_id} carries no greedy reward", sampled)
-        advantages = self.advantages(rewards, group.baseline_reward)
+        token_advantages: list[np.ndarray | None] = [None] * len(group.rollouts)
+        if self.config.advantage_estimator == "turn_rloo":
+            token_advantages = turn_rloo_token_advantages(group.rollouts, self.config.turn_lambda)
+            advantages = [float(a[r.loss_mask()].mean()) if r.num_sampled_tokens else 0.0
+                          for r, a in zip(group.rollouts, token_advantages, strict=True)]  # fmt: skip
+        else:
+            advantages = self.advantages(rewards, group.baseline_reward)
         now = time.time()
         self.accepted_groups += 1
         if self.writer is not None:
             self.writer.append(
                 [
-                    rollout_to_row(r, group.group_id, float(a), now)
-                    for r, a in zip(group.rollouts, advantages, strict=True)
+                    rollout_to_row(r, group.group_id, float(a), now, ta)
+                    for r, a, ta in zip(group.rollouts, advantages, token_advantages, strict=True)
                 ]
             )
         limit = None if self.learner_version is None else self.learner_version - self.config.max_age
         stale = too_long = truncated = queued = 0
-        for r, a in zip(group.rollouts, advantages, strict=True):
+        for r, a, ta in zip(group.rollouts, advantages, token_advantages, strict=True):
             self._count_new(r)
             if limit is not None and r.oldest_version < limit:
                 stale += 1
@@ -317,6 +333,7 @@ class ReplayBuffer:
                 num_tokens=r.num_tokens,
                 oldest_version=r.oldest_version,
                 reward_credit=self.reward_credit,
+                token_advantages=None if ta is None else ta.astype(np.float32),
             )
             if self.max_tokens is not None and r.num_tokens > self.max_tokens:
                 if self.too_long == "drop" or not r.loss_mask()[: self.max_tokens].any():
@@ -427,6 +444,7 @@ class ReplayBuffer:
                     "uses": it.uses,
                     "max_len": it.max_len,
                     "reward_credit": it.reward_credit,
+                    "token_advantages": None if it.token_advantages is None else it.token_advantages.tolist(),
                 }
                 for it in self.items
             ],
@@ -455,6 +473,9 @@ class ReplayBuffer:
                 uses=int(d["uses"]),
                 max_len=None if d["max_len"] is None else int(d["max_len"]),
                 reward_credit=d.get("reward_credit"),
+                token_advantages=None
+                if d.get("token_advantages") is None
+                else np.asarray(d["token_advantages"], np.float32),
             )
             for d in state["items"]
         ]

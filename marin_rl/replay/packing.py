@@ -33,17 +33,26 @@ class Sequence:
         return int(self.token_ids.shape[0])
 
     @staticmethod
-    def from_rollout(rollout: Rollout, advantage: float, reward_credit: str | None = None) -> Sequence:
-        """The rollout's token sequence; the advantage is spread over its sampled tokens. `reward_credit`
-        ('per_turn' or 'episode_end', see `token_rewards`) also gives it per-token rewards for a critic."""
+    def from_rollout(
+        rollout: Rollout,
+        advantage: float,
+        reward_credit: str | None = None,
+        token_advantages: np.ndarray | None = None,
+    ) -> Sequence:
+        """The rollout's token sequence; the advantage is spread over its sampled tokens, or `token_advantages` (one
+        per token) are used as they are on them. `reward_credit` ('per_turn' or 'episode_end', see `token_rewards`)
+        also gives it per-token rewards for a critic."""
         mask = rollout.loss_mask()
+        if token_advantages is not None and len(token_advantages) != len(mask):
+            raise ValueError(f"token_advantages has {len(token_advantages)} entries for {len(mask)} tokens")
+        per_token = np.float32(advantage) if token_advantages is None else np.asarray(token_advantages, np.float32)
         rewards = None
         if reward_credit is not None:
             rewards = token_rewards(rollout, per_turn=reward_credit == "per_turn").astype(np.float32)
         return Sequence(
             token_ids=np.asarray(rollout.token_ids, dtype=np.int32),
             loss_mask=mask,
-            advantages=np.where(mask, np.float32(advantage), np.float32(0.0)),
+            advantages=np.where(mask, per_token, np.float32(0.0)),
             sampler_logprobs=rollout.sampler_logprobs(),
             token_versions=rollout.token_versions(),
             rewards=rewards,

@@ -28,6 +28,9 @@ SCHEMA_VERSION = 2
 """Bumped whenever `ROLLOUT_SCHEMA` changes incompatibly. Version 1 named the turns' `sampler_logprobs` field
 `logprobs`; `read_rollouts` reads both."""
 
+OPTIONAL_COLUMNS = ("token_advantages",)
+"""Columns added without a version bump: files written before them lack them and read as None."""
+
 _META = pa.struct(
     [
         ("server", pa.string()),
@@ -67,6 +70,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("accepted_at", pa.float64()),
         ("turns", pa.list_(_TURN)),
         ("metadata_json", pa.string()),
+        ("token_advantages", pa.list_(pa.float32())),
     ],
     metadata={"marin_rl.schema_version": str(SCHEMA_VERSION)},
 )
@@ -81,6 +85,9 @@ class StoredRollout:
     group_id: str
     advantage: float
     accepted_at: float
+    token_advantages: list[float] | None = None
+    """Per-token advantages ('turn_rloo'), aligned with the rollout's tokens; None: `advantage` on every sampled
+    token (and in files written before the column existed)."""
 
 
 @dataclass
@@ -92,8 +99,11 @@ class ReadResult:
     files: list[str] = field(default_factory=list)
 
 
-def rollout_to_row(rollout: Rollout, group_id: str, advantage: float, accepted_at: float) -> dict[str, Any]:
-    """The Parquet row of a rollout (plain Python values matching `ROLLOUT_SCHEMA`)."""
+def rollout_to_row(
+    rollout: Rollout, group_id: str, advantage: float, accepted_at: float, token_advantages=None
+) -> dict[str, Any]:
+    """The Parquet row of a rollout (plain Python values matching `ROLLOUT_SCHEMA`); `token_advantages`: per-token
+    advantages, when the estimator gives them."""
     turns = []
     for t in rollout.turns:
         turns.append(
@@ -121,6 +131,7 @@ def rollout_to_row(rollout: Rollout, group_id: str, advantage: float, accepted_a
         "accepted_at": float(accepted_at),
         "turns": turns,
         "metadata_json": json.dumps(rollout.metadata, sort_keys=True),
+        "token_advantages": None if token_advantages is None else [float(a) for a in token_advantages],
     }
 
 
@@ -146,6 +157,7 @@ def row_to_stored(row: dict[str, Any]) -> StoredRollout:
             group_id=str(row["group_id"]),
             advantage=float(row["advantage"]),
             accepted_at=float(row["accepted_at"]),
+            token_advantages=row.get("token_advantages"),
         )
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         if isinstance(e, RolloutFormatError):
@@ -214,7 +226,7 @@ def read_rollouts(path: str) -> ReadResult:
     """Every rollout stored at `path` (file or directory); unreadable files are listed in `errors`, not raised."""
     fs, _ = fsspec.core.url_to_fs(path)
     result = ReadResult()
-    required = set(ROLLOUT_SCHEMA.names)
+    required = set(ROLLOUT_SCHEMA.names) - set(OPTIONAL_COLUMNS)
     for file in list_parquet(path):
         result.files.append(file)
         try:

@@ -22,8 +22,10 @@ ROLE_COLOURS = {"actor": "#9ecae1", "critic": "#fdae6b", "ref": "#c7e9c0", "rewa
 def describe(algorithm: Algorithm) -> str:
     """The calls in execution order, one per line."""
     lines = [f"algorithm {algorithm.name}: {algorithm.description}", f"roles: {', '.join(algorithm.roles)}"]
-    for i, c in enumerate(algorithm.ordered(), 1):
-        lines.append(f"{i:>2}. {c.name:<18} {c.role:<7} {c.kind:<9} {c.side:<8} reads {', '.join(c.reads) or '-'}"
+    calls = algorithm.ordered()
+    width = max([18, *(len(c.name) for c in calls)])
+    for i, c in enumerate(calls, 1):
+        lines.append(f"{i:>2}. {c.name:<{width}} {c.role:<7} {c.kind:<9} {c.side:<8} reads {', '.join(c.reads) or '-'}"
                      f" -> writes {', '.join(c.writes)}")  # fmt: skip
     return "\n".join(lines)
 

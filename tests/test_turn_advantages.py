@@ -113,9 +113,9 @@ def test_buffer_carries_turn_advantages_into_batches_checkpoints_and_the_store(t
         np.testing.assert_array_equal(a.token_advantages, b.token_advantages)
     stored = read_rollouts(str(tmp_path)).rollouts
     assert len(stored) == 4
-    for s, w in zip(sorted(stored, key=lambda s: s.rollout.rollout_uid),
-                    [w for _, w in sorted(zip([r.rollout_uid for r in group.rollouts], want))], strict=True):  # fmt: skip
-        np.testing.assert_allclose(s.token_advantages, w, atol=1e-6)
+    by_uid = {r.rollout_uid: w for r, w in zip(group.rollouts, want, strict=True)}
+    for s in stored:
+        np.testing.assert_allclose(s.token_advantages, by_uid[s.rollout.rollout_uid], atol=1e-6)
     batcher = Batcher(
         BatcherConfig(total_token_budget=4 * 32, max_seq_len=32, min_fill=0.1), {"e": restored}, {"e": 1.0}
     )
@@ -130,3 +130,18 @@ def test_turn_rloo_is_a_shipped_algorithm_without_a_critic():
     assert algorithm.advantage_estimator == "turn_rloo" and algorithm.roles == ("actor",)
     with pytest.raises(ValueError, match="turn_lambda"):
         ReplayConfig(advantage_estimator="turn_rloo", turn_lambda=-0.1)
+
+
+def test_make_batch_takes_per_token_advantages_from_user_code():
+    from marin_rl.api import make_batch
+
+    rng = np.random.default_rng(2)
+    groups = [RolloutGroup("e", f"p{g}", [multi_turn_rollout(r, rng) for r in ([1.0, 0.0], [0.0, 0.0], [1.0, 1.0])])
+              for g in range(2)]  # fmt: skip
+    batch = make_batch(groups, 6, 32, token_advantages=lambda rs: turn_rloo_token_advantages(rs, 0.0))
+    per_group = [(g.rollouts, turn_rloo_token_advantages(g.rollouts, 0.0)) for g in groups]
+    want = np.concatenate([a[r.loss_mask()] for rs, adv in per_group for r, a in zip(rs, adv, strict=True)])
+    np.testing.assert_allclose(np.sort(batch.advantages[batch.loss_mask]), np.sort(want), atol=1e-6)
+    assert not batch.advantages[~batch.loss_mask].any()
+    with pytest.raises(ValueError, match="gave 1 arrays for the 3 rollouts"):
+        make_batch(groups, 6, 32, token_advantages=lambda rs: [np.zeros(rs[0].num_tokens)])

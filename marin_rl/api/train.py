@@ -18,7 +18,7 @@ from marin_rl.learner.losses import get_loss
 from marin_rl.replay.advantages import rloo
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import load_tokenizer
-from marin_rl.types import PackedBatch, RolloutGroup
+from marin_rl.types import PackedBatch, Rollout, RolloutGroup
 
 
 def make_batch(
@@ -26,12 +26,23 @@ def make_batch(
     num_rows: int,
     row_len: int,
     advantages: Callable[[np.ndarray], np.ndarray] = rloo,
+    token_advantages: Callable[[list[Rollout]], list[np.ndarray]] | None = None,
 ) -> PackedBatch:
     """Score each group with `advantages(rewards) -> one advantage per rollout` (e.g. `marin_rl.replay.advantages`
-    `rloo`, `grpo`) and pack every rollout, token-exact, into a `(num_rows, row_len)` batch (several per row).
-    Raises ValueError when they do not all fit (choose more rows) or a group's advantages have the wrong length."""
+    `rloo`, `grpo`), or, when given, `token_advantages(rollouts) -> one array per rollout, one advantage per token`
+    (e.g. `lambda rs: turn_rloo_token_advantages(rs, 0.0)` for per-turn credit), and pack every rollout, token-exact,
+    into a `(num_rows, row_len)` batch (several per row). Raises ValueError when they do not all fit (choose more rows)
+    or a group's advantages have the wrong length."""
     seqs = []
     for group in groups:
+        if token_advantages is not None:
+            per_token = list(token_advantages(group.rollouts))
+            if len(per_token) != len(group.rollouts):
+                raise ValueError(f"token_advantages gave {len(per_token)} arrays for the {len(group.rollouts)} "
+                                 f"rollouts of group {group.group_id}")  # fmt: skip
+            seqs += [Sequence.from_rollout(r, 0.0, token_advantages=np.asarray(a, np.float32))
+                     for r, a in zip(group.rollouts, per_token, strict=True)]  # fmt: skip
+            continue
         adv = np.asarray(advantages(group.rewards), dtype=np.float64)
         if adv.shape != (len(group.rollouts),):
             raise ValueError(f"advantages of group {group.group_id} have shape {adv.shape}, expected "

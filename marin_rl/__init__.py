@@ -2,7 +2,9 @@
 
 Importing the package checks that the Levanter it will use is one line, not two: the older `levanter`/`haliax`
 distributions and the maintained `marin-levanter`/`marin-haliax` ones install the same import packages, and pip
-installs one over the other without removing anything, leaving a mix that fails deep inside Levanter.
+installs one over the other without removing anything, leaving a mix that fails deep inside Levanter. A process
+started with `MARIN_RL_CPU_AFFINITY` (a role's `placement.*.cpu_affinity`) pins itself to those cores here, before
+JAX sizes its thread pools.
 """
 
 import importlib.metadata as _metadata
@@ -29,3 +31,12 @@ def check_one_levanter_line() -> None:
 
 
 check_one_levanter_line()
+
+
+def _pin_to_configured_cores() -> None:
+    from marin_rl.placement import apply_cpu_affinity
+
+    apply_cpu_affinity()
+
+
+_pin_to_configured_cores()

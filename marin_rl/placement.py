@@ -3,9 +3,9 @@
 Three roles: the learner (`learner.hosts` processes, one per host of a multi-host mesh), the inference servers
 (`inference.num_servers`) and the env actors. Each role's `RoleResources` says what one of its processes asks Ray
 for (CPUs, GPUs, TPU chips, an accelerator type, custom resources) and how its JAX runtime is set up (the device
-memory fraction, preallocation, extra environment variables). Env actors get `JAX_PLATFORMS=cpu` unless told
-otherwise: they never need an accelerator, and a JAX process that opens one can take its memory (on a TPU VM only
-one process may open the TPU).
+memory fraction, preallocation, extra environment variables, the cores it runs on). Env actors get
+`JAX_PLATFORMS=cpu` unless told otherwise: they never need an accelerator, and a JAX process that opens one can take
+its memory (on a TPU VM only one process may open the TPU).
 
 Layouts:
 
@@ -35,6 +35,34 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ROLES = ("learner", "servers", "envs")
+
+
+CPU_AFFINITY_ENV = "MARIN_RL_CPU_AFFINITY"
+"""Environment variable naming the cores ('0,2') a marin_rl process pins itself to when it imports the package."""
+
+
+def apply_cpu_affinity(spec: str | None = None) -> list[int] | None:
+    """Pin every thread of this process to the cores in `spec` ('0,1'; default: `$MARIN_RL_CPU_AFFINITY`); threads
+    started later inherit it. Returns the cores, or None when there is nothing to do. Raises ValueError for a
+    malformed spec or cores this machine lacks."""
+    import os
+
+    spec = os.environ.get(CPU_AFFINITY_ENV) if spec is None else spec
+    if not spec:
+        return None
+    try:
+        cores = sorted({int(c) for c in spec.split(",") if c.strip()})
+    except ValueError as e:
+        raise ValueError(f"{CPU_AFFINITY_ENV}={spec!r}: expected core numbers such as '0,1'") from e
+    available = os.cpu_count() or 1
+    if not cores or cores[-1] >= available:
+        raise ValueError(f"{CPU_AFFINITY_ENV}={spec!r}: this machine has cores 0-{available - 1}")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return cores
 
 
 class PlacementError(RuntimeError):
@@ -70,6 +98,10 @@ class RoleResources:
     """Whether JAX preallocates that memory at start (`XLA_PYTHON_CLIENT_PREALLOCATE`; None: JAX's default)."""
     env: dict[str, str] = field(default_factory=dict)
     """More environment variables of the process (e.g. `XLA_FLAGS`, `JAX_PLATFORMS`)."""
+    cpu_affinity: list[int] | None = None
+    """CPU cores the process runs on (Linux; by core number on its node), set as soon as it imports marin_rl, before
+    JAX starts its thread pools, which are then sized to these cores (`CPU_AFFINITY_ENV`). For small machines where
+    the learner and the servers would otherwise contend for the same cores. None: all cores."""
 
     def __post_init__(self):
         for name in ("num_cpus", "num_gpus"):
@@ -87,6 +119,9 @@ class RoleResources:
             raise ValueError("placement: give both tpu_version and tpu_topology (a TPU slice), or neither")
         if any(v < 0 for v in self.resources.values()):
             raise ValueError(f"placement: resources must be >= 0, got {self.resources}")
+        if self.cpu_affinity is not None and (not self.cpu_affinity or min(self.cpu_affinity) < 0):
+            raise ValueError(f"placement: cpu_affinity must list core numbers >= 0 (or be null), got "
+                             f"{self.cpu_affinity}")  # fmt: skip
 
     def ray_resources(self) -> dict[str, float]:
         """Everything one process asks Ray for, as Ray names it (CPU, GPU, TPU, accelerator_type:X, custom)."""
@@ -111,6 +146,8 @@ class RoleResources:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.memory_fraction:g}"
         if self.preallocate is not None:
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if self.preallocate else "false"
+        if self.cpu_affinity is not None:
+            env[CPU_AFFINITY_ENV] = ",".join(str(c) for c in self.cpu_affinity)
         env.update(self.env)
         return env
 

@@ -5,6 +5,8 @@ The TPU figures are the published shapes of Cloud TPU slices (a v4-32 is topolog
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -56,6 +58,26 @@ def test_bad_requests_are_refused_with_their_field():
         )
     with pytest.raises(ValueError, match="only one process can open the chips"):
         PlacementConfig(learner=RoleResources(tpu_chips=4), colocate=True)
+
+
+def test_cpu_affinity_pins_every_thread_of_a_process_that_imports_marin_rl():
+    pinned = RoleResources(cpu_affinity=[0]).actor_options("learner")["runtime_env"]["env_vars"]
+    assert pinned == {"MARIN_RL_CPU_AFFINITY": "0"}
+    with pytest.raises(ValueError, match="cpu_affinity"):
+        RoleResources(cpu_affinity=[])
+    # a thread that exists before the import is pinned too, and importing JAX afterwards changes nothing
+    script = (
+        "import os, threading, time\n"
+        "t = threading.Thread(target=time.sleep, args=(3,), daemon=True); t.start()\n"
+        "import marin_rl, jax\n"
+        "print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(t.native_id)), os.cpu_count())\n"
+    )
+    env = {**os.environ, "MARIN_RL_CPU_AFFINITY": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("]")[:2] == ["[0", " [0"], out.stdout
+    bad = subprocess.run([sys.executable, "-c", "import marin_rl"], capture_output=True, text=True,
+                         env={**os.environ, "MARIN_RL_CPU_AFFINITY": "0,999"})  # fmt: skip
+    assert bad.returncode != 0 and "this machine has cores" in bad.stderr
 
 
 @pytest.mark.parametrize(

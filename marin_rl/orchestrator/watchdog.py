@@ -62,9 +62,34 @@ def _run_tokens() -> dict[int, str]:
     return found
 
 
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> pids of its children, for every readable process."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    return children
+
+
 def processes_of(token: str) -> list[int]:
-    """The live processes (zombies excluded) that carry `token`, this process excluded."""
-    return [pid for pid, t in _run_tokens().items() if t == token and pid != os.getpid() and process_token(pid)]
+    """The live processes (zombies excluded) that carry `token`, and their descendants (a process may not show the
+    token in /proc/<pid>/environ, e.g. one that rewrote its environment block; it is still the child of one that
+    does), this process excluded."""
+    found = [pid for pid, t in _run_tokens().items() if t == token]
+    children, seen = _children(), set(found)
+    while found:
+        for child in children.get(found.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+    return sorted(pid for pid in seen if pid != os.getpid() and process_token(pid))
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

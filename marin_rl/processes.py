@@ -9,16 +9,22 @@ import os
 import shutil
 
 
-def process_token(pid: int) -> str | None:
-    """'<pid>:<start time in clock ticks since boot>' of a live process (None when it is gone or a zombie): unlike
-    the pid alone, it never names a later process that reused the pid. Linux only (it reads /proc)."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name, from the state on (state, ppid, ...), or None when the
+    process is gone. Linux only."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # from the state on: the command name may hold spaces
-    if fields[0] in "ZX":
+    return stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+
+
+def process_token(pid: int) -> str | None:
+    """'<pid>:<start time in clock ticks since boot>' of a live process (None when it is gone or a zombie): unlike
+    the pid alone, it never names a later process that reused the pid. Linux only (it reads /proc)."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] in "ZX":
         return None
     return f"{pid}:{fields[19]}"  # field 22 of stat, the 20th after the name and state
 

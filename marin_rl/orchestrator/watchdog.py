@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from marin_rl.processes import process_token, remove_directories_of_dead_processes
+from marin_rl.processes import process_token, remove_directories_of_dead_processes, stat_fields
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +65,10 @@ def _run_tokens() -> dict[int, str]:
 def _children() -> dict[int, list[int]]:
     """Parent pid -> pids of its children, for every readable process."""
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        fields = stat_fields(int(name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(name))
     return children
 
 

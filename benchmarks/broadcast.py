@@ -51,13 +51,28 @@ from marin_rl.tokenizer import build_char_tokenizer
 def llama_134m(smoke: bool = False) -> LlamaConfig:
     """A GPT-2-small-sized Llama: 134M parameters with a 32000-token vocabulary (smoke: a tiny one)."""
     if smoke:
-        return LlamaConfig(max_seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2,
-                           num_kv_heads=2, gradient_checkpointing=False, scan_layers=True,
-                           tie_word_embeddings=False)  # fmt: skip
+        return LlamaConfig(
+            max_seq_len=128,
+            hidden_dim=32,
+            intermediate_dim=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=2,
+            gradient_checkpointing=False,
+            scan_layers=True,
+            tie_word_embeddings=False,
+        )
     return LlamaConfig(
-        max_seq_len=512, hidden_dim=768, intermediate_dim=2048, num_layers=12, num_heads=12, num_kv_heads=12,
-        gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False,
-    )  # fmt: skip
+        max_seq_len=512,
+        hidden_dim=768,
+        intermediate_dim=2048,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        gradient_checkpointing=False,
+        scan_layers=True,
+        tie_word_embeddings=False,
+    )
 
 
 def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -102,8 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
     jax.block_until_ready(leaves)
     model_bytes = sum(x.nbytes for x in leaves)
-    print(f"model: Llama {parameter_count(model) / 1e6:.1f}M parameters, {len(leaves)} arrays, "
-          f"{model_bytes / 1e6:.0f} MB float32 (built in {time.perf_counter() - t:.1f} s)")  # fmt: skip
+    print(
+        f"model: Llama {parameter_count(model) / 1e6:.1f}M parameters, {len(leaves)} arrays, "
+        f"{model_bytes / 1e6:.0f} MB float32 (built in {time.perf_counter() - t:.1f} s)"
+    )
     server = LevanterInferenceServer(
         model,
         tok,
@@ -160,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                         runs.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
                 assert server.version == version
                 total = sorted(runs, key=lambda r: r[3])[len(runs) // 2]  # the median hand-over
-                results[(name, dtype)] = {"publish": total[0], "fetch": total[1], "apply": total[2],
-                                          "total": total[3]}  # fmt: skip
+                results[(name, dtype)] = {"publish": total[0], "fetch": total[1], "apply": total[2], "total": total[3]}
                 if receiver is not learner:
                     receiver.close()
                 learner.close()
@@ -171,8 +187,10 @@ def main(argv: list[str] | None = None) -> None:
                 ray.shutdown()
     server.stop()
 
-    print(f"{'transport':<13} {'dtype':<9} {'publish s':>9} {'fetch s':>8} {'apply s':>8} {'total s':>8} "
-          f"{'GB/s':>6} {'÷ memcpy':>8}")  # fmt: skip
+    print(
+        f"{'transport':<13} {'dtype':<9} {'publish s':>9} {'fetch s':>8} {'apply s':>8} {'total s':>8} "
+        f"{'GB/s':>6} {'÷ memcpy':>8}"
+    )
     best = 0.0
     for (name, dtype), r in results.items():
         rate = model_bytes / r["total"]
@@ -182,8 +200,10 @@ def main(argv: list[str] | None = None) -> None:
             note = "  (no bytes move: on a CPU device the server aliases the learner's buffers; not counted)"
         else:
             best = max(best, ratio)
-        print(f"{name:<13} {dtype:<9} {r['publish']:>9.3f} {r['fetch']:>8.3f} {r['apply']:>8.3f} {r['total']:>8.3f} "
-              f"{rate / 1e9:>6.2f} {ratio:>8.3f}{note}")  # fmt: skip
+        print(
+            f"{name:<13} {dtype:<9} {r['publish']:>9.3f} {r['fetch']:>8.3f} {r['apply']:>8.3f} {r['total']:>8.3f} "
+            f"{rate / 1e9:>6.2f} {ratio:>8.3f}{note}"
+        )
     print(f"broadcast_over_memcpy={best:.3f}")
 
 

@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> None:
                 assert nbytes >= total_bytes * 0.99, nbytes
                 median = statistics.median(times)
                 results[name] = nbytes / median / memcpy
-                print(f"{name:13s} {nodes[0]} -> {nodes[1]}: {median:.3f} s per version, "
-                      f"{nbytes / median / 1e9:.2f} GB/s, {results[name]:.3f} of memcpy")  # fmt: skip
+                print(
+                    f"{name:13s} {nodes[0]} -> {nodes[1]}: {median:.3f} s per version, "
+                    f"{nbytes / median / 1e9:.2f} GB/s, {results[name]:.3f} of memcpy"
+                )
                 ray.get(learner.close.remote())
                 for actor in (learner, server):
                     ray.kill(actor)

@@ -36,19 +36,35 @@ CONFIG = os.path.join(ROOT, "experiments", "running_sum.yaml")
 METRIC = "eval/running_sum/reward"
 VARIANTS = {
     "rloo": ("group baseline (RLOO, episode reward)", []),
-    "turn_rloo": ("per-turn group baseline (turn_rloo, λ=0)",
-                  ["--learner.algorithm", "turn_rloo", "--replay.turn_lambda", "0"]),
-    "turn_rloo_lam1": ("per-turn group baseline (turn_rloo, λ=1)",
-                       ["--learner.algorithm", "turn_rloo", "--replay.turn_lambda", "1"]),
-    "ppo": ("PPO + critic + GAE (per-turn reward)",
-            ["--learner.algorithm", "ppo", "--replay.gae_reward_credit", "per_turn"]),
-}  # fmt: skip
+    "turn_rloo": (
+        "per-turn group baseline (turn_rloo, λ=0)",
+        ["--learner.algorithm", "turn_rloo", "--replay.turn_lambda", "0"],
+    ),
+    "turn_rloo_lam1": (
+        "per-turn group baseline (turn_rloo, λ=1)",
+        ["--learner.algorithm", "turn_rloo", "--replay.turn_lambda", "1"],
+    ),
+    "ppo": (
+        "PPO + critic + GAE (per-turn reward)",
+        ["--learner.algorithm", "ppo", "--replay.gae_reward_credit", "per_turn"],
+    ),
+}
 
 
 def run(config: str, output_dir: str, extra: list[str]) -> None:
     """One run of `config` to `output_dir` through the program users run; raises on failure."""
-    cmd = [sys.executable, "-m", "marin_rl.run", "--config", config, "--output_dir", output_dir,
-           "--checkpoint.every", "0", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "marin_rl.run",
+        "--config",
+        config,
+        "--output_dir",
+        output_dir,
+        "--checkpoint.every",
+        "0",
+        *extra,
+    ]
     with open(output_dir + ".log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
 
@@ -115,8 +131,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="learner steps (default: the config's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="orchestrator seeds, each run per variant")
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS),
-                        help="default: rloo turn_rloo ppo (--smoke: rloo turn_rloo)")  # fmt: skip
+    parser.add_argument(
+        "--variants", nargs="+", choices=sorted(VARIANTS), help="default: rloo turn_rloo ppo (--smoke: rloo turn_rloo)"
+    )
     parser.add_argument("--output-dir", default=None, help="where the runs write, DIR/VARIANT-sSEED (default: temp)")
     parser.add_argument("--plot", default=None, help="PNG of the mean curves (default: OUTPUT_DIR/credit.png)")
     parser.add_argument("--smoke", action="store_true", help="2 small steps each (for the test suite)")

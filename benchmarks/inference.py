@@ -50,13 +50,28 @@ from marin_rl.tokenizer import build_char_tokenizer
 def bench_model(smoke: bool = False) -> LlamaConfig:
     """A small Llama whose decode step costs more than the host-side bookkeeping around it (smoke: a tiny one)."""
     if smoke:
-        return LlamaConfig(max_seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2,
-                           num_kv_heads=2, gradient_checkpointing=False, scan_layers=True,
-                           tie_word_embeddings=False)  # fmt: skip
+        return LlamaConfig(
+            max_seq_len=128,
+            hidden_dim=32,
+            intermediate_dim=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=2,
+            gradient_checkpointing=False,
+            scan_layers=True,
+            tie_word_embeddings=False,
+        )
     return LlamaConfig(
-        max_seq_len=256, hidden_dim=256, intermediate_dim=1024, num_layers=4, num_heads=8, num_kv_heads=8,
-        gradient_checkpointing=False, scan_layers=True, tie_word_embeddings=False,
-    )  # fmt: skip
+        max_seq_len=256,
+        hidden_dim=256,
+        intermediate_dim=1024,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=8,
+        gradient_checkpointing=False,
+        scan_layers=True,
+        tie_word_embeddings=False,
+    )
 
 
 def make_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
@@ -103,9 +118,11 @@ async def run_http(addresses: list[str], prompts, n: int, max_tokens: int, seed:
     client = PolicyClient(addresses, max_concurrent_requests=max(32, len(prompts)))
     try:
         groups = await asyncio.gather(
-            *(client.sample(p, n=n, max_tokens=max_tokens, temperature=1.0, seed=seed + i * n)
-              for i, p in enumerate(prompts))
-        )  # fmt: skip
+            *(
+                client.sample(p, n=n, max_tokens=max_tokens, temperature=1.0, seed=seed + i * n)
+                for i, p in enumerate(prompts)
+            )
+        )
     finally:
         await client.aclose()
     return [s.token_ids for g in groups for s in g]
@@ -157,8 +174,9 @@ def vllm_comparison(args, model, tok, config: InferenceConfig, prompts, embedded
                 server.stop()
             return
     try:
-        seconds, tokens = timed(lambda: asyncio.run(run_http([address], prompts, args.n, args.max_tokens, args.seed)),
-                                args.repeats)  # fmt: skip
+        seconds, tokens = timed(
+            lambda: asyncio.run(run_http([address], prompts, args.n, args.max_tokens, args.seed)), args.repeats
+        )
     finally:
         if server is not None:
             server.stop()
@@ -198,8 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     address = server.start()
     prompts = make_prompts(args.prompts, len(tok), args.seed)
     total = args.prompts * args.n * args.max_tokens
-    print(f"model: Llama {parameter_count(model) / 1e6:.2f}M parameters; {args.prompts} prompts × n={args.n} × "
-          f"{args.max_tokens} tokens = {total} tokens per run; server max_seqs={args.max_seqs}")  # fmt: skip
+    print(
+        f"model: Llama {parameter_count(model) / 1e6:.2f}M parameters; {args.prompts} prompts × n={args.n} × "
+        f"{args.max_tokens} tokens = {total} tokens per run; server max_seqs={args.max_seqs}"
+    )
     try:
         engine_s, engine_tokens = timed(
             lambda: run_engine(server, prompts, args.n, args.max_tokens, args.seed), args.repeats
@@ -217,10 +237,14 @@ def main(argv: list[str] | None = None) -> None:
         assert seg_tokens == http_tokens, "segmented decoding must sample the same tokens"
         engine_tps, http_tps, seg_tps = total / engine_s, total / http_s, total / seg_s
         print(f"engine direct:        {engine_tps:9.0f} tok/s ({engine_s:.2f} s, median of {args.repeats})")
-        print(f"http (PolicyClient):  {http_tps:9.0f} tok/s ({http_s:.2f} s); {calls_per_run:.1f} engine calls per run "
-              f"(engine path: {-(-len(engine_tokens) // args.max_seqs)})")  # fmt: skip
-        print(f"http, segments of {args.segment_tokens}: {seg_tps:9.0f} tok/s ({seg_s:.2f} s; information: the cost "
-              f"of partial rollouts, {seg_tps / http_tps:.3f} of unsegmented)")  # fmt: skip
+        print(
+            f"http (PolicyClient):  {http_tps:9.0f} tok/s ({http_s:.2f} s); {calls_per_run:.1f} engine calls per run "
+            f"(engine path: {-(-len(engine_tokens) // args.max_seqs)})"
+        )
+        print(
+            f"http, segments of {args.segment_tokens}: {seg_tps:9.0f} tok/s ({seg_s:.2f} s; information: the cost "
+            f"of partial rollouts, {seg_tps / http_tps:.3f} of unsegmented)"
+        )
         print(f"identical samples on both paths: {same}/{len(engine_tokens)}")
         vllm_comparison(args, model, tok, config, prompts, http_tps)
     finally:

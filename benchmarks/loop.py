@@ -256,8 +256,10 @@ def main() -> None:
         cpu = cpu_by_role(samples, start, end)
         if cpu:
             cores = os.cpu_count() or 1
-            print(f"CPU seconds over the loop ({end - start:.1f} s x {cores} cores = {(end - start) * cores:.0f} "
-                  "core-seconds):")  # fmt: skip
+            print(
+                f"CPU seconds over the loop ({end - start:.1f} s x {cores} cores = {(end - start) * cores:.0f} "
+                "core-seconds):"
+            )
             for role, seconds in cpu.items():
                 print(f"  {role:<40} {seconds:8.1f} s  ({seconds / ((end - start) * cores):6.1%} of the cores)")
 
@@ -270,16 +272,22 @@ def main() -> None:
     loop_s, n_steps, trained = profile["wall_s"], summary["steps"], summary["trained_tokens"]
     stored = read_rollouts(os.path.join(output_dir, "rollouts", cfg.envs[0].name)).rollouts
     stored.sort(key=lambda s: s.accepted_at)
-    print(f"loop: {n_steps} steps, {trained:,} trained tokens in {loop_s:.1f} s ({trained / loop_s:,.0f} tok/s; "
-          f"{len(stored):,} accepted rollouts)", flush=True)  # fmt: skip
+    print(
+        f"loop: {n_steps} steps, {trained:,} trained tokens in {loop_s:.1f} s ({trained / loop_s:,.0f} tok/s; "
+        f"{len(stored):,} accepted rollouts)",
+        flush=True,
+    )
 
     learner_s = learner_alone(cfg, stored, n_steps)
     print(f"learner alone: {n_steps} steps in {learner_s:.1f} s ({trained / learner_s:,.0f} trained tok/s)", flush=True)
     concurrency = cfg.envs[0].concurrency * cfg.envs[0].replicas
     server_s, sampled = server_alone(config_path, cfg, latest_checkpoint(cfg.checkpoint_dir), stored, concurrency)
     n_groups = len({s.group_id for s in stored})
-    print(f"server alone: {n_groups:,} groups ({sampled:,} sampled tokens) in {server_s:.1f} s "
-          f"({sampled / server_s:,.0f} tok/s) at {concurrency} groups at once", flush=True)  # fmt: skip
+    print(
+        f"server alone: {n_groups:,} groups ({sampled:,} sampled tokens) in {server_s:.1f} s "
+        f"({sampled / server_s:,.0f} tok/s) at {concurrency} groups at once",
+        flush=True,
+    )
 
     limit = max(learner_s, server_s)
     reached_s, reached_step = time_to_reward(rows, args.reward)

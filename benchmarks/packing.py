@@ -47,9 +47,16 @@ def make_group(env: str, version: int, rng: np.random.Generator, size: int = 8) 
         meta = InferenceMetadata(server="bench", version_start=version, version_end=version)
         turns = [
             Turn("user", "", list(prompt), timestamp=0.0),
-            Turn("assistant", "", gen, sampler_logprobs=[-0.5] * len(gen), reward=float(rng.random() < 0.5),
-                 inference_metadata=meta, timestamp=0.0),
-        ]  # fmt: skip
+            Turn(
+                "assistant",
+                "",
+                gen,
+                sampler_logprobs=[-0.5] * len(gen),
+                reward=float(rng.random() < 0.5),
+                inference_metadata=meta,
+                timestamp=0.0,
+            ),
+        ]
         rollouts.append(Rollout(env, problem, turns))
     return RolloutGroup(env, problem, rollouts)
 
@@ -98,9 +105,12 @@ def main(argv: list[str] | None = None) -> None:
         if len(batches) < args.learner_steps + 1:
             batches.append(batch)
 
-    print(f"{args.batches} batches of {args.rows} rows × {args.seq_len} tokens from {len(ENVS)} envs "
-          f"(log-normal lengths in [{MIN_LEN}, {MAX_LEN}], medians "
-          + ", ".join(f"{n} {m}" for n, (m, _, _) in ENVS.items()) + ")")  # fmt: skip
+    print(
+        f"{args.batches} batches of {args.rows} rows × {args.seq_len} tokens from {len(ENVS)} envs "
+        f"(log-normal lengths in [{MIN_LEN}, {MAX_LEN}], medians "
+        + ", ".join(f"{n} {m}" for n, (m, _, _) in ENVS.items())
+        + ")"
+    )
     for n, (_, _, f) in ENVS.items():
         print(f"  share of {n}: target {f:.3f}, got mean {np.mean(shares[n]):.4f} (min {np.min(shares[n]):.4f})")
     print(f"padded-to-longest efficiency: {np.mean(padded):.4f} (min {np.min(padded):.4f})")
@@ -123,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
             learner.train_step(b)
             steps.append(time.perf_counter() - t)
         step_s = float(np.median(steps))
-        print(f"learner step (tiny Llama):    {step_s:.2f} s (median of {len(steps)}; first step with compile "
-              f"{compile_s:.1f} s)")  # fmt: skip
+        print(
+            f"learner step (tiny Llama):    {step_s:.2f} s (median of {len(steps)}; first step with compile "
+            f"{compile_s:.1f} s)"
+        )
         print(f"batcher time / learner step:  {batcher_s / step_s:.4f}")
     print(f"packing_efficiency={np.mean(eff):.4f}")
 

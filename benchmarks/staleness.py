@@ -38,8 +38,16 @@ def read_metrics(path: str) -> list[dict]:
 
 def run(config: str, output_dir: str, loss: str, staleness: int, steps: int | None) -> dict:
     """One run of `config` with `loss` and max_staleness `staleness`; its figures (see the module docstring)."""
-    overrides = ["--output_dir", output_dir, "--learner.loss.objective", loss,
-                 "--orchestrator.max_staleness", str(staleness), "--checkpoint.every", "0"]  # fmt: skip
+    overrides = [
+        "--output_dir",
+        output_dir,
+        "--learner.loss.objective",
+        loss,
+        "--orchestrator.max_staleness",
+        str(staleness),
+        "--checkpoint.every",
+        "0",
+    ]
     with open(config) as f:
         max_age = yaml.safe_load(f).get("replay", {}).get("max_age", 1)
     overrides += ["--replay.max_age", str(max(max_age, staleness))]  # the hard bound must admit η
@@ -130,12 +138,15 @@ def main() -> None:
     if args.smoke:
         config, staleness, losses, steps = smoke_config(config), [0, 1], losses[:1], 2
     out = args.output_dir or tempfile.mkdtemp(prefix="staleness-bench-")
-    results = [run(config, os.path.join(out, f"{loss}-eta{eta}"), loss, eta, steps)
-               for loss in losses for eta in staleness]  # fmt: skip
+    results = [
+        run(config, os.path.join(out, f"{loss}-eta{eta}"), loss, eta, steps) for loss in losses for eta in staleness
+    ]
     print(f"\n{'loss':<10} {'η':>2} {'loop s':>7} {'tok/s':>7} {'lag':>5} {'reward start → end':>20}")
     for r in results:
-        print(f"{r['loss']:<10} {r['max_staleness']:>2} {r['loop_s']:>7.1f} {r['trained_tokens_per_s']:>7.0f} "
-              f"{r['mean_lag']:>5.2f} {r['reward_start']:>9.3f} → {r['reward_end']:.3f}")  # fmt: skip
+        print(
+            f"{r['loss']:<10} {r['max_staleness']:>2} {r['loop_s']:>7.1f} {r['trained_tokens_per_s']:>7.0f} "
+            f"{r['mean_lag']:>5.2f} {r['reward_start']:>9.3f} → {r['reward_end']:.3f}"
+        )
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     if not args.smoke:

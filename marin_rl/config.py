@@ -188,14 +188,17 @@ class RunConfig:
             raise ValueError(f"reward_models: names must be unique, got {names}")
         for m in self.reward_models:
             if not m.path.strip():
-                raise ValueError(f"reward_models[{m.name}].path: the checkpoint directory is required (written by "
-                                 "python -m marin_rl.reward_model)")  # fmt: skip
+                raise ValueError(
+                    f"reward_models[{m.name}].path: the checkpoint directory is required (written by "
+                    "python -m marin_rl.reward_model)"
+                )
         used = set()
         for e in self.envs:
             unknown = sorted(set(e.reward_models) - set(names))
             if unknown:
-                raise ValueError(f"envs[{e.name}].reward_models names {unknown}, which are not in reward_models "
-                                 f"(known: {names})")  # fmt: skip
+                raise ValueError(
+                    f"envs[{e.name}].reward_models names {unknown}, which are not in reward_models (known: {names})"
+                )
             if len(set(e.reward_models)) != len(e.reward_models):
                 raise ValueError(f"envs[{e.name}].reward_models names a model twice: {e.reward_models}")
             if not e.reward_models:
@@ -213,8 +216,10 @@ class RunConfig:
                 )
         unused = [n for n in names if n not in used]
         if unused:
-            raise ValueError(f"reward_models {unused} are used by no environment: name them in an environment's "
-                             "reward_models, or remove them")  # fmt: skip
+            raise ValueError(
+                f"reward_models {unused} are used by no environment: name them in an environment's "
+                "reward_models, or remove them"
+            )
 
     def validate(self) -> None:
         """Cross-field checks that a single dataclass cannot do; raises ValueError naming the fields."""
@@ -274,8 +279,10 @@ class RunConfig:
                 f"({self.inference.num_servers}) must equal learner.hosts ({self.learner.hosts})"
             )
         if self.placement.colocate and self.inference.backend != "levanter":
-            raise ValueError("placement.colocate shares a device between the learner and an embedded server "
-                             "(inference.backend: levanter); vLLM servers need devices of their own")  # fmt: skip
+            raise ValueError(
+                "placement.colocate shares a device between the learner and an embedded server "
+                "(inference.backend: levanter); vLLM servers need devices of their own"
+            )
         tp = self.inference.vllm.tensor_parallel_size
         if self.inference.backend == "vllm" and tp > 1 and self.placement.servers.num_gpus < tp:
             raise ValueError(

@@ -15,8 +15,14 @@ import sys
 from marin_rl.config import parse_config
 from marin_rl.learner.algorithm import INPUTS, Algorithm, Call
 
-ROLE_COLOURS = {"actor": "#9ecae1", "critic": "#fdae6b", "ref": "#c7e9c0", "reward": "#dadaeb", "env": "#eeeeee",
-                "replay": "#f2f2f2"}  # fmt: skip
+ROLE_COLOURS = {
+    "actor": "#9ecae1",
+    "critic": "#fdae6b",
+    "ref": "#c7e9c0",
+    "reward": "#dadaeb",
+    "env": "#eeeeee",
+    "replay": "#f2f2f2",
+}
 
 
 def describe(algorithm: Algorithm) -> str:
@@ -25,8 +31,10 @@ def describe(algorithm: Algorithm) -> str:
     calls = algorithm.ordered()
     width = max([18, *(len(c.name) for c in calls)])
     for i, c in enumerate(calls, 1):
-        lines.append(f"{i:>2}. {c.name:<{width}} {c.role:<7} {c.kind:<9} {c.side:<8} reads {', '.join(c.reads) or '-'}"
-                     f" -> writes {', '.join(c.writes)}")  # fmt: skip
+        lines.append(
+            f"{i:>2}. {c.name:<{width}} {c.role:<7} {c.kind:<9} {c.side:<8} reads {', '.join(c.reads) or '-'}"
+            f" -> writes {', '.join(c.writes)}"
+        )
     return "\n".join(lines)
 
 
@@ -77,22 +85,32 @@ def draw(algorithm: Algorithm, path: str) -> str:
     pos = {n: (d, -i + (len(nodes) - 1) / 2) for d, nodes in columns.items() for i, n in enumerate(nodes)}
     width, height = 2.2 * (max(columns) + 1), 1.3 * max(len(v) for v in columns.values()) + 1.5
     fig, ax = plt.subplots(figsize=(width, height))
-    edges = [(f"key:{k}", c.name) for c in order for k in c.reads] + [(c.name, f"key:{k}") for c in order
-                                                                       for k in c.writes]  # fmt: skip
+    edges = [(f"key:{k}", c.name) for c in order for k in c.reads] + [
+        (c.name, f"key:{k}") for c in order for k in c.writes
+    ]
     for a, b in edges:
-        ax.annotate("", xy=pos[b], xytext=pos[a], arrowprops=dict(arrowstyle="->", color="#555555", shrinkA=28,
-                                                                  shrinkB=28))  # fmt: skip
+        ax.annotate(
+            "", xy=pos[b], xytext=pos[a], arrowprops=dict(arrowstyle="->", color="#555555", shrinkA=28, shrinkB=28)
+        )
     calls = {c.name: c for c in order}
     for node, (x, y) in pos.items():
         if node in calls:
             c = calls[node]
-            box = dict(boxstyle="round,pad=0.4", fc=ROLE_COLOURS[c.role], ec="#333333",
-                       ls="-" if c.side == "learner" else "--")  # fmt: skip
-            ax.text(x, y, f"{c.name}\n{c.role} · {c.kind}\n({c.side})", ha="center", va="center", fontsize=8,
-                    bbox=box)  # fmt: skip
+            box = dict(
+                boxstyle="round,pad=0.4", fc=ROLE_COLOURS[c.role], ec="#333333", ls="-" if c.side == "learner" else "--"
+            )
+            ax.text(x, y, f"{c.name}\n{c.role} · {c.kind}\n({c.side})", ha="center", va="center", fontsize=8, bbox=box)
         else:
-            ax.text(x, y, node[4:], ha="center", va="center", fontsize=8, style="italic",
-                    bbox=dict(boxstyle="ellipse,pad=0.3", fc="white", ec="#888888"))  # fmt: skip
+            ax.text(
+                x,
+                y,
+                node[4:],
+                ha="center",
+                va="center",
+                fontsize=8,
+                style="italic",
+                bbox=dict(boxstyle="ellipse,pad=0.3", fc="white", ec="#888888"),
+            )
     ax.set_xlim(-0.7, max(columns) + 0.7)
     ax.set_ylim(min(y for _, y in pos.values()) - 0.8, max(y for _, y in pos.values()) + 0.8)
     ax.axis("off")

@@ -120,8 +120,9 @@ class RoleResources:
         if any(v < 0 for v in self.resources.values()):
             raise ValueError(f"placement: resources must be >= 0, got {self.resources}")
         if self.cpu_affinity is not None and (not self.cpu_affinity or min(self.cpu_affinity) < 0):
-            raise ValueError(f"placement: cpu_affinity must list core numbers >= 0 (or be null), got "
-                             f"{self.cpu_affinity}")  # fmt: skip
+            raise ValueError(
+                f"placement: cpu_affinity must list core numbers >= 0 (or be null), got {self.cpu_affinity}"
+            )
 
     def ray_resources(self) -> dict[str, float]:
         """Everything one process asks Ray for, as Ray names it (CPU, GPU, TPU, accelerator_type:X, custom)."""

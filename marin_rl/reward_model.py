@@ -139,17 +139,23 @@ class RewardModelTrainConfig:
     def __post_init__(self):
         unknown = sorted(set(self.corruptions) - set(NUMERIC_KINDS) - set(GENERIC_KINDS))
         if unknown or not self.corruptions:
-            raise ValueError(f"corruptions must be a non-empty list of {NUMERIC_KINDS + GENERIC_KINDS}, got unknown "
-                             f"{unknown}" if unknown else "corruptions must not be empty")  # fmt: skip
+            raise ValueError(
+                f"corruptions must be a non-empty list of {NUMERIC_KINDS + GENERIC_KINDS}, got unknown {unknown}"
+                if unknown
+                else "corruptions must not be empty"
+            )
         for name in ("steps", "batch_rows", "row_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lm_pretrain_steps < 0 or self.extra_layers < 0:
-            raise ValueError(f"lm_pretrain_steps and extra_layers must be >= 0, got {self.lm_pretrain_steps} and "
-                             f"{self.extra_layers}")  # fmt: skip
+            raise ValueError(
+                f"lm_pretrain_steps and extra_layers must be >= 0, got {self.lm_pretrain_steps} and {self.extra_layers}"
+            )
         if self.prefix_weight < 0 or self.correction_weight < 0:
-            raise ValueError(f"prefix_weight and correction_weight must be >= 0, got {self.prefix_weight} and "
-                             f"{self.correction_weight}")  # fmt: skip
+            raise ValueError(
+                f"prefix_weight and correction_weight must be >= 0, got {self.prefix_weight} and "
+                f"{self.correction_weight}"
+            )
         if self.negatives_per_problem < 1:
             raise ValueError(f"negatives_per_problem must be >= 1, got {self.negatives_per_problem}")
         if self.output not in ("sigmoid", "identity"):
@@ -207,8 +213,10 @@ class ExampleBuilder:
 
     def __init__(self, env: SingleTurnEnvironment, tokenizer, config: RewardModelTrainConfig):
         if not isinstance(env, SingleTurnEnvironment):
-            raise ValueError(f"the reward-model trainer needs a single-turn environment; {type(env).__name__} is not "
-                             "one (multi-turn episodes have no single reference completion to corrupt)")  # fmt: skip
+            raise ValueError(
+                f"the reward-model trainer needs a single-turn environment; {type(env).__name__} is not "
+                "one (multi-turn episodes have no single reference completion to corrupt)"
+            )
         self.env = env
         self.tokenizer = tokenizer
         self.config = config
@@ -245,8 +253,11 @@ class ExampleBuilder:
 
     def build_references(self, problems: list[Problem], references: dict[str, str]) -> list[Example]:
         """The reference completion of every problem that has one."""
-        return [self.example(p, list(self.env.encode_prompt(p)), references[p.id], "reference", references[p.id])
-                for p in problems if p.id in references]  # fmt: skip
+        return [
+            self.example(p, list(self.env.encode_prompt(p)), references[p.id], "reference", references[p.id])
+            for p in problems
+            if p.id in references
+        ]
 
     def build(self, problems: list[Problem], references: dict[str, str], rng: random.Random) -> list[Example]:
         """The reference and `negatives_per_problem` corruptions of every problem with a reference."""
@@ -335,8 +346,13 @@ class RewardModelTrainer:
     def _fit(self, examples: list[Example], what: str) -> list[Example]:
         kept = [e for e in examples if len(e.prompt_ids) + len(e.completion_ids) <= self.config.row_len]
         if len(kept) < len(examples):
-            logger.warning("reward model: %d of %d %s examples are longer than row_len=%d and are left out",
-                           len(examples) - len(kept), len(examples), what, self.config.row_len)  # fmt: skip
+            logger.warning(
+                "reward model: %d of %d %s examples are longer than row_len=%d and are left out",
+                len(examples) - len(kept),
+                len(examples),
+                what,
+                self.config.row_len,
+            )
         return kept
 
     # ---- the jitted calls ---------------------------------------------------------------------------------------
@@ -346,13 +362,24 @@ class RewardModelTrainer:
         arrays = (batch.input_ids, batch.position_ids, batch.segment_ids, *extra)
         return [hax.named(jnp.asarray(a), (Batch, Pos)) for a in arrays]
 
-    def _step_impl(self, state, opt_state, input_ids, position_ids, segment_ids, is_last, labels, weights, targets,
-                   mask):  # fmt: skip
+    def _step_impl(
+        self, state, opt_state, input_ids, position_ids, segment_ids, is_last, labels, weights, targets, mask
+    ):
         def loss_fn(st):
             model, token_head = st
-            return last_token_bce(model, input_ids, position_ids, segment_ids, is_last, labels, weights,
-                                  token_head=token_head, token_targets=targets, token_mask=mask,
-                                  token_weight=self.config.correction_weight)  # fmt: skip
+            return last_token_bce(
+                model,
+                input_ids,
+                position_ids,
+                segment_ids,
+                is_last,
+                labels,
+                weights,
+                token_head=token_head,
+                token_targets=targets,
+                token_mask=mask,
+                token_weight=self.config.correction_weight,
+            )
 
         (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(state)
         params = eqx.filter(state, eqx.is_inexact_array)
@@ -414,8 +441,11 @@ class RewardModelTrainer:
             updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(lm, eqx.is_inexact_array))
             return eqx.apply_updates(lm, updates), opt_state, loss
 
-        references = [e for e in self._fit(self.builder.build_references(self.train_problems, self.train_refs),
-                                           "training") if e.label > 0.5]  # fmt: skip
+        references = [
+            e
+            for e in self._fit(self.builder.build_references(self.train_problems, self.train_refs), "training")
+            if e.label > 0.5
+        ]
         if not references:
             raise ValueError(f"lm_pretrain_steps: no reference completion of {self.env.name} is a positive")
         losses, n, start = [], 0, time.time()
@@ -428,8 +458,13 @@ class RewardModelTrainer:
                 losses.append(float(loss))
                 if n % cfg.log_every == 0 or n == cfg.lm_pretrain_steps:
                     recent = float(np.mean(losses[-cfg.log_every :]))
-                    logger.info("reward model: language-model step %d/%d | loss %.4f | %.0fs", n,
-                                cfg.lm_pretrain_steps, recent, time.time() - start)  # fmt: skip
+                    logger.info(
+                        "reward model: language-model step %d/%d | loss %.4f | %.0fs",
+                        n,
+                        cfg.lm_pretrain_steps,
+                        recent,
+                        time.time() - start,
+                    )
                 if n >= cfg.lm_pretrain_steps:
                     break
         return {"lm_loss_first": losses[0], "lm_loss_last": losses[-1], "lm_seconds": time.time() - start}
@@ -472,8 +507,11 @@ class RewardModelTrainer:
             "positives": int(np.sum(labels > 0.5)),
         }
         pos, neg = labels > 0.5, labels <= 0.5
-        out["balanced_accuracy"] = float(0.5 * (np.mean(predicted[pos]) + np.mean(~predicted[neg]))) if (
-            pos.any() and neg.any()) else out["accuracy"]  # fmt: skip
+        out["balanced_accuracy"] = (
+            float(0.5 * (np.mean(predicted[pos]) + np.mean(~predicted[neg])))
+            if (pos.any() and neg.any())
+            else out["accuracy"]
+        )
         for kind in sorted({e.kind for e in self.eval_examples}):
             idx = [i for i, e in enumerate(self.eval_examples) if e.kind == kind]
             out[f"accuracy/{kind}"] = float(np.mean(predicted[idx] == (labels[idx] > 0.5)))
@@ -485,12 +523,15 @@ class RewardModelTrainer:
         cfg = self.config
         start = time.time()
         pretraining = self.prepare_trunk()
-        logger.info("reward model: %s parameters; %d training problems, %d held-out examples (%d positive)",
-                    f"{parameter_count(self.model):,}", len(self.train_refs), len(self.eval_examples),
-                    sum(e.label > 0.5 for e in self.eval_examples))  # fmt: skip
+        logger.info(
+            "reward model: %s parameters; %d training problems, %d held-out examples (%d positive)",
+            f"{parameter_count(self.model):,}",
+            len(self.train_refs),
+            len(self.eval_examples),
+            sum(e.label > 0.5 for e in self.eval_examples),
+        )
         before = self.evaluate()
-        logger.info("reward model: held-out accuracy %.3f, AUC %.3f before training", before["accuracy"],
-                    before["auc"])  # fmt: skip
+        logger.info("reward model: held-out accuracy %.3f, AUC %.3f before training", before["accuracy"], before["auc"])
         history, last_eval, step, passes = [], before, 0, 0
         window: dict[str, list[float]] = collections.defaultdict(list)
         while step < cfg.steps:
@@ -546,15 +587,26 @@ class RewardModelTrainer:
             vocab_size=len(self.tokenizer),
             tokenizer=cfg.tokenizer,
             output=cfg.output,
-            info={"trained_by": "marin_rl.reward_model", "environment": self.env.name,
-                  "env_class": cfg.env.env_class, "steps": step, "eval": last_eval},
-        )  # fmt: skip
+            info={
+                "trained_by": "marin_rl.reward_model",
+                "environment": self.env.name,
+                "env_class": cfg.env.env_class,
+                "steps": step,
+                "eval": last_eval,
+            },
+        )
         save_reward_model(self.model, spec, cfg.checkpoint)
         write_summary(cfg.output_dir, summary)
         _write_history(cfg.output_dir, history)
-        logger.info("reward model: held-out accuracy %.3f -> %.3f, AUC %.3f -> %.3f in %.0fs; checkpoint at %s",
-                    before["accuracy"], last_eval["accuracy"], before["auc"], last_eval["auc"], seconds,
-                    cfg.checkpoint)  # fmt: skip
+        logger.info(
+            "reward model: held-out accuracy %.3f -> %.3f, AUC %.3f -> %.3f in %.0fs; checkpoint at %s",
+            before["accuracy"],
+            last_eval["accuracy"],
+            before["auc"],
+            last_eval["auc"],
+            seconds,
+            cfg.checkpoint,
+        )
         return summary
 
 
@@ -608,8 +660,10 @@ def main(args: list[str] | None = None) -> None:
     """Command-line entry point."""
     summary = train_reward_model(parse_config(args))
     ev = summary["eval"]
-    print(f"held-out accuracy {ev['accuracy']:.3f} (balanced {ev['balanced_accuracy']:.3f}), AUC {ev['auc']:.3f} on "
-          f"{ev['examples']} examples; checkpoint: {summary['checkpoint']}")  # fmt: skip
+    print(
+        f"held-out accuracy {ev['accuracy']:.3f} (balanced {ev['balanced_accuracy']:.3f}), AUC {ev['auc']:.3f} on "
+        f"{ev['examples']} examples; checkpoint: {summary['checkpoint']}"
+    )
 
 
 if __name__ == "__main__":

@@ -36,19 +36,37 @@ def test_shipped_algorithms_are_valid_graphs_in_dependency_order():
 @pytest.mark.parametrize(
     "calls, message",
     [
-        ((GEN, Call("train", "actor", "train", ("rollouts", "advantages"), ("actor",), fn="actor_train")),
-         "call 'train' reads 'advantages', which no call writes"),
+        (
+            (GEN, Call("train", "actor", "train", ("rollouts", "advantages"), ("actor",), fn="actor_train")),
+            "call 'train' reads 'advantages', which no call writes",
+        ),
         ((GEN, Call("judge", "judge", "inference", ("rollouts",), ("scores",))), "unknown role 'judge'"),
-        ((GEN, Call("a", "actor", "compute", ("rollouts", "y"), ("x",)), Call("b", "actor", "compute", ("x",), ("y",))),
-         "has a cycle: a -> b -> a"),
+        (
+            (
+                GEN,
+                Call("a", "actor", "compute", ("rollouts", "y"), ("x",)),
+                Call("b", "actor", "compute", ("x",), ("y",)),
+            ),
+            "has a cycle: a -> b -> a",
+        ),
         ((GEN, Call("again", "actor", "compute", ("rollouts",), ("token_rewards",))), "written by 'actor_generate'"),
-        ((Call("g", "actor", "generate", ("prompts",), ("rollouts", "rewards"), side="rollout"),
-          Call("t", "actor", "train", ("rollouts", "rewards"), ("actor",), fn="actor_train")), "stay on the rollout"),
-        ((GEN, Call("x", "actor", "compute", ("token_rewards",), ("advantages",), fn="no_such_function"),
-          Call("t", "actor", "train", ("rollouts", "advantages"), ("actor",), fn="actor_train")),
-         "learner function 'no_such_function'"),
+        (
+            (
+                Call("g", "actor", "generate", ("prompts",), ("rollouts", "rewards"), side="rollout"),
+                Call("t", "actor", "train", ("rollouts", "rewards"), ("actor",), fn="actor_train"),
+            ),
+            "stay on the rollout",
+        ),
+        (
+            (
+                GEN,
+                Call("x", "actor", "compute", ("token_rewards",), ("advantages",), fn="no_such_function"),
+                Call("t", "actor", "train", ("rollouts", "advantages"), ("actor",), fn="actor_train"),
+            ),
+            "learner function 'no_such_function'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_start_time_checks_name_the_missing_key_role_or_cycle(calls, message):
     with pytest.raises(ValueError, match=message):
         Algorithm("bad", calls, "gae").learner_calls()
@@ -112,13 +130,16 @@ def test_a_user_algorithm_trains_through_the_learner_and_is_chosen_by_one_config
         up[r, c] = "a" in tok.decode(batch.input_ids[r, start:c].tolist())
     assert gain[up].sum() > 0 > gain[batch.loss_mask & ~up].sum()
     # in a run config the one field also sets what the replay buffers compute
-    run = parse_config(["--config", "experiments/quickstart.yaml", "--learner.algorithm",
-                        "test_algorithm:REINFORCE_TO_GO"])  # fmt: skip
+    run = parse_config(
+        ["--config", "experiments/quickstart.yaml", "--learner.algorithm", "test_algorithm:REINFORCE_TO_GO"]
+    )
     assert run.replay.advantage_estimator == "gae" and not run.learner.critic.enabled
     ppo = parse_config(["--config", "experiments/quickstart.yaml", "--learner.algorithm", "ppo"])
     assert ppo.replay.advantage_estimator == "gae" and ppo.learner.critic.enabled
-    assert parse_config(["--config", "experiments/quickstart.yaml", "--learner.algorithm", "remax"]).algorithm().name \
-        == "remax"  # fmt: skip
+    assert (
+        parse_config(["--config", "experiments/quickstart.yaml", "--learner.algorithm", "remax"]).algorithm().name
+        == "remax"
+    )
 
 
 def test_a_bad_algorithm_in_a_config_stops_before_anything_starts(tmp_path):
@@ -137,9 +158,19 @@ def test_a_bad_algorithm_in_a_config_stops_before_anything_starts(tmp_path):
 
 def test_graph_program_writes_dot_and_png_and_lists_the_calls_in_order(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "marin_rl.graph", "--config", "experiments/quickstart_ppo.yaml", "--output",
-         str(tmp_path)], capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "marin_rl.graph",
+            "--config",
+            "experiments/quickstart_ppo.yaml",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     lines = [line.split()[1] for line in out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
     assert lines == ["actor_generate", "critic_inf", "gae", "actor_train", "critic_train"]
     dot = (tmp_path / "ppo.dot").read_text()

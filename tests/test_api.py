@@ -185,8 +185,9 @@ def test_engine_calls_generate_submit_wait_pause_and_track_versions(engines):
         # metrics follow from greedy groups sampled through rollout_batch and scored here.
         problems = env.eval_problems()[:6]
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.envs[0].sampling.max_tokens)
-        reference = np.array([g.rollouts[0].reward for g in inference.rollout_batch(problems, env, group_size=1,
-                                                                                    sampling=greedy)])  # fmt: skip
+        reference = np.array(
+            [g.rollouts[0].reward for g in inference.rollout_batch(problems, env, group_size=1, sampling=greedy)]
+        )
         metrics = inference.evaluate(env, problems, samples_per_problem=3, sampling=greedy)
         assert metrics == {
             "reward": pytest.approx(reference.mean()),

@@ -263,8 +263,14 @@ def _logprobs_of(model, *arrays):
 
 def _served_matches(address, model, prompt, seed):
     """Sample from the server and check its logprobs against `model`'s; returns the max difference."""
-    body = {"prompt": prompt, "max_tokens": 10, "temperature": 1.0, "seed": seed, "logprobs": 0,
-            "return_tokens_as_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": seed,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
     choice = httpx.post(f"http://{address}/v1/completions", json=body, timeout=120).json()["choices"][0]
     ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
     batch, _ = pack([Sequence.supervised(prompt, ids)], 1, 64)

@@ -168,8 +168,9 @@ def test_embedded_server_serves_straight_from_the_slot(shm_dir):
         model, tok, InferenceConfig(max_seqs=2, max_seq_len=32, levanter=LevanterServerConfig(page_size=16)), name="s"
     )
     learner = make_transport(BroadcastConfig(transport="shared_memory", path=shm_dir))
-    subscriber = WeightSubscriber(make_transport(BroadcastConfig(transport="shared_memory", path=shm_dir)),
-                                  srv.apply_weights)  # fmt: skip
+    subscriber = WeightSubscriber(
+        make_transport(BroadcastConfig(transport="shared_memory", path=shm_dir)), srv.apply_weights
+    )
     try:
         leaves = [np.asarray(x) + 1 for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]
         learner.publish(4, leaves)

@@ -85,8 +85,10 @@ def test_critic_advantages_are_gae_of_its_own_values_and_the_critic_learns_the_r
     tok, learner = _critic_learner(gamma=0.99, lam=0.9, trunk=trunk)
     batch = _reward_batch(learner, tok, truncate=True)
     ex = learner._shard_batch(_to_example(batch))
-    values, after = (np.asarray(x.array) for x in token_values(learner.critic.value_model(), ex.input_ids,
-                                                                ex.position_ids, ex.segment_ids))  # fmt: skip
+    values, after = (
+        np.asarray(x.array)
+        for x in token_values(learner.critic.value_model(), ex.input_ids, ex.position_ids, ex.segment_ids)
+    )
     assert np.all(values == 0)  # a new critic's head is zero: the first advantages are the discounted rewards to go
     adv, ret, old, _ = learner.critic.advantages(batch, ex)
     boot = np.where(batch.truncated, after, 0.0)
@@ -100,8 +102,10 @@ def test_critic_advantages_are_gae_of_its_own_values_and_the_critic_learns_the_r
         losses.append(metrics["learner/critic/value_loss"])
     assert learner.version == 40 and learner.critic.steps == 40
     assert losses[-1] < 0.2 * losses[0], losses
-    values, _ = (np.asarray(x.array) for x in token_values(learner.critic.value_model(), ex.input_ids,
-                                                             ex.position_ids, ex.segment_ids))  # fmt: skip
+    values, _ = (
+        np.asarray(x.array)
+        for x in token_values(learner.critic.value_model(), ex.input_ids, ex.position_ids, ex.segment_ids)
+    )
     # V(state after the prompt) now tells the rewarded prompt from the other: ~0.99² after 'a:', ~0 after 'b:'
     first = {"a": [], "b": []}
     episodes = {(r, batch.segment_ids[r, c]) for r, c in zip(*np.nonzero(batch.segment_ids >= 0), strict=True)}
@@ -173,13 +177,15 @@ def test_a_critic_on_the_policy_trunk_is_a_head_that_does_not_train_the_trunk():
     assert critic.model.trunk is None and sum(x.size for x in head_params) == 128 + 1  # Embed weights and a bias
     batch = _reward_batch(learner, tok)
     ex = learner._shard_batch(_to_example(batch))
-    critic.model = jax.tree_util.tree_map(lambda x: x + 0.01 * jnp.arange(x.size).reshape(x.shape) / x.size,
-                                          critic.model)  # a head that is not zero  # fmt: skip
+    critic.model = jax.tree_util.tree_map(
+        lambda x: x + 0.01 * jnp.arange(x.size).reshape(x.shape) / x.size, critic.model
+    )  # a head that is not zero
     values, after = critic.values(ex)
     from marin_rl.model.logprobs import packed_attention_mask
 
-    hidden = learner.model.activations(ex.input_ids, attn_mask=packed_attention_mask(ex.segment_ids),
-                                       pos_ids=ex.position_ids)  # fmt: skip
+    hidden = learner.model.activations(
+        ex.input_ids, attn_mask=packed_attention_mask(ex.segment_ids), pos_ids=ex.position_ids
+    )
     h = np.asarray(hidden.rearrange(("batch", "position", "embed")).array, np.float64)
     w = np.asarray(critic.model.head.weight.rearrange(("embed", "value")).array, np.float64)[:, 0]
     expected = h @ w + float(np.asarray(critic.model.head.bias.array)[0])
@@ -190,8 +196,10 @@ def test_a_critic_on_the_policy_trunk_is_a_head_that_does_not_train_the_trunk():
     returns = np.where(batch.loss_mask, 1.0, 0.0).astype(np.float32)
     critic.train(ex, values.astype(np.float32), returns)
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(policy_before, learner.weights(), strict=True))
-    assert any(not np.array_equal(a, np.asarray(b)) for a, b in
-               zip(head_before, jax.tree_util.tree_leaves(critic.model), strict=True))  # fmt: skip
+    assert any(
+        not np.array_equal(a, np.asarray(b))
+        for a, b in zip(head_before, jax.tree_util.tree_leaves(critic.model), strict=True)
+    )
 
 
 def test_a_critic_on_the_policy_trunk_takes_no_checkpoint_of_its_own():

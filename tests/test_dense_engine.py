@@ -28,12 +28,19 @@ from marin_rl.tokenizer import build_char_tokenizer
 def setup():
     tok = build_char_tokenizer()
     env = AdditionEnvironment(tok, max_operand=49, num_eval=50)
-    learner = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(warm_start=WarmStartConfig(steps=30)),
-                      len(tok))  # fmt: skip
+    learner = Learner(
+        ModelConfig(architecture=tiny_llama()), LearnerConfig(warm_start=WarmStartConfig(steps=30)), len(tok)
+    )
     examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
     learner.warm_start(examples, 64)  # not uniform: logprobs vary
-    engine = DenseEngine(learner.model, _FullDistributionSampler(learner.model.Vocab), max_seqs=64, max_seq_len=64,
-                         max_stop_seqs=4, max_stop_tokens=16)  # fmt: skip
+    engine = DenseEngine(
+        learner.model,
+        _FullDistributionSampler(learner.model.Vocab),
+        max_seqs=64,
+        max_seq_len=64,
+        max_stop_seqs=4,
+        max_stop_tokens=16,
+    )
     return tok, env, learner, engine
 
 
@@ -45,9 +52,13 @@ def _request(prompt, seed, max_new, stops=None, temperature=1.0, rid=0):
         for i, s in enumerate(stops):
             arr[i, width - len(s) :] = s
         stop = hax.named(arr, ("stop_seq", "position"))
-    params = SeqDecodingParams(max_num_tokens=np.int32(len(prompt) + max_new), stop_tokens=stop,
-                               temperature=np.float32(temperature), top_p=np.float32(1.0),
-                               key=np.array([0, seed], np.uint32))  # fmt: skip
+    params = SeqDecodingParams(
+        max_num_tokens=np.int32(len(prompt) + max_new),
+        stop_tokens=stop,
+        temperature=np.float32(temperature),
+        top_p=np.float32(1.0),
+        key=np.array([0, seed], np.uint32),
+    )
     return Request(list(prompt), rid, params, 1)
 
 
@@ -129,8 +140,15 @@ def test_batch_invariant_engine_gives_bit_identical_logprobs_whatever_shares_the
     """Deterministic runs: a seeded request scores the same to the last bit alone or among 39 others (each row count
     is its own compiled program, whose results differ in the last bits; batch_invariant uses one)."""
     tok, env, learner, _ = setup
-    engine = DenseEngine(learner.model, _FullDistributionSampler(learner.model.Vocab), max_seqs=64, max_seq_len=64,
-                         max_stop_seqs=4, max_stop_tokens=16, batch_invariant=True)  # fmt: skip
+    engine = DenseEngine(
+        learner.model,
+        _FullDistributionSampler(learner.model.Vocab),
+        max_seqs=64,
+        max_seq_len=64,
+        max_stop_seqs=4,
+        max_stop_tokens=16,
+        batch_invariant=True,
+    )
     prompts = [env.encode_prompt(p) for p in env.train_problems()[:40]]
     eos = [[tok.eos_token_id]]
     together = engine.generate([_request(p, 100 + i, 5, eos, rid=i) for i, p in enumerate(prompts)])

@@ -332,13 +332,17 @@ def test_reward_weights_from_the_config_args_replace_the_environment_s_own(tok, 
             ids = tok(text, add_special_tokens=False)["input_ids"]
             return [Sample(ids, [-0.1] * len(ids), text, "stop", 0, 0, "local", 0.0)] * n
 
-    cfg = EnvConfig(name="addition", env_class="marin_rl.envs.arithmetic:AdditionEnvironment",
-                    args={"max_operand": 9, "num_eval": 10, "reward_weights": {"correct": 2.5}})  # fmt: skip
+    cfg = EnvConfig(
+        name="addition",
+        env_class="marin_rl.envs.arithmetic:AdditionEnvironment",
+        args={"max_operand": 9, "num_eval": 10, "reward_weights": {"correct": 2.5}},
+    )
     env = make_environment(cfg, tok, seed=0)
     problem = env.train_problems()[0]
     group = asyncio.run(env.run_group(Exact(), problem, 2, SamplingParams(max_tokens=4)))
     assert [r.turns[-1].rewards for r in group.rollouts] == [{"correct": 1.0}] * 2
     assert [r.reward for r in group.rollouts] == [2.5, 2.5]
     with pytest.raises(ValueError, match=r"reward_weights\['correct'\] must be a finite number"):
-        make_environment(dataclasses.replace(cfg, args={**cfg.args, "reward_weights": {"correct": float("inf")}}),
-                         tok, seed=0)  # fmt: skip
+        make_environment(
+            dataclasses.replace(cfg, args={**cfg.args, "reward_weights": {"correct": float("inf")}}), tok, seed=0
+        )

@@ -35,9 +35,15 @@ def _config(out: Path, num_servers: int = 1) -> Path:
     too few to learn reliably (the held-out reward rose in it once and stayed flat after a change of float summation
     order), so these tests assert exactness against the uninterrupted run; learning is the quickstart's test."""
     return deterministic_config(
-        out, STEPS, EVERY, warm_start_steps=60, eval_problems=16, eval_samples=4, learning_rate=1e-3,
+        out,
+        STEPS,
+        EVERY,
+        warm_start_steps=60,
+        eval_problems=16,
+        eval_samples=4,
+        learning_rate=1e-3,
         num_servers=num_servers,
-    )  # fmt: skip
+    )
 
 
 def _kill(orchestrator: Orchestrator, role: str) -> None:
@@ -138,5 +144,15 @@ def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupt
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-_COUNTS = ("env_restarts", "server_restarts", "learner_restarts", "rolled_back_steps", "failed_groups",
-           "retried_requests", "generated_tokens", "eval_reward_start", "eval_reward_end", "wall_time_s")  # fmt: skip
+_COUNTS = (
+    "env_restarts",
+    "server_restarts",
+    "learner_restarts",
+    "rolled_back_steps",
+    "failed_groups",
+    "retried_requests",
+    "generated_tokens",
+    "eval_reward_start",
+    "eval_reward_end",
+    "wall_time_s",
+)

@@ -14,8 +14,10 @@ def _reference(rewards, values, mask, gamma, lam, bootstrap=0.0, lam_between=Non
     idx = [i for i in range(len(mask)) if mask[i]]
     v = [values[i] for i in idx] + [bootstrap]
     deltas = [rewards[i] + gamma * v[k + 1] - v[k] for k, i in enumerate(idx)]
-    lams = [lam if lam_between is None or k + 1 == len(idx) or idx[k + 1] == i + 1 else lam_between
-            for k, i in enumerate(idx)]  # fmt: skip
+    lams = [
+        lam if lam_between is None or k + 1 == len(idx) or idx[k + 1] == i + 1 else lam_between
+        for k, i in enumerate(idx)
+    ]
     adv, ret = np.zeros(len(mask)), np.zeros(len(mask))
     for k, i in enumerate(idx):
         adv[i] = sum(np.prod([gamma * x for x in lams[k : k + j]]) * deltas[k + j] for j in range(len(idx) - k))
@@ -135,17 +137,28 @@ def test_rewards_off_the_sampled_tokens_and_bad_parameters_are_refused():
 
 def _turn(role, ids, reward=0.0, sampled=False):
     meta = InferenceMetadata(server="s", version_start=0, version_end=0) if sampled else None
-    return Turn(role=role, message="", token_ids=ids, sampler_logprobs=[-1.0] * len(ids) if sampled else None,
-                reward=reward, inference_metadata=meta)  # fmt: skip
+    return Turn(
+        role=role,
+        message="",
+        token_ids=ids,
+        sampler_logprobs=[-1.0] * len(ids) if sampled else None,
+        reward=reward,
+        inference_metadata=meta,
+    )
 
 
 def test_token_rewards_per_turn_or_at_the_end_of_a_multi_turn_episode():
     rollout = Rollout(
         environment="e",
         problem_id="p",
-        turns=[_turn("user", [1, 2]), _turn("assistant", [3, 4, 5], 0.25, sampled=True),
-               _turn("tool", [6, 7], 0.5), _turn("assistant", [8, 9], 1.0, sampled=True), _turn("user", [10])],
-    )  # fmt: skip
+        turns=[
+            _turn("user", [1, 2]),
+            _turn("assistant", [3, 4, 5], 0.25, sampled=True),
+            _turn("tool", [6, 7], 0.5),
+            _turn("assistant", [8, 9], 1.0, sampled=True),
+            _turn("user", [10]),
+        ],
+    )
     per_turn = token_rewards(rollout, per_turn=True)
     np.testing.assert_allclose(per_turn, [0, 0, 0, 0, 0.75, 0, 0, 0, 1.0, 0])  # the tool's reward: its action's
     np.testing.assert_allclose(token_rewards(rollout, per_turn=False), [0, 0, 0, 0, 0, 0, 0, 0, 1.75, 0])

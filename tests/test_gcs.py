@@ -160,8 +160,11 @@ def test_hf_export_and_init_from_hf_on_gs(gcs):
     export_hf_checkpoint(model, tok, url)
     assert _exists(f"{url}/config.json") and _exists(f"{url}/model.safetensors")
     reloaded = build_model(ModelConfig(architecture=tiny_llama(), init_from_hf=url), len(tok))
-    for a, b in zip(hax.state_dict.to_torch_compatible_state_dict(model).values(),
-                    hax.state_dict.to_torch_compatible_state_dict(reloaded).values(), strict=True):  # fmt: skip
+    for a, b in zip(
+        hax.state_dict.to_torch_compatible_state_dict(model).values(),
+        hax.state_dict.to_torch_compatible_state_dict(reloaded).values(),
+        strict=True,
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -226,7 +229,7 @@ def test_sft_run_reads_and_writes_gs(gcs):
                 eval_every=2,
                 log_every=2,
                 optimizer=OptimizerConfig(learning_rate=3e-3),
-            ),  # fmt: skip
+            ),
         ),
     )
     summary = run(config)

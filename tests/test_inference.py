@@ -239,8 +239,9 @@ def test_weights_swapped_mid_generation_continue_with_exact_logprobs(setup):
         # The replay and batching path takes such turns, and every trained token keeps the version that sampled it.
         rollouts = []
         for i, (ids, lps, start, end, versions) in enumerate(choices):
-            meta = InferenceMetadata(server=address, version_start=start, version_end=end, token_versions=versions,
-                                     finish_reason="length")  # fmt: skip
+            meta = InferenceMetadata(
+                server=address, version_start=start, version_end=end, token_versions=versions, finish_reason="length"
+            )
             answer = Turn("assistant", "", ids, sampler_logprobs=list(lps), reward=i % 2, inference_metadata=meta)
             turns = [Turn("user", "", list(prompt)), answer]
             rollouts.append(Rollout("addition", "p3", turns))
@@ -292,8 +293,10 @@ def test_choices_report_versions_and_token_ids_as_the_dialect_says():
     choices = [completion_choice(i, c, request, tok, served_version=-1) for i, c in enumerate([straddling, empty])]
     assert choices[0]["logprobs"]["tokens"] == ["token_id:7", "token_id:8", "token_id:9"]
     assert (choices[0]["policy_version_start"], choices[0]["policy_version_end"]) == (3, 4)
-    assert choices[0]["policy_version_spans"] == [{"version": 3, "start": 0, "end": 2}, {"version": 4, "start": 2,
-                                                                                         "end": 3}]  # fmt: skip
+    assert choices[0]["policy_version_spans"] == [
+        {"version": 3, "start": 0, "end": 2},
+        {"version": 4, "start": 2, "end": 3},
+    ]
     assert versions_from_spans(choices[0]["policy_version_spans"], 3) == [3, 3, 4]
     # nothing sampled: the version served when the request arrived, also -1 (never received weights)
     assert (choices[1]["policy_version_start"], choices[1]["policy_version_end"]) == (-1, -1)

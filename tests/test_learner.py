@@ -219,10 +219,13 @@ def _np_learning_rate(cfg: OptimizerConfig, t: int) -> float:
 
 @pytest.mark.parametrize(
     "schedule",
-    [dict(schedule="constant", warmup_steps=3), dict(schedule="linear", warmup_steps=2, decay_steps=5),
-     dict(schedule="cosine", warmup_steps=0, decay_steps=6, min_lr_ratio=0.1),
-     dict(schedule="cosine", warmup_steps=4, decay_steps=4)],
-)  # fmt: skip
+    [
+        dict(schedule="constant", warmup_steps=3),
+        dict(schedule="linear", warmup_steps=2, decay_steps=5),
+        dict(schedule="cosine", warmup_steps=0, decay_steps=6, min_lr_ratio=0.1),
+        dict(schedule="cosine", warmup_steps=4, decay_steps=4),
+    ],
+)
 def test_learning_rate_schedules_match_formula_and_drive_the_optimizer(schedule):
     """lr_at follows the formula, and the optimizer applies it: under a constant gradient Adam's step is
     -lr_t·g/(|g| + ε) (bias-corrected moments equal g and g²), so each update's size is that step's rate."""

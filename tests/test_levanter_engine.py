@@ -65,18 +65,32 @@ def server(model, tok):
 
 
 def _engine(model, tok, **overrides) -> InferenceEngine:
-    cfg = dict(max_seq_len=MAX_SEQ_LEN, page_size=PAGE, max_pages=64, max_seqs=8, max_rounds=8, max_queued_tokens=512,
-               max_seqs_in_prefill=8, max_prefill_size=512, compute_dtype=jnp.float32, max_stop_seqs=4,
-               max_stop_tokens=16)  # fmt: skip
+    cfg = dict(
+        max_seq_len=MAX_SEQ_LEN,
+        page_size=PAGE,
+        max_pages=64,
+        max_seqs=8,
+        max_rounds=8,
+        max_queued_tokens=512,
+        max_seqs_in_prefill=8,
+        max_prefill_size=512,
+        compute_dtype=jnp.float32,
+        max_stop_seqs=4,
+        max_stop_tokens=16,
+    )
     cfg.update(overrides)
     with hax.partitioning.set_mesh(_TRAINER.device_mesh), hax.axis_mapping(_TRAINER.compute_axis_mapping):
         return InferenceEngine.from_model_with_config(model=model, tokenizer=tok, config=InferenceEngineConfig(**cfg))
 
 
 def _request(rid, prompt, max_new, seed, n=1, stop=None) -> Request:
-    params = SeqDecodingParams(max_num_tokens=np.int32(len(prompt) + max_new), stop_tokens=stop,
-                               temperature=np.float32(1.0), top_p=np.float32(1.0),
-                               key=np.array([0, seed], dtype=np.uint32))  # fmt: skip
+    params = SeqDecodingParams(
+        max_num_tokens=np.int32(len(prompt) + max_new),
+        stop_tokens=stop,
+        temperature=np.float32(1.0),
+        top_p=np.float32(1.0),
+        key=np.array([0, seed], dtype=np.uint32),
+    )
     return Request(prompt_tokens=list(prompt), request_id=rid, decode_params=params, n_generations=n)
 
 
@@ -112,8 +126,11 @@ def _serve(server, prompt, **kwargs):
 def test_engine_n_gt_1_misreports_logprobs_past_one_page_so_the_server_samples_singly(model, tok, server):
     prompt = _prompt(1, 70, tok)  # longer than four KV pages
     result = _generate(_engine(model, tok), [_request(0, prompt, 12, seed=70, n=4)])
-    worst = max(float(np.abs(_reference(model, prompt, t) - np.asarray(lp)).max()) for t, lp in zip(
-        result.tokens, result.logprobs, strict=True) if t)  # fmt: skip
+    worst = max(
+        float(np.abs(_reference(model, prompt, t) - np.asarray(lp)).max())
+        for t, lp in zip(result.tokens, result.logprobs, strict=True)
+        if t
+    )
     assert worst > 1e-3, (
         f"the engine's n>1 logprobs now match the model (max diff {worst:.1e}): LevanterInferenceServer.complete "
         "could pass n to the engine instead of sampling n single requests"

@@ -162,14 +162,20 @@ def test_run_with_a_two_host_learner_learns(tmp_path):
 
     config = parse_config(
         [
-            "--config", "experiments/quickstart.yaml",
-            "--output_dir", str(tmp_path / "run"),
-            "--orchestrator.num_steps", "60",
-            "--orchestrator.eval_every", "60",
-            "--learner.hosts", "2",
-            "--learner.mesh.data", "2",
+            "--config",
+            "experiments/quickstart.yaml",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--orchestrator.num_steps",
+            "60",
+            "--orchestrator.eval_every",
+            "60",
+            "--learner.hosts",
+            "2",
+            "--learner.mesh.data",
+            "2",
         ]
-    )  # fmt: skip
+    )
     summary = run(config)
     assert summary["steps"] == 60
     assert summary["eval_reward_end"] - summary["eval_reward_start"] >= 0.1, summary

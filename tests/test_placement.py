@@ -75,8 +75,12 @@ def test_cpu_affinity_pins_every_thread_of_a_process_that_imports_marin_rl():
     env = {**os.environ, "MARIN_RL_CPU_AFFINITY": "0"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split("]")[:2] == ["[0", " [0"], out.stdout
-    bad = subprocess.run([sys.executable, "-c", "import marin_rl"], capture_output=True, text=True,
-                         env={**os.environ, "MARIN_RL_CPU_AFFINITY": "0,999"})  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-c", "import marin_rl"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MARIN_RL_CPU_AFFINITY": "0,999"},
+    )
     assert bad.returncode != 0 and "this machine has cores" in bad.stderr
 
 

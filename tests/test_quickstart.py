@@ -75,9 +75,22 @@ def test_ppo_quickstart_with_critic_and_gae_learns(tmp_path):
     """experiments/quickstart_ppo.yaml, shortened: the critic trains beside the policy (its value loss falls and its
     values track the mean return, the baseline a group estimator would compute) and held-out reward rises."""
     out = tmp_path / "run"
-    config = parse_config(["--config", "experiments/quickstart_ppo.yaml", "--output_dir", str(out),
-                           "--orchestrator.num_steps", "150", "--orchestrator.eval_every", "150",
-                           "--orchestrator.num_cpus", "2", "--checkpoint.every", "0"])  # fmt: skip
+    config = parse_config(
+        [
+            "--config",
+            "experiments/quickstart_ppo.yaml",
+            "--output_dir",
+            str(out),
+            "--orchestrator.num_steps",
+            "150",
+            "--orchestrator.eval_every",
+            "150",
+            "--orchestrator.num_cpus",
+            "2",
+            "--checkpoint.every",
+            "0",
+        ]
+    )
     summary = run(config)
     assert summary["eval_reward_end"] - summary["eval_reward_start"] >= 0.2, summary
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

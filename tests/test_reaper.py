@@ -41,8 +41,13 @@ def _members(pgid: int) -> list[int]:
 
 def test_a_sigkilled_parent_takes_its_server_group_with_it():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=root,
-                              env=dict(os.environ, PYTHONPATH=root))  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
     group = int(parent.stdout.readline())
     try:
         wait_until(lambda: len(_members(group)) == 2, 10)

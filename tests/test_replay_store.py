@@ -18,11 +18,17 @@ def _group(env, rng, n=4, version=3):
     for i in range(n):
         gen = rng.integers(0, 100, int(rng.integers(1, 9))).tolist()
         meta = InferenceMetadata(
-            server="http://s:1", model="m", temperature=0.7, max_tokens=8, version_start=version,
-            version_end=version + 1, finish_reason="length" if i == 0 else "stop", latency_s=0.25,
+            server="http://s:1",
+            model="m",
+            temperature=0.7,
+            max_tokens=8,
+            version_start=version,
+            version_end=version + 1,
+            finish_reason="length" if i == 0 else "stop",
+            latency_s=0.25,
             # odd rollouts report per-token versions: sampled across the update from `version` to `version + 1`
             token_versions=None if i % 2 == 0 else [version] * (len(gen) // 2) + [version + 1] * ((len(gen) + 1) // 2),
-        )  # fmt: skip
+        )
         rollouts.append(
             Rollout(
                 environment=env,

@@ -42,10 +42,25 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
 
     out = tmp_path / "run"
     config = parse_config(
-        ["--config", "experiments/quickstart.yaml", "--output_dir", str(out), "--orchestrator.num_steps", "30",
-         "--orchestrator.eval_every", "1000", "--orchestrator.num_cpus", "2", "--learner.warm_start.steps", "10",
-         "--orchestrator.max_restarts_per_role", "1", "--checkpoint.save_on_exit", "false"]
-    )  # fmt: skip
+        [
+            "--config",
+            "experiments/quickstart.yaml",
+            "--output_dir",
+            str(out),
+            "--orchestrator.num_steps",
+            "30",
+            "--orchestrator.eval_every",
+            "1000",
+            "--orchestrator.num_cpus",
+            "2",
+            "--learner.warm_start.steps",
+            "10",
+            "--orchestrator.max_restarts_per_role",
+            "1",
+            "--checkpoint.save_on_exit",
+            "false",
+        ]
+    )
     orchestrator = Orchestrator(config)
     killed = []
 

@@ -452,8 +452,14 @@ def test_ppo_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tm
     rows = read_metrics(str(out / "metrics.jsonl"))
     ref_rows = read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(steps + 1)) == [r["step"] for r in ref_rows]
-    keys = ("learner/loss", "learner/grad_norm", "learner/critic/value_loss", "learner/critic/grad_norm",
-            "learner/critic/return_mean", "learner/critic/explained_variance")  # fmt: skip
+    keys = (
+        "learner/loss",
+        "learner/grad_norm",
+        "learner/critic/value_loss",
+        "learner/critic/grad_norm",
+        "learner/critic/return_mean",
+        "learner/critic/explained_variance",
+    )
     for r, ref in zip(rows[1:], ref_rows[1:], strict=True):
         for key in keys:
             np.testing.assert_allclose(r[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=f"step {r['step']} {key}")

@@ -171,16 +171,22 @@ def test_bad_requests_are_400s_naming_the_problem(reward_server):
     too_long = list(range(1, 40)), list(range(1, 30))
     cases = [
         ({"items": []}, "at least one item"),
-        ({"items": [{"prompt_ids": [1, 2], "completion_ids": [3]}, {"prompt_ids": [], "completion_ids": []}]},
-         "items[1]: empty sequence"),
-        ({"items": [{"prompt_ids": too_long[0], "completion_ids": too_long[1]}]},
-         "items[0]: 68 tokens exceed the reward model's max_seq_len=64"),
-        ({"items": [{"prompt_ids": [1, 2], "completion_ids": [server.vocab_size]}]},
-         f"items[0]: token id {server.vocab_size} at position 2 is outside the reward model's vocabulary"),
+        (
+            {"items": [{"prompt_ids": [1, 2], "completion_ids": [3]}, {"prompt_ids": [], "completion_ids": []}]},
+            "items[1]: empty sequence",
+        ),
+        (
+            {"items": [{"prompt_ids": too_long[0], "completion_ids": too_long[1]}]},
+            "items[0]: 68 tokens exceed the reward model's max_seq_len=64",
+        ),
+        (
+            {"items": [{"prompt_ids": [1, 2], "completion_ids": [server.vocab_size]}]},
+            f"items[0]: token id {server.vocab_size} at position 2 is outside the reward model's vocabulary",
+        ),
         ({"items": [{"prompt_ids": [-1], "completion_ids": [2]}]}, "token id -1 at position 0 is outside"),
         ({"items": "three"}, "malformed request: body.items"),
         ({"sequences": [[1, 2]]}, "malformed request: body.items: Field required"),
-    ]  # fmt: skip
+    ]
     for body, message in cases:
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)
@@ -217,10 +223,12 @@ def test_client_coalesces_a_groups_items_and_gives_each_caller_its_own_error(rew
 # ---- environments with a model reward ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy_server(tokenizer):
-    model = build_model(ModelConfig(architecture=dataclasses.replace(tiny_llama(), max_seq_len=MAX_SEQ_LEN)),
-                        len(tokenizer))  # fmt: skip
-    config = InferenceConfig(max_seqs=16, max_seq_len=MAX_SEQ_LEN,
-                             levanter=LevanterServerConfig(page_size=16, prefill_tokens=1024))  # fmt: skip
+    model = build_model(
+        ModelConfig(architecture=dataclasses.replace(tiny_llama(), max_seq_len=MAX_SEQ_LEN)), len(tokenizer)
+    )
+    config = InferenceConfig(
+        max_seqs=16, max_seq_len=MAX_SEQ_LEN, levanter=LevanterServerConfig(page_size=16, prefill_tokens=1024)
+    )
     server = LevanterInferenceServer(model, tokenizer, config)
     server.apply_weights(0, [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))])
     address = server.start()
@@ -284,8 +292,16 @@ def test_inference_engine_local_serves_the_runs_reward_models_in_process(tmp_pat
     from marin_rl.config import make_environment
 
     path, model = checkpoint
-    config = parse_config(["--config", "experiments/quickstart_reward_model.yaml", "--inference.max_seqs", "16",
-                           "--inference.levanter.prefill_tokens", "256"])  # fmt: skip
+    config = parse_config(
+        [
+            "--config",
+            "experiments/quickstart_reward_model.yaml",
+            "--inference.max_seqs",
+            "16",
+            "--inference.levanter.prefill_tokens",
+            "256",
+        ]
+    )
     config.reward_models[0].path = path
     config.envs[0].args = {"max_operand": 9, "num_eval": 5, "reward_weights": {"correct": 1.0, "rm": 0.5}}
     env = make_environment(config.envs[0], tokenizer, seed=0)
@@ -327,16 +343,21 @@ reward_models:
 @pytest.mark.parametrize(
     "text, message",
     [
-        (BASE.replace("reward_models: [rm]", "reward_models: [judge]"),
-         r"envs\[addition\].reward_models names \['judge'\], which are not in reward_models \(known: \['rm'\]\)"),
-        (BASE.replace(", reward_weights: {correct: 0.0, rm: 1.0}", ""),
-         r"envs\[addition\] uses reward models \['rm'\] but its reward_weights \{'correct': 1.0\} give them no weight"),
+        (
+            BASE.replace("reward_models: [rm]", "reward_models: [judge]"),
+            r"envs\[addition\].reward_models names \['judge'\], which are not in reward_models \(known: \['rm'\]\)",
+        ),
+        (
+            BASE.replace(", reward_weights: {correct: 0.0, rm: 1.0}", ""),
+            r"envs\[addition\] uses reward models \['rm'\] but its reward_weights \{'correct': 1.0\} "
+            r"give them no weight",
+        ),
         (BASE.replace("path: /somewhere/checkpoint", "path: ''"), r"reward_models\[rm\].path: the checkpoint"),
         (BASE + "  - {name: rm, path: /elsewhere}\n", r"reward_models: names must be unique"),
         (BASE + "  - {name: spare, path: /elsewhere}\n", r"reward_models \['spare'\] are used by no environment"),
         (BASE.replace("{name: rm,", "{name: rm, num_servers: 0,"), r"reward_models\[rm\]: num_servers"),
     ],
-)  # fmt: skip
+)
 def test_config_validation_names_the_unknown_model_or_the_missing_weight(tmp_path, text, message):
     with pytest.raises(SystemExit, match=message):
         parse_config(["--config", _config(tmp_path, text)])
@@ -348,8 +369,11 @@ def test_a_run_with_reward_models_has_a_reward_inf_call_in_its_graph(tmp_path):
     algorithm = config.algorithm()
     calls = {c.name: c for c in algorithm.ordered()}
     assert [c.name for c in algorithm.ordered()] == ["actor_generate", "reward_inf", "rloo_advantages", "actor_train"]
-    assert (calls["reward_inf"].role, calls["reward_inf"].kind, calls["reward_inf"].side) == ("reward", "inference",
-                                                                                             "rollout")  # fmt: skip
+    assert (calls["reward_inf"].role, calls["reward_inf"].kind, calls["reward_inf"].side) == (
+        "reward",
+        "inference",
+        "rollout",
+    )
     assert calls["reward_inf"].reads == ("rollouts",) and calls["reward_inf"].writes == ("model_rewards",)
     assert "model_rewards" in calls["rloo_advantages"].reads and algorithm.roles == ("actor", "reward")
     assert algorithm.reward_models == ("rm",)
@@ -365,9 +389,20 @@ def test_graph_program_draws_the_reward_call(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "marin_rl.graph", "--config",
-                          "experiments/quickstart_reward_model.yaml", "--output", str(tmp_path)],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "marin_rl.graph",
+            "--config",
+            "experiments/quickstart_reward_model.yaml",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "reward_inf         reward  inference rollout  reads rollouts -> writes model_rewards" in out
     assert '"reward_inf" -> "key:model_rewards";' in (tmp_path / "rloo+rm.dot").read_text()
     assert (tmp_path / "rloo+rm.png").stat().st_size > 10_000
@@ -416,8 +451,9 @@ def test_rl_on_the_reward_models_reward_alone_raises_the_verifiers_held_out_corr
     from marin_rl.reward_model import train_reward_model
     from marin_rl.run import run
 
-    rm = train_reward_model(parse_rm_config(["--config", "experiments/addition_reward_model.yaml", "--output_dir",
-                                             str(tmp_path / "rm")]))  # fmt: skip
+    rm = train_reward_model(
+        parse_rm_config(["--config", "experiments/addition_reward_model.yaml", "--output_dir", str(tmp_path / "rm")])
+    )
     assert rm["eval_before"]["auc"] == 0.5  # a zero head scores everything alike
     assert rm["eval"]["accuracy"] >= 0.9, rm["eval"]  # 0.96 when measured
     assert rm["eval"]["auc"] >= 0.95, rm["eval"]  # 0.99 when measured
@@ -430,9 +466,22 @@ def test_rl_on_the_reward_models_reward_alone_raises_the_verifiers_held_out_corr
     config_path = tmp_path / "quickstart_reward_model.yaml"
     config_path.write_text(experiment.replace("runs/addition_reward_model/checkpoint", str(tmp_path / "rm/checkpoint")))
     out = tmp_path / "run"
-    config = parse_config(["--config", str(config_path), "--output_dir", str(out), "--orchestrator.num_steps", "100",
-                           "--orchestrator.eval_every", "50", "--orchestrator.num_cpus", "2", "--checkpoint.every",
-                           "0"])  # fmt: skip
+    config = parse_config(
+        [
+            "--config",
+            str(config_path),
+            "--output_dir",
+            str(out),
+            "--orchestrator.num_steps",
+            "100",
+            "--orchestrator.eval_every",
+            "50",
+            "--orchestrator.num_cpus",
+            "2",
+            "--checkpoint.every",
+            "0",
+        ]
+    )
     assert config.envs[0].args["reward_weights"] == {"correct": 0.0, "rm": 1.0}
     summary = run(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -165,9 +165,15 @@ def _group(env: str, version: int, rng, n: int = 4) -> RolloutGroup:
         meta = InferenceMetadata(server="sim", version_start=version, version_end=version)
         turns = [
             Turn("user", "q", [5, 6, 7]),
-            Turn("assistant", "a", [8, 9], sampler_logprobs=[-0.5, -0.5], reward=float(rng.random() < 0.5),
-                 inference_metadata=meta),
-        ]  # fmt: skip
+            Turn(
+                "assistant",
+                "a",
+                [8, 9],
+                sampler_logprobs=[-0.5, -0.5],
+                reward=float(rng.random() < 0.5),
+                inference_metadata=meta,
+            ),
+        ]
         rollouts.append(Rollout(env, "p", turns))
     return RolloutGroup(env, "p", rollouts)
 
@@ -232,9 +238,18 @@ def test_step_hooks_run_on_their_cadence_at_the_end_and_when_stopping_in_order()
         metrics = hooks.run(step, last=step == 6, stopping=step == 5)
         assert set(metrics) == {k for name, s in calls if s == step for k in (f"{name}/step", f"time/hooks/{name}_s")}
     assert calls == [
-        ("broadcast", 1), ("broadcast", 2), ("broadcast", 3), ("eval", 3), ("broadcast", 4), ("checkpoint", 4),
-        ("broadcast", 5), ("checkpoint", 5), ("broadcast", 6), ("eval", 6), ("export", 6),
-    ]  # fmt: skip
+        ("broadcast", 1),
+        ("broadcast", 2),
+        ("broadcast", 3),
+        ("eval", 3),
+        ("broadcast", 4),
+        ("checkpoint", 4),
+        ("broadcast", 5),
+        ("checkpoint", 5),
+        ("broadcast", 6),
+        ("eval", 6),
+        ("export", 6),
+    ]
     with pytest.raises(ValueError, match="unique"):
         StepHooks([StepHook("a", 1, record("a")), StepHook("a", 2, record("a"))])
 

@@ -68,9 +68,16 @@ def multi_turn_rollout(rewards, rng, version=0, reward_on_env_turn=False):
     turns = [Turn("user", "q", rng.integers(4, 100, 3).tolist())]
     for k, r in enumerate(rewards):
         n = int(rng.integers(1, 4))
-        turns.append(Turn("assistant", "a", rng.integers(4, 100, n).tolist(),
-                          sampler_logprobs=(-rng.random(n)).tolist(), inference_metadata=meta,
-                          reward=0.0 if reward_on_env_turn else r))  # fmt: skip
+        turns.append(
+            Turn(
+                "assistant",
+                "a",
+                rng.integers(4, 100, n).tolist(),
+                sampler_logprobs=(-rng.random(n)).tolist(),
+                inference_metadata=meta,
+                reward=0.0 if reward_on_env_turn else r,
+            )
+        )
         if k + 1 < len(rewards) or reward_on_env_turn:
             turns.append(Turn("user", "u", rng.integers(4, 100, 2).tolist(), reward=r if reward_on_env_turn else 0))
     return Rollout(environment="e", problem_id="p", turns=turns)
@@ -136,8 +143,10 @@ def test_make_batch_takes_per_token_advantages_from_user_code():
     from marin_rl.api import make_batch
 
     rng = np.random.default_rng(2)
-    groups = [RolloutGroup("e", f"p{g}", [multi_turn_rollout(r, rng) for r in ([1.0, 0.0], [0.0, 0.0], [1.0, 1.0])])
-              for g in range(2)]  # fmt: skip
+    groups = [
+        RolloutGroup("e", f"p{g}", [multi_turn_rollout(r, rng) for r in ([1.0, 0.0], [0.0, 0.0], [1.0, 1.0])])
+        for g in range(2)
+    ]
     batch = make_batch(groups, 6, 32, token_advantages=lambda rs: turn_rloo_token_advantages(rs, 0.0))
     per_group = [(g.rollouts, turn_rloo_token_advantages(g.rollouts, 0.0)) for g in groups]
     want = np.concatenate([a[r.loss_mask()] for rs, adv in per_group for r, a in zip(rs, adv, strict=True)])

@@ -47,14 +47,20 @@ def cluster():
 def _config(cluster, out, steps: int, eval_every: int):
     config = parse_config(
         [
-            "--config", "experiments/quickstart.yaml",
-            "--output_dir", str(out),
-            "--orchestrator.num_steps", str(steps),
-            "--orchestrator.eval_every", str(eval_every),
-            "--orchestrator.ray_address", cluster.address,
-            "--placement.wait_timeout_s", "120",
+            "--config",
+            "experiments/quickstart.yaml",
+            "--output_dir",
+            str(out),
+            "--orchestrator.num_steps",
+            str(steps),
+            "--orchestrator.eval_every",
+            str(eval_every),
+            "--orchestrator.ray_address",
+            cluster.address,
+            "--placement.wait_timeout_s",
+            "120",
         ]
-    )  # fmt: skip
+    )
     placement = dataclasses.replace(
         config.placement,
         learner=RoleResources(resources={"learner_node": 1}),

@@ -263,10 +263,13 @@ def test_request_straddling_an_update_continues_under_new_weights(served):
     # Measured with both cores busy: frozen after 1-23 of 120 tokens in 6 of 7 tries, after all 120 in one.
     push(9, a)
     seed = next(
-        (s for s in range(40) if len(_sample(served["address"], prompt, max_tokens=max_tokens, seed=s)[0].token_ids)
-         == max_tokens),
+        (
+            s
+            for s in range(40)
+            if len(_sample(served["address"], prompt, max_tokens=max_tokens, seed=s)[0].token_ids) == max_tokens
+        ),
         None,
-    )  # fmt: skip
+    )
     assert seed is not None, f"no seed in 0..39 samples {max_tokens} tokens without EOS under the random weights"
     straddled, attempts = [], []
     for attempt in range(5):

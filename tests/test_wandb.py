@@ -92,7 +92,7 @@ def test_offline_run_records_metrics_and_config(tmp_path):
                 eval_every=3,
                 log_every=2,
                 optimizer=OptimizerConfig(learning_rate=3e-3),
-            ),  # fmt: skip
+            ),
         ),
     )
     config.tracking.wandb_mode = "offline"

@@ -259,8 +259,10 @@ class InferenceEngine:
             for address in self.addresses:
                 body = self._control(address, "weights")
                 if int(body.get("version", -2)) != update.version:
-                    raise RuntimeError(f"server {address} serves version {body.get('version')} after the weight "
-                                       f"update, not {update.version}")  # fmt: skip
+                    raise RuntimeError(
+                        f"server {address} serves version {body.get('version')} after the weight "
+                        f"update, not {update.version}"
+                    )
             apply_s = time.time() - start
         self.set_version(update.version)
         return {
@@ -403,8 +405,10 @@ class InferenceEngine:
                     return [self._done.popleft() for _ in range(count)]
                 left = None if deadline is None else deadline - time.time()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"{len(self._done)} of {count} groups finished within {timeout}s "
-                                       f"({self._in_flight} rollouts in flight)")  # fmt: skip
+                    raise TimeoutError(
+                        f"{len(self._done)} of {count} groups finished within {timeout}s "
+                        f"({self._in_flight} rollouts in flight)"
+                    )
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
 
     def prepare_batch(
@@ -452,8 +456,9 @@ class InferenceEngine:
                     if len(out) >= self.config.batch_size:
                         break
                     if self._source is None and not self._in_flight and not self._pending:
-                        raise StopIteration(f"the dataloader ran out with {len(out)} of {self.config.batch_size} "
-                                            "groups of the batch")  # fmt: skip
+                        raise StopIteration(
+                            f"the dataloader ran out with {len(out)} of {self.config.batch_size} groups of the batch"
+                        )
                     left = None if deadline is None else deadline - time.time()
                     if left is not None and left <= 0:
                         raise TimeoutError(f"{len(out)} of {self.config.batch_size} groups within {timeout}s")

@@ -38,20 +38,27 @@ def make_batch(
         if token_advantages is not None:
             per_token = list(token_advantages(group.rollouts))
             if len(per_token) != len(group.rollouts):
-                raise ValueError(f"token_advantages gave {len(per_token)} arrays for the {len(group.rollouts)} "
-                                 f"rollouts of group {group.group_id}")  # fmt: skip
-            seqs += [Sequence.from_rollout(r, 0.0, token_advantages=np.asarray(a, np.float32))
-                     for r, a in zip(group.rollouts, per_token, strict=True)]  # fmt: skip
+                raise ValueError(
+                    f"token_advantages gave {len(per_token)} arrays for the {len(group.rollouts)} "
+                    f"rollouts of group {group.group_id}"
+                )
+            seqs += [
+                Sequence.from_rollout(r, 0.0, token_advantages=np.asarray(a, np.float32))
+                for r, a in zip(group.rollouts, per_token, strict=True)
+            ]
             continue
         adv = np.asarray(advantages(group.rewards), dtype=np.float64)
         if adv.shape != (len(group.rollouts),):
-            raise ValueError(f"advantages of group {group.group_id} have shape {adv.shape}, expected "
-                             f"({len(group.rollouts)},)")  # fmt: skip
+            raise ValueError(
+                f"advantages of group {group.group_id} have shape {adv.shape}, expected ({len(group.rollouts)},)"
+            )
         seqs += [Sequence.from_rollout(r, float(a)) for r, a in zip(group.rollouts, adv, strict=True)]
     batch, placed = pack(seqs, num_rows, row_len)
     if len(placed) != len(seqs):
-        raise ValueError(f"only {len(placed)} of {len(seqs)} rollouts fit {num_rows} rows of {row_len} tokens; "
-                         "pass more rows or fewer groups")  # fmt: skip
+        raise ValueError(
+            f"only {len(placed)} of {len(seqs)} rollouts fit {num_rows} rows of {row_len} tokens; "
+            "pass more rows or fewer groups"
+        )
     return batch
 
 
@@ -93,8 +100,9 @@ class TrainEngine:
             examples = list(source)
         cfg = self.learner.config.warm_start
         if steps is not None:
-            self.learner.config.warm_start = type(cfg)(steps=steps, learning_rate=cfg.learning_rate,
-                                                       batch_rows=cfg.batch_rows)  # fmt: skip
+            self.learner.config.warm_start = type(cfg)(
+                steps=steps, learning_rate=cfg.learning_rate, batch_rows=cfg.batch_rows
+            )
         try:
             return self.learner.warm_start(
                 examples, self.config.batcher.max_seq_len, seed=self.config.orchestrator.seed

@@ -179,9 +179,12 @@ class ArrowFlightTransport(WeightTransport):
             return None
         nbytes = sum(leaf["nbytes"] for leaf in manifest["leaves"])
         return WeightUpdate(
-            manifest["version"], self.name, {"location": location, "manifest": manifest}, nbytes,
+            manifest["version"],
+            self.name,
+            {"location": location, "manifest": manifest},
+            nbytes,
             publish_id=manifest["publish_id"],
-        )  # fmt: skip
+        )
 
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
         location, manifest = update.payload["location"], update.payload["manifest"]

@@ -60,15 +60,22 @@ class AutoTransport(WeightTransport):
             choice = "shared_memory"
         else:
             choice = "ray"
-        logger.info("broadcast.transport auto -> %s (%d Ray node(s); %s: %.0f MB free, %.0f MB needed for slots)",
-                    choice, nodes, root, free / 1e6, needed / 1e6)  # fmt: skip
+        logger.info(
+            "broadcast.transport auto -> %s (%d Ray node(s); %s: %.0f MB free, %.0f MB needed for slots)",
+            choice,
+            nodes,
+            root,
+            free / 1e6,
+            needed / 1e6,
+        )
         return choice
 
     def publish(self, version: int, params: Any) -> WeightUpdate:
         if self.chosen is None:
             leaves = flatten_params(params)
-            self.chosen = self._choose(sum(np.dtype(leaf_dtype(x, self.config.dtype)).itemsize * int(np.size(x))
-                                           for x in leaves))  # fmt: skip
+            self.chosen = self._choose(
+                sum(np.dtype(leaf_dtype(x, self.config.dtype)).itemsize * int(np.size(x)) for x in leaves)
+            )
         self._latest = self._get(self.chosen).publish(version, params)
         return self._latest
 

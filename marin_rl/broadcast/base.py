@@ -298,8 +298,12 @@ class WeightSubscriber:
         done = time.perf_counter()
         self.transport.applied(update)
         self.applied = update
-        out = {"version": update.version, "bytes": update.num_bytes, "fetch_s": fetched - start,
-               "apply_s": done - fetched}  # fmt: skip
+        out = {
+            "version": update.version,
+            "bytes": update.num_bytes,
+            "fetch_s": fetched - start,
+            "apply_s": done - fetched,
+        }
         if isinstance(details, dict):
             out.update({f"apply/{k}": v for k, v in details.items() if k not in ("version", "bytes")})
         return out

@@ -114,9 +114,12 @@ class FsspecTransport(WeightTransport):
         except FileNotFoundError:
             return None
         return WeightUpdate(
-            pointer["version"], self.name, {"dir": pointer["dir"]}, pointer["num_bytes"],
+            pointer["version"],
+            self.name,
+            {"dir": pointer["dir"]},
+            pointer["num_bytes"],
             publish_id=pointer["publish_id"],
-        )  # fmt: skip
+        )
 
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
         name = update.payload["dir"]

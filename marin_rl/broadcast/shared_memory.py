@@ -228,8 +228,12 @@ class SharedMemoryTransport(WeightTransport):
                     f"{self.max_slots} slots is held by a server that has not applied a newer version"
                 )
             if waited > 10 and not warned:
-                logger.warning("publish waits for a server to release one of %d weight slots in %s (%.0f s)",
-                               self.max_slots, self.directory, waited)  # fmt: skip
+                logger.warning(
+                    "publish waits for a server to release one of %d weight slots in %s (%.0f s)",
+                    self.max_slots,
+                    self.directory,
+                    waited,
+                )
                 warned = True
             time.sleep(0.002)
 
@@ -253,15 +257,18 @@ class SharedMemoryTransport(WeightTransport):
         publish_id = uuid.uuid4().hex
         try:
             slot.mm[: len(MAGIC) + 32] = b"\0" * (len(MAGIC) + 32)  # no valid publish id while the data changes
-            views = [np.frombuffer(slot.mm, dt, int(np.prod(shape, dtype=np.int64)), off).reshape(shape)
-                     for (off, shape, _), dt in zip(entries, dtypes, strict=True)]  # fmt: skip
+            views = [
+                np.frombuffer(slot.mm, dt, int(np.prod(shape, dtype=np.int64)), off).reshape(shape)
+                for (off, shape, _), dt in zip(entries, dtypes, strict=True)
+            ]
             self._copy(list(zip(views, sources, strict=True)))
             del views
             slot.mm[: len(MAGIC) + 32] = MAGIC + publish_id.encode()
         finally:
             fcntl.flock(slot.fd, fcntl.LOCK_UN)
-        num_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-                        for (_, shape, _), dt in zip(entries, dtypes, strict=True))  # fmt: skip
+        num_bytes = sum(
+            int(np.prod(shape, dtype=np.int64)) * dt.itemsize for (_, shape, _), dt in zip(entries, dtypes, strict=True)
+        )
         payload = {"host": _host_id(), "directory": self.directory, "slot": index, "leaves": entries}
         update = WeightUpdate(int(version), self.name, payload, num_bytes, publish_id=publish_id)
         self._latest_slot = index
@@ -270,8 +277,13 @@ class SharedMemoryTransport(WeightTransport):
         return update
 
     def _write_pointer(self, update: WeightUpdate) -> None:
-        pointer = {"version": update.version, "publish_id": update.publish_id, "num_bytes": update.num_bytes,
-                   "published_at": update.published_at, "payload": update.payload}  # fmt: skip
+        pointer = {
+            "version": update.version,
+            "publish_id": update.publish_id,
+            "num_bytes": update.num_bytes,
+            "published_at": update.published_at,
+            "payload": update.payload,
+        }
         target = os.path.join(self.directory, POINTER)
         tmp = f"{target}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "w") as f:
@@ -292,9 +304,13 @@ class SharedMemoryTransport(WeightTransport):
         except FileNotFoundError:
             return None
         return WeightUpdate(
-            pointer["version"], self.name, pointer["payload"], pointer["num_bytes"],
-            publish_id=pointer["publish_id"], published_at=pointer["published_at"],
-        )  # fmt: skip
+            pointer["version"],
+            self.name,
+            pointer["payload"],
+            pointer["num_bytes"],
+            publish_id=pointer["publish_id"],
+            published_at=pointer["published_at"],
+        )
 
     def _reader(self, path: str) -> _Mapping:
         """A read-only map of the slot file at `path` (a new one when the file was replaced)."""

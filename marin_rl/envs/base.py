@@ -161,8 +161,9 @@ class SingleTurnEnvironment(Environment):
             own = await aevaluate_rewards(*self._reward_function_args(problem, prompt_ids, completion, completion_ids))
         else:
             own = self.score(problem, completion)
-        added = await self.added_reward_values(problem, problem.prompt, completion, list(prompt_ids),
-                                               list(completion_ids))  # fmt: skip
+        added = await self.added_reward_values(
+            problem, problem.prompt, completion, list(prompt_ids), list(completion_ids)
+        )
         clash = sorted(set(own) & set(added))
         if clash:
             raise ValueError(f"{self.name}: rewards {clash} are both scored by the environment and added")

@@ -75,8 +75,12 @@ class RunningSumEnvironment(MultiTurnEnvironment):
         messages = []
         for i, total in enumerate(totals):
             slip = self._demo_rng.random() < self.demo_error_rate
-            messages.append({"role": "assistant", "content": str(max(0, total + self._demo_rng.choice((-1, 1))))
-                             if slip else str(total)})  # fmt: skip
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": str(max(0, total + self._demo_rng.choice((-1, 1)))) if slip else str(total),
+                }
+            )
             if i + 1 < len(totals):
                 messages.append({"role": "user", "content": f"{total}+{terms[i + 2]}="})
         return messages

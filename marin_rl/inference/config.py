@@ -103,8 +103,9 @@ class LevanterServerConfig:
         if self.engine not in LEVANTER_ENGINES:
             raise ValueError(f"inference.levanter.engine must be one of {LEVANTER_ENGINES}, got {self.engine!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"inference.levanter.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
-                             f"{self.kv_cache_dtype!r}")  # fmt: skip
+            raise ValueError(
+                f"inference.levanter.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         seg = self.segment_tokens
         if seg is not None and (not isinstance(seg, int) or isinstance(seg, bool) or seg < 1):
             raise ValueError(f"inference.levanter.segment_tokens must be a positive integer or null, got {seg!r}")

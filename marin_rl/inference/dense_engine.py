@@ -46,16 +46,22 @@ def check_supported(model: LmHeadModel) -> None:
     transformer = getattr(model, "transformer", None)
     layers = getattr(transformer, "layers", None)
     if layers is None or not hasattr(layers, "unstacked"):
-        raise ValueError(f"the dense engine decodes Llama-family models; {type(model).__name__} has no layer stack "
-                         "(use inference.levanter.engine: paged)")  # fmt: skip
+        raise ValueError(
+            f"the dense engine decodes Llama-family models; {type(model).__name__} has no layer stack "
+            "(use inference.levanter.engine: paged)"
+        )
     layer = layers.unstacked()[0]
     if not isinstance(layer, LlamaDecoderLayer):
-        raise ValueError(f"the dense engine decodes LlamaDecoderLayer stacks, not {type(layer).__name__} "
-                         "(use inference.levanter.engine: paged)")  # fmt: skip
+        raise ValueError(
+            f"the dense engine decodes LlamaDecoderLayer stacks, not {type(layer).__name__} "
+            "(use inference.levanter.engine: paged)"
+        )
     attn = layer.self_attn
     if type(attn) is not Attention:
-        raise ValueError(f"the dense engine supports plain multi-head attention, not {type(attn).__name__} "
-                         "(use inference.levanter.engine: paged)")  # fmt: skip
+        raise ValueError(
+            f"the dense engine supports plain multi-head attention, not {type(attn).__name__} "
+            "(use inference.levanter.engine: paged)"
+        )
     if getattr(attn.config, "sliding_window", None) is not None:
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
 
@@ -127,10 +133,12 @@ def _generate(model, sampler: Sampler, tokens, lengths, limits, temperatures, ke
     cfg = model.transformer.layers.unstacked()[0].self_attn.config
     heads, head_size = cfg.KVHeads.size, cfg.HeadSize.size
     caches = [
-        (jnp.zeros((rows, heads, head_size, positions), cache_dtype),
-         jnp.zeros((rows, heads, positions, head_size), cache_dtype))
+        (
+            jnp.zeros((rows, heads, head_size, positions), cache_dtype),
+            jnp.zeros((rows, heads, positions, head_size), cache_dtype),
+        )
         for _ in model.transformer.layers.unstacked()
-    ]  # fmt: skip
+    ]
     logprobs = jnp.zeros((rows, positions), jnp.float32)
     sampled = jnp.zeros((rows,), jnp.int32)
     done = lengths >= limits
@@ -219,9 +227,7 @@ class DenseEngine:
                 st = np.asarray(params.stop_tokens.array, np.int32)  # [K, L] left padded
                 stops[i, : st.shape[0], self.max_stop_tokens - st.shape[1] :] = st
         out, logprobs, sampled = jax.device_get(
-            self._jitted(
-                self.model, self.sampler, tokens, lengths, limits, temperatures, keys, stops, self.cache_dtype
-            )  # fmt: skip
+            self._jitted(self.model, self.sampler, tokens, lengths, limits, temperatures, keys, stops, self.cache_dtype)
         )
         result_tokens, result_logprobs = [], []
         for i in range(n):

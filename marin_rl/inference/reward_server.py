@@ -86,15 +86,18 @@ class RewardModelConfig:
         if not isinstance(self.name, str) or not self.name.strip() or "/" in self.name:
             raise ValueError(f"reward_models[*].name must be a non-empty name without '/', got {self.name!r}")
         if self.num_servers < 1 or self.max_batch_rows < 1:
-            raise ValueError(f"reward_models[{self.name}]: num_servers and max_batch_rows must be >= 1, got "
-                             f"{self.num_servers} and {self.max_batch_rows}")  # fmt: skip
+            raise ValueError(
+                f"reward_models[{self.name}]: num_servers and max_batch_rows must be >= 1, got "
+                f"{self.num_servers} and {self.max_batch_rows}"
+            )
         if self.batch_timeout_s < 0:
             raise ValueError(f"reward_models[{self.name}].batch_timeout_s must be >= 0, got {self.batch_timeout_s}")
         for field_name in ("length_buckets", "row_buckets"):
             buckets = getattr(self, field_name)
             if buckets is not None and (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)):
-                raise ValueError(f"reward_models[{self.name}].{field_name} must be null or positive integers, got "
-                                 f"{buckets!r}")  # fmt: skip
+                raise ValueError(
+                    f"reward_models[{self.name}].{field_name} must be null or positive integers, got {buckets!r}"
+                )
 
 
 class RewardItem(BaseModel):
@@ -144,10 +147,18 @@ class RewardServer:
         self.model = jax.tree_util.tree_map(lambda x: jax.device_put(x) if eqx.is_array(x) else x, model)
         self.max_seq_len = spec.max_seq_len
         self.vocab_size = spec.vocab_size
-        self.length_buckets = sorted({b for b in (config.length_buckets or default_buckets(self.max_seq_len, 16, 2))
-                                      if b < self.max_seq_len} | {self.max_seq_len})  # fmt: skip
-        self.row_buckets = sorted({b for b in (config.row_buckets or default_buckets(config.max_batch_rows, 1, 4))
-                                   if b < config.max_batch_rows} | {config.max_batch_rows})  # fmt: skip
+        self.length_buckets = sorted(
+            {b for b in (config.length_buckets or default_buckets(self.max_seq_len, 16, 2)) if b < self.max_seq_len}
+            | {self.max_seq_len}
+        )
+        self.row_buckets = sorted(
+            {
+                b
+                for b in (config.row_buckets or default_buckets(config.max_batch_rows, 1, 4))
+                if b < config.max_batch_rows
+            }
+            | {config.max_batch_rows}
+        )
         output = spec.output
 
         def score(model, ids, lengths):
@@ -160,8 +171,17 @@ class RewardServer:
         self._shutdown = threading.Event()
         self._thread = threading.Thread(target=self._batch_loop, name=f"{self.name}-batches", daemon=True)
         self._thread.start()
-        self.counters = {"requests": 0, "rejected": 0, "items": 0, "batches": 0, "device_calls": 0, "tokens": 0,
-                         "padded_tokens": 0, "device_s": 0.0, "backend_s": 0.0}  # fmt: skip
+        self.counters = {
+            "requests": 0,
+            "rejected": 0,
+            "items": 0,
+            "batches": 0,
+            "device_calls": 0,
+            "tokens": 0,
+            "padded_tokens": 0,
+            "device_s": 0.0,
+            "backend_s": 0.0,
+        }
         self.shapes: set[tuple[int, int]] = set()
         """(rows, length) shapes scored so far (each compiled once)."""
         self.app = reward_app(self)
@@ -199,12 +219,15 @@ class RewardServer:
             if not seq:
                 raise ValueError(f"items[{i}]: empty sequence (prompt_ids and completion_ids are both empty)")
             if len(seq) > self.max_seq_len:
-                raise ValueError(f"items[{i}]: {len(seq)} tokens exceed the reward model's max_seq_len="
-                                 f"{self.max_seq_len}")  # fmt: skip
+                raise ValueError(
+                    f"items[{i}]: {len(seq)} tokens exceed the reward model's max_seq_len={self.max_seq_len}"
+                )
             bad = next((t for t in seq if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise ValueError(f"items[{i}]: token id {bad} at position {seq.index(bad)} is outside the reward "
-                                 f"model's vocabulary [0, {self.vocab_size})")  # fmt: skip
+                raise ValueError(
+                    f"items[{i}]: token id {bad} at position {seq.index(bad)} is outside the reward "
+                    f"model's vocabulary [0, {self.vocab_size})"
+                )
             out.append(seq)
         return out
 
@@ -296,8 +319,12 @@ def reward_app(server: RewardServer) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "healthy", "model": server.config.name, "max_seq_len": server.max_seq_len,
-                "vocab_size": server.vocab_size}  # fmt: skip
+        return {
+            "status": "healthy",
+            "model": server.config.name,
+            "max_seq_len": server.max_seq_len,
+            "vocab_size": server.vocab_size,
+        }
 
     @app.get("/v1/stats")
     async def stats():
@@ -380,8 +407,9 @@ class RewardClient:
                 raise RuntimeError(f"reward model {self.name!r} ({server}): HTTP {r.status_code} {r.text[:500]}")
             values = r.json()["rewards"]
             if len(values) != len(items):
-                raise RuntimeError(f"reward model {self.name!r} ({server}) returned {len(values)} rewards for "
-                                   f"{len(items)} items")  # fmt: skip
+                raise RuntimeError(
+                    f"reward model {self.name!r} ({server}) returned {len(values)} rewards for {len(items)} items"
+                )
             self.requests += 1
             self.items += len(items)
             self.request_s += time.perf_counter() - start

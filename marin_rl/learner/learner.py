@@ -544,12 +544,16 @@ class Learner:
         else:
             data["advantages"] = batch.advantages
         if batch.rewards is None and self.reads_token_rewards:
-            raise ValueError(f"algorithm {self.algorithm.name!r} needs batches with per-token rewards: set "
-                             "replay.advantage_estimator: gae")  # fmt: skip
+            raise ValueError(
+                f"algorithm {self.algorithm.name!r} needs batches with per-token rewards: set "
+                "replay.advantage_estimator: gae"
+            )
         if batch.rewards is not None and not self.reads_token_rewards:
-            raise ValueError(f"the batch carries per-token rewards (replay.advantage_estimator: gae) but algorithm "
-                             f"{self.algorithm.name!r} does not use them: its group advantages are all 0 (choose an "
-                             "algorithm that does, e.g. learner.algorithm: ppo)")  # fmt: skip
+            raise ValueError(
+                f"the batch carries per-token rewards (replay.advantage_estimator: gae) but algorithm "
+                f"{self.algorithm.name!r} does not use them: its group advantages are all 0 (choose an "
+                "algorithm that does, e.g. learner.algorithm: ppo)"
+            )
         metrics: dict[str, float] = {}
         for call in self.learner_calls:  # the algorithm's learner-side graph, in order
             metrics.update(learner_call(call.function)(self, data, loss=loss, loss_weight_fn=loss_weight_fn))

@@ -44,8 +44,10 @@ class OptimizerConfig:
         if self.warmup_steps < 0:
             raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.schedule != "constant" and (self.decay_steps is None or self.decay_steps < 1):
-            raise ValueError(f"optimizer.schedule {self.schedule!r} needs decay_steps >= 1 (optimizer steps after the "
-                             f"warmup), got {self.decay_steps}")  # fmt: skip
+            raise ValueError(
+                f"optimizer.schedule {self.schedule!r} needs decay_steps >= 1 (optimizer steps after the "
+                f"warmup), got {self.decay_steps}"
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 

@@ -184,8 +184,9 @@ def save_reward_model(model: ValueModel, spec: RewardModelSpec, path: str) -> st
     existing checkpoint there is replaced). The weights go first, `reward_model.json` last. Returns `path`."""
     embed_rows = int(model.trunk.Vocab.size) if hasattr(model.trunk, "Vocab") else spec.vocab_size
     if embed_rows != spec.vocab_size:
-        raise ValueError(f"saving a reward model: its vocabulary has {embed_rows} rows, spec.vocab_size says "
-                         f"{spec.vocab_size}")  # fmt: skip
+        raise ValueError(
+            f"saving a reward model: its vocabulary has {embed_rows} rows, spec.vocab_size says {spec.vocab_size}"
+        )
     fs, root = fsspec.core.url_to_fs(path)
     if fs.exists(os.path.join(root, SPEC_FILE)):
         fs.rm(os.path.join(root, SPEC_FILE))  # no longer a complete checkpoint while its weights are rewritten
@@ -204,13 +205,17 @@ def read_reward_model_spec(path: str) -> RewardModelSpec:
     spec_path = os.path.join(path, SPEC_FILE)
     fs, plain = fsspec.core.url_to_fs(spec_path)
     if not fs.exists(plain):
-        raise FileNotFoundError(f"{path} is not a reward-model checkpoint: it has no {SPEC_FILE} (missing, or a "
-                                "checkpoint whose writer did not finish)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{path} is not a reward-model checkpoint: it has no {SPEC_FILE} (missing, or a "
+            "checkpoint whose writer did not finish)"
+        )
     with fsspec.open(spec_path, "r") as f:
         raw = json.load(f)
     if raw.get("kind") != "marin_rl.reward_model" or int(raw.get("format", 0)) > FORMAT:
-        raise ValueError(f"{spec_path}: not a reward-model spec this marin_rl reads (kind {raw.get('kind')!r}, "
-                         f"format {raw.get('format')!r}; this version reads format <= {FORMAT})")  # fmt: skip
+        raise ValueError(
+            f"{spec_path}: not a reward-model spec this marin_rl reads (kind {raw.get('kind')!r}, "
+            f"format {raw.get('format')!r}; this version reads format <= {FORMAT})"
+        )
     try:
         return RewardModelSpec(
             model=draccus.decode(ModelConfig, raw["model"]),
@@ -242,8 +247,10 @@ def load_reward_model(path: str) -> tuple[ValueModel, RewardModelSpec]:
         raise ValueError(f"{weights} does not hold the arrays of the architecture in {SPEC_FILE}: {e}") from e
     for i, (want, got) in enumerate(zip(shapes, loaded, strict=True)):
         if tuple(want.shape) != tuple(got.shape):
-            raise ValueError(f"{weights}: array {i} has shape {tuple(got.shape)}, the architecture in {SPEC_FILE} "
-                             f"needs {tuple(want.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{weights}: array {i} has shape {tuple(got.shape)}, the architecture in {SPEC_FILE} "
+                f"needs {tuple(want.shape)}"
+            )
     arrays = [jnp.asarray(x, dtype=want.dtype) for want, x in zip(shapes, loaded, strict=True)]
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, arrays), static), spec
 
@@ -259,8 +266,10 @@ def with_extra_layers(model: LmHeadModel, config: ModelConfig, extra: int) -> tu
     n = getattr(arch, "num_layers", None)
     if n is None or not getattr(arch, "scan_layers", False):
         scan = getattr(arch, "scan_layers", None)
-        raise ValueError(f"adding layers needs an architecture with num_layers and scan_layers: true; "
-                         f"{type(arch).__name__} has num_layers={n}, scan_layers={scan}")  # fmt: skip
+        raise ValueError(
+            f"adding layers needs an architecture with num_layers and scan_layers: true; "
+            f"{type(arch).__name__} has num_layers={n}, scan_layers={scan}"
+        )
     bigger = dataclasses.replace(
         config, architecture=dataclasses.replace(arch, num_layers=n + extra), init_from_hf=None, seed=config.seed + 1
     )
@@ -270,8 +279,10 @@ def with_extra_layers(model: LmHeadModel, config: ModelConfig, extra: int) -> tu
     old_leaves = jax.tree_util.tree_leaves(old_arrays)
     new_leaves, treedef = jax.tree_util.tree_flatten(new_arrays)
     if len(old_leaves) != len(new_leaves):
-        raise ValueError(f"adding layers: the {n + extra}-layer model has {len(new_leaves)} arrays, the {n}-layer one "
-                         f"{len(old_leaves)}")  # fmt: skip
+        raise ValueError(
+            f"adding layers: the {n + extra}-layer model has {len(new_leaves)} arrays, the {n}-layer one "
+            f"{len(old_leaves)}"
+        )
     merged = []
     for old, new in zip(old_leaves, new_leaves, strict=True):
         if old.shape == new.shape:

@@ -191,8 +191,12 @@ class EnvPool:
         self._failures_in_a_row += 1
         cause = getattr(error, "cause", None) or error
         if self._failures_in_a_row == 1 or self._failures_in_a_row % 50 == 0:
-            logger.warning("%s: a group failed (%s: %s); its problem is handed out again", self.name,
-                           type(cause).__name__, str(cause).splitlines()[0][:200] if str(cause) else "")  # fmt: skip
+            logger.warning(
+                "%s: a group failed (%s: %s); its problem is handed out again",
+                self.name,
+                type(cause).__name__,
+                str(cause).splitlines()[0][:200] if str(cause) else "",
+            )
         if self._failures_in_a_row > self.MAX_FAILURES_IN_A_ROW:
             raise RuntimeError(
                 f"{self.name}: {self._failures_in_a_row} groups failed in a row; the last one with: {cause!r}"

@@ -309,8 +309,13 @@ class Orchestrator:
         while True:
             self.learner_budget.spend("a learner process")
             cause = str(error).splitlines()[0][:200] if str(error) else ""
-            logger.error("a learner process died (%s: %s) after step %d; replacing the learner and rolling back to "
-                         "the latest checkpoint", type(error).__name__, cause, before)  # fmt: skip
+            logger.error(
+                "a learner process died (%s: %s) after step %d; replacing the learner and rolling back to "
+                "the latest checkpoint",
+                type(error).__name__,
+                cause,
+                before,
+            )
             self.learner.kill()
             self.training = self.formed = None
             self.waiting_for = {}
@@ -341,8 +346,12 @@ class Orchestrator:
         self.window = {"gen_tokens": 0, "since": time.time()}
         logger.warning(
             "learner replaced in %.1fs: rolled back from step %d to step %d (%s); %d group(s) in flight dropped",
-            time.time() - started, before, self.step, path or "the start of the run", dropped,
-        )  # fmt: skip
+            time.time() - started,
+            before,
+            self.step,
+            path or "the start of the run",
+            dropped,
+        )
 
     # ---- step hooks -----------------------------------------------------------------------------------
     def _make_hooks(self) -> StepHooks:
@@ -391,8 +400,11 @@ class Orchestrator:
         t = time.time()
         update = self.learner.run("publish")
         if update.transport != self.broadcast_transport:
-            logger.info("weights travel through broadcast transport %r (%.1f MB per version)",
-                        update.transport, update.num_bytes / 1e6)  # fmt: skip
+            logger.info(
+                "weights travel through broadcast transport %r (%.1f MB per version)",
+                update.transport,
+                update.num_bytes / 1e6,
+            )
             self.broadcast_transport = update.transport
         self._published = update
         return {"broadcast/publish_s": time.time() - t}
@@ -464,8 +476,13 @@ class Orchestrator:
             self._watchdog = Watchdog()
             self._watchdog.start()
             # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
-            ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=True,
-                     logging_level=logging.WARNING)  # fmt: skip
+            ray.init(
+                address="local",
+                num_cpus=cfg.num_cpus,
+                include_dashboard=False,
+                log_to_driver=True,
+                logging_level=logging.WARNING,
+            )
         self._started_ray = True
 
     def _start_components(self) -> None:

@@ -28,8 +28,18 @@ from contextlib import contextmanager
 from typing import Any
 
 DRIVER_SECTIONS = (
-    "batch", "launch", "wait", "collect", "admit", "book", "publish", "broadcast", "eval", "export", "checkpoint",
-)  # fmt: skip
+    "batch",
+    "launch",
+    "wait",
+    "collect",
+    "admit",
+    "book",
+    "publish",
+    "broadcast",
+    "eval",
+    "export",
+    "checkpoint",
+)
 """The driver's sections in report order (`recover` and any other section follow when they occurred)."""
 
 

@@ -32,8 +32,13 @@ class RewardServerPool:
             spec = read_reward_model_spec(model.path)  # a missing checkpoint fails here, before any actor starts
             if spec.max_seq_len < config.inference.max_seq_len:
                 longest = config.inference.max_seq_len
-                logger.warning("reward model %s scores at most %d tokens, but episodes may reach inference.max_seq_len="
-                               "%d; longer ones will fail", name, spec.max_seq_len, longest)  # fmt: skip
+                logger.warning(
+                    "reward model %s scores at most %d tokens, but episodes may reach inference.max_seq_len="
+                    "%d; longer ones will fail",
+                    name,
+                    spec.max_seq_len,
+                    longest,
+                )
             options = model.placement.actor_options("reward_servers")
             self.actors[name] = [
                 RewardServerActor.options(max_concurrency=4, **options).remote(model, f"{name}-{i}")

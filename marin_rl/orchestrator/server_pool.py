@@ -112,8 +112,9 @@ class ServerPool:
             except RayActorError as e:
                 if time.time() >= deadline:
                     raise
-                logger.warning("replacement of inference server %d died while starting (%s); trying again", index,
-                               type(e).__name__)  # fmt: skip
+                logger.warning(
+                    "replacement of inference server %d died while starting (%s); trying again", index, type(e).__name__
+                )
                 time.sleep(1.0)
         logger.info(
             "inference server %d replaced at %s with version %s (%.1fs)",

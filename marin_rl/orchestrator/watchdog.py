@@ -166,7 +166,7 @@ class Watchdog:
                 root,
                 "--slot-prefix",
                 prefix,
-            ],  # fmt: skip
+            ],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

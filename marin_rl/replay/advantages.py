@@ -116,8 +116,10 @@ def turn_rloo_token_advantages(rollouts: list[Rollout], lam: float = 1.0) -> lis
     the sampled tokens), aligned with the rollout's `token_ids`."""
     turns = [policy_turns(r) for r in rollouts]
     per_turn = turn_rloo([rewards for _, rewards in turns], lam)
-    return [np.where(turn_of >= 0, adv[np.maximum(turn_of, 0)] if adv.size else 0.0, 0.0)
-            for (turn_of, _), adv in zip(turns, per_turn, strict=True)]  # fmt: skip
+    return [
+        np.where(turn_of >= 0, adv[np.maximum(turn_of, 0)] if adv.size else 0.0, 0.0)
+        for (turn_of, _), adv in zip(turns, per_turn, strict=True)
+    ]
 
 
 ESTIMATORS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo}

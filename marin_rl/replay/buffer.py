@@ -305,8 +305,10 @@ class ReplayBuffer:
         token_advantages: list[np.ndarray | None] = [None] * len(group.rollouts)
         if self.config.advantage_estimator == "turn_rloo":
             token_advantages = turn_rloo_token_advantages(group.rollouts, self.config.turn_lambda)
-            advantages = [float(a[r.loss_mask()].mean()) if r.num_sampled_tokens else 0.0
-                          for r, a in zip(group.rollouts, token_advantages, strict=True)]  # fmt: skip
+            advantages = [
+                float(a[r.loss_mask()].mean()) if r.num_sampled_tokens else 0.0
+                for r, a in zip(group.rollouts, token_advantages, strict=True)
+            ]
         else:
             advantages = self.advantages(rewards, group.baseline_reward)
         now = time.time()
@@ -355,8 +357,13 @@ class ReplayBuffer:
                 self.learner_version,
             )
         if too_long or truncated:
-            logger.info("replay[%s]: %d rollouts longer than %d tokens dropped, %d truncated",
-                        self.env_name, too_long, self.max_tokens, truncated)  # fmt: skip
+            logger.info(
+                "replay[%s]: %d rollouts longer than %d tokens dropped, %d truncated",
+                self.env_name,
+                too_long,
+                self.max_tokens,
+                truncated,
+            )
         overflow = len(self.items) - self.config.capacity
         if overflow > 0:
             del self.items[:overflow]

@@ -68,8 +68,10 @@ def gae_packed(
     rewards, values = np.asarray(rewards, np.float64), np.asarray(values, np.float64)
     mask, segment_ids = np.asarray(mask, bool), np.asarray(segment_ids)
     if rewards.ndim != 2 or not rewards.shape == values.shape == mask.shape == segment_ids.shape:
-        raise ValueError(f"rewards, values, mask and segment_ids must be (rows, positions) arrays of one shape, got "
-                         f"{rewards.shape}, {values.shape}, {mask.shape}, {segment_ids.shape}")  # fmt: skip
+        raise ValueError(
+            f"rewards, values, mask and segment_ids must be (rows, positions) arrays of one shape, got "
+            f"{rewards.shape}, {values.shape}, {mask.shape}, {segment_ids.shape}"
+        )
     lam_between = lam if lam_between_turns is None else lam_between_turns
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0 and 0.0 <= lam_between <= 1.0):
         raise ValueError(f"gamma and lambda must be in [0, 1], got {gamma}, {lam} (between turns: {lam_between})")

@@ -143,9 +143,9 @@ def test_make_batch_takes_per_token_advantages_from_user_code():
     from marin_rl.api import make_batch
 
     rng = np.random.default_rng(2)
-    groups = [
-        RolloutGroup("e", f"p{g}", [multi_turn_rollout(r, rng) for r in ([1.0, 0.0], [0.0, 0.0], [1.0, 1.0])])
-        for g in range(2)
+    groups = [  # the rollouts' problem is "p" (make_batch validates each group)
+        RolloutGroup("e", "p", [multi_turn_rollout(r, rng) for r in ([1.0, 0.0], [0.0, 0.0], [1.0, 1.0])])
+        for _ in range(2)
     ]
     batch = make_batch(groups, 6, 32, token_advantages=lambda rs: turn_rloo_token_advantages(rs, 0.0))
     per_group = [(g.rollouts, turn_rloo_token_advantages(g.rollouts, 0.0)) for g in groups]

@@ -12,6 +12,11 @@ Two kinds of work:
   preparation), at most η = `max_staleness` versions ahead. `prepare_batch` also discards, and counts, a finished
   group with a token older than v − η, so no group it returns lags more than η versions behind the served policy:
   with weights pushed after every train step (`TrainEngine.update_weights`), no trained token lags more than η.
+  Every gated group is validated when it finishes (`marin_rl.replay.validation.check_group`, the replay buffers'
+  check, against the workflow's name and the vocabulary size when the engine knows it): an invalid one (a token id
+  outside the vocabulary, a logprob count that does not match the sampled tokens, a sampled turn without a policy
+  version, an inconsistent group...) is never handed out by `wait` or `prepare_batch`; it is logged and counted under
+  `rejected/{reason}`, with the reason code a replay buffer would give it, and frees its room in the gate.
 * ungated work — `agenerate`, `rollout_batch`, `evaluate` (evaluation, one-off sampling): runs at once, outside
   the gate.
 
@@ -41,6 +46,7 @@ from marin_rl.envs.base import Environment, Problem, SamplingParams
 from marin_rl.envs.model_rewards import attach_reward_models
 from marin_rl.inference.client import PolicyClient, Sample
 from marin_rl.inference.reward_server import RewardClient, RewardServer
+from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
 
@@ -105,11 +111,14 @@ class InferenceEngine:
         reward_addresses: dict[str, list[str]] | None = None,
         reward_servers: list | None = None,
         env_reward_models: dict[str, list[str]] | None = None,
+        vocab_size: int | None = None,
     ):
         if not addresses:
             raise ValueError("InferenceEngine needs at least one server address")
         self.config = config or EngineConfig()
         self.addresses = list(addresses)
+        self.vocab_size = vocab_size
+        """Vocabulary size gated groups' token ids are validated against (None: only non-negative integers)."""
         self.servers = list(servers or [])
         """In-process servers (`local`), which get weights directly; empty for remote servers."""
         self.reward_servers = list(reward_servers or [])
@@ -137,7 +146,8 @@ class InferenceEngine:
         self._done: collections.deque[GroupResult] = collections.deque()
         self._errors: list[BaseException] = []
         self.counters = collections.Counter()
-        """Gated groups: started, finished, accepted, rejected (by `should_accept`), discarded_stale, failed."""
+        """Gated groups: started, finished (came back from the workflow), `rejected/{reason}` (finished but invalid:
+        validation's reason code), accepted, rejected (by `should_accept`), discarded_stale, failed."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inference-engine", daemon=True)
         self._thread.start()
@@ -197,6 +207,7 @@ class InferenceEngine:
             reward_addresses=reward_addresses,
             reward_servers=reward_servers,
             env_reward_models={e.name: list(e.reward_models) for e in run_config.envs},
+            vocab_size=len(tokenizer),
         )
 
     @classmethod
@@ -207,11 +218,19 @@ class InferenceEngine:
         *,
         control_secret: str | None = None,
         reward_addresses: dict[str, list[str]] | None = None,
+        vocab_size: int | None = None,
     ) -> InferenceEngine:
         """An engine over running servers at `addresses` ('host:port'). Pausing and weight updates use their
         control routes and need `control_secret` (the servers' `inference.control_secret`). `reward_addresses`:
-        running reward servers by model name (for `attach_reward_models`)."""
-        return cls(addresses, config, control_secret=control_secret, reward_addresses=reward_addresses)
+        running reward servers by model name (for `attach_reward_models`). `vocab_size` (e.g. `len(tokenizer)`):
+        gated groups' token ids are checked against it (None: only for being non-negative integers)."""
+        return cls(
+            addresses,
+            config,
+            control_secret=control_secret,
+            reward_addresses=reward_addresses,
+            vocab_size=vocab_size,
+        )
 
     # ---- reward models ------------------------------------------------------------------------------
     def attach_reward_models(self, workflow: Environment, names: list[str] | None = None) -> Environment:
@@ -394,9 +413,10 @@ class InferenceEngine:
         self._pump()
 
     def wait(self, count: int, timeout: float | None = None) -> list[GroupResult]:
-        """Block until `count` gated groups have finished and return them (first finished first). Raises
-        TimeoutError after `timeout` seconds (the finished ones stay for the next call) and re-raises the error of
-        a failed episode."""
+        """Block until `count` gated groups have finished and return them (first finished first). Groups that failed
+        validation are not returned (they are counted under `counters['rejected/{reason}']`). Raises TimeoutError
+        after `timeout` seconds (the finished ones stay for the next call) and re-raises the error of a failed
+        episode."""
         deadline = None if timeout is None else time.time() + timeout
         with self._cond:
             while True:
@@ -422,7 +442,8 @@ class InferenceEngine:
         first), while groups of problems drawn from `dataloader` keep starting, in the background and between
         calls, as the staleness gate allows. Passing the same iterable again continues it; another one replaces it.
         Each call counts as one batch formed (b in the gate). A finished group with a token older than
-        `version − max_staleness` is discarded and counted (`counters['discarded_stale']`). Raises TimeoutError
+        `version − max_staleness` is discarded and counted (`counters['discarded_stale']`); one that failed
+        validation never gets here (`counters['rejected/{reason}']`, module docstring). Raises TimeoutError
         after `timeout` seconds, StopIteration when the dataloader is exhausted before the batch is full, and the
         error of a failed episode."""
         accept = should_accept or (lambda group: True)
@@ -515,8 +536,15 @@ class InferenceEngine:
                 asyncio.run_coroutine_threadsafe(self._run_group(problem, workflow, self._version), self._loop)
 
     async def _run_group(self, problem: Problem, workflow: Environment, version: int) -> None:
+        rejected: GroupRejected | None = None
         try:
             group = await self.worker.run_group(workflow, problem, self.config.group_size, self.config.sampling)
+            try:
+                check_group(group, workflow.name, self.vocab_size)  # the replay buffers' validation
+            except GroupRejected as e:
+                rejected = e
+            else:
+                oldest = min((r.oldest_version for r in group.rollouts), default=version)
         except BaseException as e:  # noqa: BLE001 - handed to the caller of wait/prepare_batch
             with self._cond:
                 self._in_flight -= self.config.group_size
@@ -524,11 +552,21 @@ class InferenceEngine:
                 self._errors.append(e)
                 self._cond.notify_all()
             return
-        oldest = min((r.oldest_version for r in group.rollouts), default=version)
+        if rejected is not None:
+            logger.warning(
+                "InferenceEngine: rejected a group of %s, problem %s (%s): %s",
+                workflow.name,
+                problem.id,
+                rejected.reason,
+                rejected.detail,
+            )
         with self._cond:
-            self._in_flight -= self.config.group_size
+            self._in_flight -= self.config.group_size  # a rejected group frees its room in the gate
             self.counters["finished"] += 1
-            self._done.append(GroupResult(group, problem, version, oldest))
+            if rejected is not None:
+                self.counters[f"rejected/{rejected.reason}"] += 1
+            else:
+                self._done.append(GroupResult(group, problem, version, oldest))
             self._cond.notify_all()
         self._pump()
 
@@ -543,8 +581,9 @@ class InferenceEngine:
 
     # ---- status and lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Version, batches formed, rollouts in flight and finished, the counters, and each local server's stats
-        (`reward_servers`: the local reward servers')."""
+        """Version, batches formed, rollouts in flight and finished, the counters (`groups/{counter}`, invalid groups
+        under `groups/rejected/{reason}`), and each local server's stats (`reward_servers`: the local reward
+        servers')."""
         with self._cond:
             out = {
                 "version": self._version,

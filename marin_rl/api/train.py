@@ -17,6 +17,7 @@ from marin_rl.learner.learner import Learner
 from marin_rl.learner.losses import get_loss
 from marin_rl.replay.advantages import rloo
 from marin_rl.replay.packing import Sequence, pack
+from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import PackedBatch, Rollout, RolloutGroup
 
@@ -31,8 +32,18 @@ def make_batch(
     """Score each group with `advantages(rewards) -> one advantage per rollout` (e.g. `marin_rl.replay.advantages`
     `rloo`, `grpo`), or, when given, `token_advantages(rollouts) -> one array per rollout, one advantage per token`
     (e.g. `lambda rs: turn_rloo_token_advantages(rs, 0.0)` for per-turn credit), and pack every rollout, token-exact,
-    into a `(num_rows, row_len)` batch (several per row). Raises ValueError when they do not all fit (choose more rows)
-    or a group's advantages have the wrong length."""
+    into a `(num_rows, row_len)` batch (several per row). Every group is validated first, with the replay buffers'
+    check (`marin_rl.replay.validation.check_group`; the vocabulary size is unknown here, so token ids need only be
+    non-negative integers). Raises ValueError naming the group and the reason code of an invalid group, when the
+    rollouts do not all fit (choose more rows) or when a group's advantages have the wrong length."""
+    for group in groups:
+        try:
+            check_group(group, group.environment, None)
+        except GroupRejected as e:
+            raise ValueError(
+                f"group {group.group_id} ({group.environment}, problem {group.problem_id}) is invalid "
+                f"({e.reason}): {e.detail}"
+            ) from e
     seqs = []
     for group in groups:
         if token_advantages is not None:

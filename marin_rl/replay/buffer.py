@@ -1,13 +1,14 @@
 """Per-environment replay buffer: validates groups, computes advantages, drops stale rollouts, persists and reports.
 
-Life of a group: `admit` validates it once (`check_group`, which runs every rollout's `validate` with the
-vocabulary), applies the group filters (`min_group_size`, optional zero-variance filter), computes advantages with
-the configured estimator, appends the rollouts to Parquet (when the buffer has a `rollout_dir`), handles rollouts
-longer than a batch row (`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut)
-and queues them. It returns an `Admission`: accepted, or rejected with a reason code (counted under
-`replays/{env}/rejected/{reason}`), with what it queued and discarded. Rollouts leave the buffer by being used
-`max_reuse` times (`consume`), by growing older than `max_age` learner steps (on arrival and in `drop_stale`), or by
-eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted.
+Life of a group: `admit` validates it once (`marin_rl.replay.validation.check_group`, which runs every rollout's
+`validate` with the vocabulary; the API's `InferenceEngine` and `make_batch` run the same check), applies the group
+filters (`min_group_size`, optional zero-variance filter), computes advantages with the configured estimator,
+appends the rollouts to Parquet (when the buffer has a `rollout_dir`), handles rollouts longer than a batch row
+(`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut) and queues them. It
+returns an `Admission`: accepted, or rejected with a reason code (counted under `replays/{env}/rejected/{reason}`),
+with what it queued and discarded. Rollouts leave the buffer by being used `max_reuse` times (`consume`), by growing
+older than `max_age` learner steps (on arrival and in `drop_stale`), or by eviction when the buffer is over
+`capacity` (oldest arrival first). Every exit is counted.
 
 `admit(group, max_version=v)` rejects (reason `future_version`) a group with a token sampled by a policy version
 newer than v: after a resume from a checkpoint, a server that still served the lost run's later weights must not feed
@@ -32,6 +33,7 @@ import numpy as np
 from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages, turn_rloo_token_advantages
 from marin_rl.replay.packing import Sequence
 from marin_rl.replay.store import RolloutWriter, rollout_to_row
+from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.types import Rollout, RolloutFormatError, RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -106,41 +108,6 @@ def _newest_version(rollout: Rollout) -> int:
         if t.is_sampled and t.inference_metadata
     ]
     return max(vs) if vs else -1
-
-
-class GroupRejected(RolloutFormatError):
-    """A group failed validation; `reason` is the short code counted in `replays/{env}/rejected/{reason}`."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-def check_group(group: RolloutGroup, env_name: str, vocab_size: int | None) -> None:
-    """Raise `GroupRejected` naming the first problem of `group` for the buffer of `env_name`.
-
-    Checks: known environment, non-empty group of one problem with unique rollout ids, and every rollout's
-    schema (`Rollout.validate`, whose reason codes are kept).
-    """
-    if group.environment != env_name:
-        raise GroupRejected("unknown_environment", f"group of env {group.environment!r} sent to buffer {env_name!r}")
-    if not group.rollouts:
-        raise GroupRejected("empty_group", f"group {group.group_id} has no rollouts")
-    uids = [r.rollout_uid for r in group.rollouts]
-    if len(set(uids)) != len(uids):
-        raise GroupRejected("inconsistent_group", f"group {group.group_id} repeats a rollout_uid")
-    for r in group.rollouts:
-        if r.environment != group.environment or r.problem_id != group.problem_id:
-            raise GroupRejected(
-                "inconsistent_group",
-                f"rollout {r.rollout_uid} is ({r.environment}, {r.problem_id}) in group "
-                f"({group.environment}, {group.problem_id})",
-            )
-        try:
-            r.validate(vocab_size)
-        except RolloutFormatError as e:
-            raise GroupRejected(e.reason, str(e)) from e
 
 
 @dataclass

@@ -39,12 +39,12 @@ import equinox as eqx
 import haliax as hax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from marin_rl.config import EnvConfig, make_environment
 from marin_rl.envs.base import Problem, SingleTurnEnvironment
 from marin_rl.envs.rewards import combine_rewards
 from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.learner.step import apply_gradients
 from marin_rl.logs import configure_logging
 from marin_rl.model.build import ModelConfig, build_model, parameter_count, with_seq_len
 from marin_rl.model.logprobs import token_logprobs
@@ -382,10 +382,8 @@ class RewardModelTrainer:
             )
 
         (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(state)
-        params = eqx.filter(state, eqx.is_inexact_array)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        state = eqx.apply_updates(state, updates)
-        return state, opt_state, {**metrics, "grad_norm": optax.global_norm(grads)}
+        state, opt_state, grad_norm = apply_gradients(state, grads, opt_state, self.optimizer)
+        return state, opt_state, {**metrics, "grad_norm": grad_norm}
 
     def _logits_impl(self, model, input_ids, position_ids, segment_ids):
         return model.hidden_values(input_ids, position_ids, segment_ids).array
@@ -438,8 +436,8 @@ class RewardModelTrainer:
         @eqx.filter_jit
         def step(lm, opt_state, *arrays):
             loss, grads = eqx.filter_value_and_grad(loss_fn)(lm, *arrays)
-            updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(lm, eqx.is_inexact_array))
-            return eqx.apply_updates(lm, updates), opt_state, loss
+            lm, opt_state, _ = apply_gradients(lm, grads, opt_state, optimizer)
+            return lm, opt_state, loss
 
         references = [
             e

@@ -15,6 +15,7 @@ from typing import Any
 
 import equinox as eqx
 import haliax as hax
+import jax
 import numpy as np
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -372,13 +373,17 @@ class RlExample(eqx.Module):
     token_versions: hax.NamedArray
     reference_logprobs: hax.NamedArray | None = None
     proximal_logprobs: hax.NamedArray | None = None
+    rewards: hax.NamedArray | None = None
+    """Per-token rewards (`PackedBatch.rewards`), for a critic's GAE on the device; None without them."""
+    truncated: hax.NamedArray | None = None
+    """With `rewards`: true on every token of an episode cut off by a length limit."""
 
     @staticmethod
     def from_packed(batch: PackedBatch, Batch: hax.Axis, Pos: hax.Axis) -> RlExample:
-        """Wrap a host batch as named arrays (no device placement policy; the caller shards)."""
+        """A host batch as named arrays on the default device (one explicit copy each; the caller shards)."""
 
         def named(x, dtype):
-            return hax.named(np.asarray(x, dtype=dtype), (Batch, Pos))
+            return hax.NamedArray(jax.device_put(np.asarray(x, dtype=dtype)), (Batch, Pos))
 
         return RlExample(
             input_ids=named(batch.input_ids, np.int32),
@@ -388,4 +393,11 @@ class RlExample(eqx.Module):
             advantages=named(batch.advantages, np.float32),
             sampler_logprobs=named(batch.sampler_logprobs, np.float32),
             token_versions=named(batch.token_versions, np.int32),
+            rewards=None if batch.rewards is None else named(batch.rewards, np.float32),
+            truncated=None if batch.rewards is None else named(_truncated(batch), np.bool_),
         )
+
+
+def _truncated(batch: PackedBatch) -> np.ndarray:
+    """`batch.truncated`, or all false when the batch does not say."""
+    return np.zeros(batch.input_ids.shape, bool) if batch.truncated is None else batch.truncated

@@ -207,3 +207,32 @@ def test_a_critic_on_the_policy_trunk_takes_no_checkpoint_of_its_own():
         CriticConfig(enabled=True, trunk="policy", init_from_hf="/some/checkpoint")
     with pytest.raises(ValueError, match="trunk must be one of"):
         CriticConfig(enabled=True, trunk="shared")
+
+
+@pytest.mark.parametrize("trunk", ["separate", "policy"])
+def test_a_ppo_step_uploads_the_batch_once_and_keeps_values_and_advantages_on_the_device(trunk):
+    """PPO's train step (values → GAE → whitening → policy step → critic step) copies the batch host → device once
+    (`Learner.place_batch`) and nothing else: JAX's transfer guard, set to refuse every host → device copy, implicit
+    or explicit, except inside that one placement, lets the whole step run (a NumPy GAE, or advantages and returns
+    uploaded again, would be refused, as the last assertion shows)."""
+    tok, learner = _critic_learner(gamma=0.99, lam=0.9, trunk=trunk)
+    batch = _reward_batch(learner, tok, truncate=True)
+    learner.train_step(batch)  # compiled outside the guard
+    placed = []
+    place = learner.place_batch
+
+    def place_once(b):
+        placed.append(b)
+        with jax.transfer_guard_host_to_device("allow"):
+            return place(b)
+
+    learner.place_batch = place_once
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        metrics = learner.train_step(batch)
+    assert placed == [batch]
+    assert np.isfinite(metrics["learner/critic/value_loss"]) and np.isfinite(metrics["learner/loss"])
+    ex = place(batch)
+    values, _ = learner.critic.values(ex)
+    host_returns = np.zeros(batch.input_ids.shape, np.float32)  # a target that lives on the host
+    with jax.transfer_guard_host_to_device("disallow_explicit"), pytest.raises(Exception, match="host-to-device"):
+        learner.critic.train(ex, values, host_returns)

@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 
 import equinox as eqx
 import haliax as hax
+import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 from marin_rl.learner.distributed import host_arrays
+from marin_rl.learner.gae import gae_packed_device, masked_mean, masked_variance, whiten_device
 from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.learner.step import apply_gradients
 from marin_rl.model.build import ModelConfig, build_model
 from marin_rl.model.value import ValueModel, head_on, token_values, value_model_from, zero_value_head
-from marin_rl.replay.gae import gae_packed, whiten
 from marin_rl.types import PackedBatch
 
 CRITIC_TRUNKS = ("separate", "policy")
@@ -121,6 +121,7 @@ class Critic:
         self.steps = 0
         self._set(self._initial(trunk))
         self._values = eqx.filter_jit(self._values_impl)
+        self._gae = eqx.filter_jit(self._gae_impl)
         self._train = eqx.filter_jit(self._train_impl, donate="all-except-first")
 
     def _initial(self, policy) -> ValueModel:
@@ -148,45 +149,52 @@ class Critic:
         values, after = token_values(model, ex.input_ids, ex.position_ids, ex.segment_ids)
         return values.array, after.array
 
-    def values(self, ex) -> tuple[np.ndarray, np.ndarray]:
-        """critic_inf: (values, after) of the placed example `ex` as host arrays (`token_values`: V before each token,
-        and V after each token, which at an episode's last position is its bootstrap value)."""
+    def values(self, ex) -> tuple[jax.Array, jax.Array]:
+        """critic_inf: (values, after) of the placed example `ex`, `(rows, positions)` arrays left on the devices
+        (`token_values`: V before each token, and V after each token, which at an episode's last position is its
+        bootstrap value)."""
         with self.learner._sharding():
-            values, after = host_arrays(list(self._values(self.value_model(), ex)))
-        return values, after
+            return self._values(self.value_model(), ex)
 
-    def gae(
-        self, batch: PackedBatch, rewards: np.ndarray, values: np.ndarray, after: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-        """GAE over per-token `rewards` with the critic's `values` (truncated episodes bootstrap from `after`):
-        (advantages, whitened when configured; returns; metrics), float32 host arrays."""
-        mask = np.asarray(batch.loss_mask, bool)
-        truncated = np.asarray(batch.truncated, bool) if batch.truncated is not None else np.zeros_like(mask)
-        bootstrap = np.where(truncated, after, 0.0)  # read only at each episode's last position
+    def _gae_impl(self, ex, rewards, values, after):
         cfg = self.config
-        adv, ret = gae_packed(
-            rewards, values, mask, batch.segment_ids, cfg.gamma, cfg.lam, bootstrap, cfg.lam_between_turns
+        mask = ex.loss_mask.array
+        truncated = ex.truncated.array if ex.truncated is not None else jnp.zeros_like(mask)
+        bootstrap = jnp.where(truncated, after, 0.0)  # read only at each episode's last position
+        adv, ret = gae_packed_device(
+            rewards, values, mask, ex.segment_ids.array, cfg.gamma, cfg.lam, bootstrap, cfg.lam_between_turns
         )
-        raw_mean = float(adv[mask].mean()) if mask.any() else 0.0
+        raw_mean = masked_mean(adv, mask)
         if cfg.whiten_advantages:
-            adv = whiten(adv, mask)
-        ret_m, val_m = ret[mask], values[mask]
-        var = float(ret_m.var()) if ret_m.size else 0.0
+            adv = whiten_device(adv, mask)
+        var = masked_variance(ret, mask)
+        explained = jnp.where(var > 0, 1.0 - masked_variance(ret - values, mask) / jnp.where(var > 0, var, 1.0), 0.0)
         metrics = {
             "critic/advantage_mean": raw_mean,
-            "critic/return_mean": float(ret_m.mean()) if ret_m.size else 0.0,
-            "critic/explained_variance": 1.0 - float((ret_m - val_m).var()) / var if var > 0 else 0.0,
+            "critic/return_mean": masked_mean(ret, mask),
+            "critic/explained_variance": explained,
         }
-        return adv.astype(np.float32), ret.astype(np.float32), metrics
+        return adv, ret, metrics
 
-    def advantages(self, batch: PackedBatch, ex) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, float]]:
-        """`values` then `gae` for a batch with per-token rewards: (advantages, returns, old values, metrics).
-        Raises ValueError for a batch without rewards."""
-        if batch.rewards is None:
+    def gae(self, ex, rewards, values: jax.Array, after: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, float]]:
+        """GAE on the devices (`marin_rl.learner.gae`) over the placed example `ex`'s sampled tokens, per-token
+        `rewards` (a named or raw array; default the example's own) and the critic's `values` (truncated episodes
+        bootstrap from `after`): (advantages, whitened when configured; returns) as float32 device arrays, and the
+        `critic/...` metrics as floats."""
+        rewards = ex.rewards if rewards is None else rewards
+        rewards = rewards.array if isinstance(rewards, hax.NamedArray) else rewards
+        with self.learner._sharding():
+            adv, ret, metrics = self._gae(ex, jnp.asarray(rewards, jnp.float32), values, after)
+        return adv, ret, dict(zip(metrics, map(float, host_arrays(list(metrics.values()))), strict=True))
+
+    def advantages(self, batch: PackedBatch, ex) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, float]]:
+        """`values` then `gae` for a batch with per-token rewards, placed as `ex`: (advantages, returns, old values,
+        metrics), device arrays. Raises ValueError for a batch without rewards."""
+        if batch.rewards is None or ex.rewards is None:
             raise ValueError("learner.critic needs batches with per-token rewards: set replay.advantage_estimator: gae")
         values, after = self.values(ex)
-        adv, ret, metrics = self.gae(batch, batch.rewards, values, after)
-        return adv, ret, values.astype(np.float32), metrics
+        adv, ret, metrics = self.gae(ex, None, values, after)
+        return adv, ret, values, metrics
 
     def _train_impl(self, inputs, opt_state):
         model, policy, ex, old_values, returns = inputs
@@ -197,18 +205,17 @@ class Critic:
             return value_loss(values.array, old_values.array, returns.array, ex.loss_mask.array, self.config.value_clip)
 
         (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
-        grads = self.learner._shard_params(grads)
-        updates, opt_state = self.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        model = self.learner._shard_params(eqx.apply_updates(model, updates))
-        metrics["grad_norm"] = optax.global_norm(grads)
-        return model, self.learner._shard_params(opt_state), metrics
+        shard = self.learner._shard_params
+        model, opt_state, metrics["grad_norm"] = apply_gradients(model, grads, opt_state, self.optimizer, shard)
+        return model, opt_state, metrics
 
-    def train(self, ex, old_values: np.ndarray, returns: np.ndarray) -> dict[str, float]:
+    def train(self, ex, old_values: jax.Array, returns: jax.Array) -> dict[str, float]:
         """critic_train: one optimizer step of the clipped value loss on the placed example `ex`, towards `returns`
-        from `old_values` (host arrays over its rows and positions); `critic/...` metrics (the loss at the weights
-        before the step)."""
+        from `old_values` (arrays over its rows and positions: the device arrays of `values` and `gae`, or host
+        arrays); `critic/...` metrics (the loss at the weights before the step)."""
         axes = ex.input_ids.axes
-        targets = self.learner._shard_batch((hax.named(old_values, axes), hax.named(returns, axes)))
+        targets = tuple(hax.named(jnp.asarray(x, jnp.float32), axes) for x in (old_values, returns))
+        targets = self.learner._shard_batch(targets)
         with self.learner._sharding():
             policy = self.learner.model if self.shares_policy_trunk else None
             self.model, self.opt_state, metrics = self._train((self.model, policy, ex, *targets), self.opt_state)

@@ -33,6 +33,7 @@ from marin_rl.learner.losses import (
     sft_loss,
 )
 from marin_rl.learner.optimizer import LR_SCHEDULES, OptimizerConfig  # noqa: F401 - re-exported
+from marin_rl.learner.step import apply_gradients, loss_step
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs
@@ -386,6 +387,11 @@ class Learner:
         """Batch rows split over the axes that `batch` maps to (outside jit: placed on the devices)."""
         return ex if self.mesh is None else hax.shard(ex, self.config.mesh.compute_axis_mapping, self.mesh)
 
+    def place_batch(self, batch: PackedBatch) -> RlExample:
+        """The host batch as an example on the learner's devices (rows split over the mesh): the one host → device
+        copy of a batch. Every step of a train step reads this example; nothing uploads the batch again."""
+        return self._shard_batch(_to_example(batch))
+
     def _chunked(self, ex: RlExample, n: int) -> dict[str, jax.Array]:
         """`_chunked`, with each chunk's rows (not the chunks) split over the devices."""
         raw = _chunked(ex, n)
@@ -483,11 +489,10 @@ class Learner:
 
             grads, stacked = jax.lax.scan(body, zeros, (chunks, shares))
             metrics = combine_metrics(stacked)
-        grads = self._shard_params(grads)
-        updates, opt_state = self.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        model = self._shard_params(eqx.apply_updates(model, updates))
-        metrics["grad_norm"] = optax.global_norm(grads)
-        return model, self._shard_params(opt_state), metrics
+        model, opt_state, metrics["grad_norm"] = apply_gradients(
+            model, grads, opt_state, self.optimizer, self._shard_params
+        )
+        return model, opt_state, metrics
 
     def _prepare_impl(self, model, reference, ex: RlExample, num_chunks: int, want_prox: bool):
         """Fill in proximal logprobs (current weights, when `want_prox`) and/or reference logprobs, `num_chunks` rows
@@ -538,11 +543,12 @@ class Learner:
             )
         if self.mesh is not None:
             self._check_rows(batch.num_rows, "the batch", m * n)
-        data: dict[str, Any] = {"rollouts": batch}
+        ex = self.place_batch(batch)
+        data: dict[str, Any] = {"rollouts": batch, "_example": ex}
         if batch.rewards is not None:
-            data["token_rewards"] = batch.rewards
+            data["token_rewards"] = batch.rewards  # host arrays for user calls; built-in calls read the example's
         else:
-            data["advantages"] = batch.advantages
+            data["advantages"] = ex.advantages
         if batch.rewards is None and self.reads_token_rewards:
             raise ValueError(
                 f"algorithm {self.algorithm.name!r} needs batches with per-token rewards: set "
@@ -567,11 +573,14 @@ class Learner:
         """The policy's `minibatches × epochs` optimizer steps on `data['rollouts']` with `data['advantages']`."""
         cfg = self.config
         m, e = cfg.minibatches, cfg.epochs
-        batch = data["rollouts"]
-        if data["advantages"] is not batch.advantages:
-            batch = dataclasses.replace(batch, advantages=np.asarray(data["advantages"], np.float32))
+        batch, ex = data["rollouts"], _example(self, data)
+        if data["advantages"] is not ex.advantages:  # computed in the step (a critic's GAE, or a user's call)
+            advantages = data["advantages"]
+            if not isinstance(advantages, hax.NamedArray):
+                advantages = hax.named(jnp.asarray(advantages, jnp.float32), ex.advantages.axes)
+            ex = self._shard_batch(dataclasses.replace(ex, advantages=advantages))
         with self._sharding():
-            device_metrics = self._run_steps(batch, loss, loss_weight_fn)
+            device_metrics = self._run_steps(ex, loss, loss_weight_fn)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
         stacked = {k: np.asarray([x[k] for x in self.step_metrics]) for k in self.step_metrics[0]}
         out = {k: float(v) for k, v in combine_metrics(stacked, rest="mean").items()}
@@ -581,16 +590,15 @@ class Learner:
         out["learner/learning_rate"] = cfg.optimizer.lr_at(self.optimizer_steps - 1)
         return out
 
-    def _run_steps(self, batch: PackedBatch, loss: LossSpec, loss_weight_fn) -> list[dict[str, jax.Array]]:
-        """The batch's optimizer steps; their metrics, still on the devices."""
+    def _run_steps(self, ex: RlExample, loss: LossSpec, loss_weight_fn) -> list[dict[str, jax.Array]]:
+        """The optimizer steps of the placed batch `ex`; their metrics, still on the devices."""
         cfg = self.config
         m, e, n = cfg.minibatches, cfg.epochs, cfg.microbatches
         if cfg.loss.kl_coef > 0 and self.reference_model is None:
             self.freeze_reference()
-        ex = self._shard_batch(_to_example(batch))
         if self._needs_prepare(loss):
             ex = self._prepare(self.model, self.reference_model, ex, m * n, self._uses_proximal(loss))
-        rows = batch.num_rows // m
+        rows = ex.input_ids.axis_size("batch") // m
         # The batch's first step runs at the proximal weights: it takes logp_prox = stop_gradient(logp) from its own
         # forward pass (ratio exactly 1), unless accumulating microbatches needs the kept tokens beforehand.
         in_step_first = not (n > 1 and self._kept_depends_on_proximal(loss))
@@ -736,14 +744,9 @@ class Learner:
 
         def loss_fn(m):
             lp, _ = token_logprobs(m, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
-            return sft_loss(lp, ex.loss_mask)
+            return sft_loss(lp, ex.loss_mask), {"tokens": jnp.sum(ex.loss_mask.array)}
 
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-        grads = self._shard_params(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        model = self._shard_params(eqx.apply_updates(model, updates))
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": jnp.sum(ex.loss_mask.array)}
-        return model, self._shard_params(opt_state), metrics
+        return loss_step(loss_fn, model, opt_state, optimizer, self._shard_params)
 
     def _supervised_nll_impl(self, model, ex: RlExample):
         lp, _ = token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
@@ -784,9 +787,9 @@ class Learner:
 
 # ---- the learner-side calls of the shipped algorithms (`marin_rl.learner.algorithm`) ------------------------------
 def _example(learner: Learner, data: dict[str, Any]) -> RlExample:
-    """The batch as a placed example, made once per train step (kept in `data` under a private key)."""
+    """The batch as the example `train_step` placed on the devices once (kept in `data` under a private key)."""
     if "_example" not in data:
-        data["_example"] = learner._shard_batch(_to_example(data["rollouts"]))
+        data["_example"] = learner.place_batch(data["rollouts"])
     return data["_example"]
 
 
@@ -805,10 +808,13 @@ def critic_inference(learner: Learner, data: dict[str, Any], **_) -> dict[str, f
 
 @register_learner_call("gae")
 def generalized_advantages(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
-    """GAE over the batch's per-token rewards (reads token_rewards, values, bootstrap_values; writes advantages,
-    returns)."""
+    """GAE over the batch's per-token rewards, on the devices (reads token_rewards, values, bootstrap_values; writes
+    advantages, returns). The batch's own rewards are read from the placed example; rewards a call before this one
+    wrote are uploaded."""
+    rewards = data["token_rewards"]
+    rewards = None if rewards is data["rollouts"].rewards else rewards
     data["advantages"], data["returns"], metrics = learner.critic.gae(
-        data["rollouts"], data["token_rewards"], data["values"], data["bootstrap_values"]
+        _example(learner, data), rewards, data["values"], data["bootstrap_values"]
     )
     return {f"learner/{k}": v for k, v in metrics.items()}
 

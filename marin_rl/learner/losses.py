@@ -48,6 +48,7 @@ from typing import NamedTuple
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from marin_rl.types import RlExample
 
@@ -341,13 +342,14 @@ def combine_metrics(stacked: dict[str, jnp.ndarray], rest: str = "sum") -> dict[
         raise ValueError(f"rest must be 'sum' or 'mean', got {rest!r}")
     out = {}
     for k, v in stacked.items():
+        xp = np if isinstance(v, np.ndarray) else jnp  # host metrics stay on the host
         last = k.rsplit("/", 1)[-1]
         if last.startswith("max"):
-            out[k] = jnp.max(v, axis=0)
+            out[k] = xp.max(v, axis=0)
         elif last.startswith("min"):
-            out[k] = jnp.min(v, axis=0)
+            out[k] = xp.min(v, axis=0)
         else:
-            out[k] = jnp.sum(v, axis=0) if rest == "sum" else jnp.mean(v, axis=0)
+            out[k] = xp.sum(v, axis=0) if rest == "sum" else xp.mean(v, axis=0)
     return out
 
 

@@ -102,7 +102,9 @@ def engine(max_staleness=1, batch_size=2, vocab_size=VOCAB):
     config = EngineConfig(
         group_size=GROUP_SIZE, batch_size=batch_size, max_staleness=max_staleness, request_timeout_s=5.0
     )
-    return InferenceEngine(addresses=["127.0.0.1:1"], config=config, vocab_size=vocab_size)
+    inference = InferenceEngine(addresses=["127.0.0.1:1"], config=config, vocab_size=vocab_size)
+    inference.set_version(0)  # the servers serve a policy version (gated work refuses to start before)
+    return inference
 
 
 def wait_for(predicate, timeout=10.0):
@@ -203,6 +205,17 @@ def test_wait_never_returns_an_invalid_group_and_the_vocabulary_check_follows_vo
         inference.submit(problems["bad"], workflow)
         [result] = inference.wait(1, timeout=20)
         assert result.group is groups["bad"] and not any(k.startswith("rejected") for k in inference.counters)
+
+
+def test_gated_work_before_any_policy_version_is_served_is_refused_in_one_line():
+    workflow = ScriptedWorkflow({"good": make_group("valid", "good", np.random.default_rng(5))})
+    config = EngineConfig(group_size=GROUP_SIZE, batch_size=1, request_timeout_s=5.0)
+    with InferenceEngine(addresses=["127.0.0.1:1"], config=config, vocab_size=VOCAB) as inference:
+        with pytest.raises(RuntimeError, match=r"serve a policy version first: call TrainEngine.update_weights"):
+            inference.submit(workflow.train_problems()[0], workflow)
+        with pytest.raises(RuntimeError, match=r"serve a policy version first"):
+            inference.prepare_batch(workflow.train_problems(), workflow, timeout=1)
+        assert inference.counters["started"] == 0
 
 
 # ---- make_batch ------------------------------------------------------------------------------------------------

@@ -408,7 +408,7 @@ class InferenceEngine:
         """Queue one group of `problem` through `workflow`; it starts when the staleness gate allows. Non-blocking;
         collect it with `wait`."""
         with self._cond:
-            self._check_open()
+            self._check_gated_work_can_start()
             self._pending.append((problem, workflow))
         self._pump()
 
@@ -448,7 +448,7 @@ class InferenceEngine:
         error of a failed episode."""
         accept = should_accept or (lambda group: True)
         with self._cond:
-            self._check_open()
+            self._check_gated_work_can_start()
             if self._source_key != id(dataloader):
                 self._source = (iter(dataloader), workflow)
                 self._source_key = id(dataloader)
@@ -575,9 +575,15 @@ class InferenceEngine:
             error = self._errors.pop(0)
             raise RuntimeError(f"a group failed: {error!r}") from error
 
-    def _check_open(self) -> None:
+    def _check_gated_work_can_start(self) -> None:
         if self._closed:
             raise RuntimeError("the InferenceEngine is closed")
+        if self._version < 0:
+            raise RuntimeError(
+                "gated work needs the servers to serve a policy version first: call "
+                "TrainEngine.update_weights(inference) (or apply_update / set_version) before submit or prepare_batch "
+                "(tokens of the initial weights, version -1, carry no policy version and would be rejected)"
+            )
 
     # ---- status and lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -134,13 +134,12 @@ def test_multi_turn_tokens_match_the_server_view_and_loss_mask(server):
     # (the client sends the turns it has at once in one request with a list of prompts; choice i answers prompt i).
     served = []
     for body, resp in log:
-        assert body["n"] == 1 and body["return_tokens_as_token_ids"] and body["stop_token_ids"] == [tok.eos_token_id]
+        assert body["n"] == 1 and body["return_token_ids"] and body["stop_token_ids"] == [tok.eos_token_id]
         prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
         choices = sorted(resp["choices"], key=lambda c: c["index"])
         assert len(choices) == len(prompts)
         for prompt, choice in zip(prompts, choices, strict=True):
-            tokens = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
-            served.append((tuple(prompt), tuple(tokens), tuple(choice["logprobs"]["token_logprobs"])))
+            served.append((tuple(prompt), tuple(choice["token_ids"]), tuple(choice["logprobs"]["token_logprobs"])))
     assert len(served) == sum(r.metadata["policy_turns"] for r in rollouts) == 6 * 3
     for r in rollouts:
         r.validate(len(tok))
@@ -243,8 +242,8 @@ def test_single_turn_reward_functions_on_the_server(server):
 # ---- conversations and rendered deltas (no server) ----------------------------------------------------
 
 
-def _sample(ids, finish="stop"):
-    return Sample(ids, [-0.5] * len(ids), "", finish, 0, 0, "local", 0.0)
+def _sample(ids, finish="stop", text=""):
+    return Sample(ids, [-0.5] * len(ids), text, finish, 0, 0, "local", 0.0)
 
 
 def _with_template(template):
@@ -274,7 +273,7 @@ def test_env_turn_drops_only_the_closing_the_policy_sampled(template):
         conv = Conversation(tok, [{"role": "user", "content": "q"}])
         assert conv.stop_token_ids == [tok.eos_token_id]
         conv.add_policy_turn(
-            _sample(enc("ab") + ([tok.eos_token_id] if closed else []), "stop" if closed else "length"), sampling
+            _sample(enc("ab") + ([tok.eos_token_id] if closed else []), "stop" if closed else "length", "ab"), sampling
         )
         turn = conv.add_messages(msg)
         assert turn.role == "tool" and turn.message == "42" and not turn.is_sampled

@@ -15,7 +15,7 @@ import pytest
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import SamplingParams, run_groups
-from marin_rl.inference.client import versions_from_spans
+from marin_rl.inference.client import PolicyClient, versions_from_spans
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
@@ -265,6 +265,80 @@ def test_versions_from_spans_accepts_every_version_and_rejects_gaps():
         versions_from_spans([{"version": 0, "start": 0, "end": 2}], 3)
     with pytest.raises(RuntimeError, match="reach outside"):
         versions_from_spans([{"version": 0, "start": 0, "end": 4}], 3)
+    assert versions_from_spans(spans[::-1], 3) == [2, 2, 3]  # in any order
+    with pytest.raises(RuntimeError, match="do not cover"):  # overlapping spans contradict each other
+        versions_from_spans([{"version": 0, "start": 0, "end": 2}, {"version": 1, "start": 1, "end": 3}], 3)
+
+
+def test_embedded_server_answers_integer_token_ids_that_the_client_returns(setup):
+    """The ids travel once, as integers: the client asks for `token_ids` and the embedded server answers them
+    (not again as `token_id:N` strings); text and versions are the server's too."""
+    tok, env, _, _, address = setup
+    prompt = env.encode_prompt(env.train_problems()[0])
+    answers = []
+
+    async def sample():
+        client = PolicyClient([address])
+        post = client._post
+
+        async def recording(server, body):
+            answers.append(await post(server, body))
+            return answers[-1]
+
+        client._post = recording
+        try:
+            return await client.sample(prompt, n=3, max_tokens=5, stop_token_ids=[tok.eos_token_id])
+        finally:
+            await client.aclose()
+
+    samples = asyncio.run(sample())
+    [answer] = answers
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(samples) == 3
+    for choice, s in zip(choices, samples, strict=True):
+        assert s.token_ids and all(type(t) is int for t in choice["token_ids"])
+        assert choice["token_ids"] == s.token_ids
+        assert choice["logprobs"]["tokens"] is None  # no second copy of the ids as strings
+        assert choice["logprobs"]["token_logprobs"] == s.sampler_logprobs
+        assert s.text == choice["text"] == tok.decode(s.token_ids, skip_special_tokens=True)
+        assert s.token_versions == versions_from_spans(choice["policy_version_spans"], len(s.token_ids))
+    # other clients keep their dialects: vLLM's `token_id:N` strings, OpenAI's token strings (no `token_ids`)
+    for extra, expected in (({"return_tokens_as_token_ids": True}, "token_id:{}"), ({}, None)):
+        body = {"prompt": prompt, "max_tokens": 3, "logprobs": 0, **extra}
+        [choice] = httpx.post(f"http://{address}/v1/completions", json=body, timeout=120).json()["choices"]
+        assert "token_ids" not in choice
+        tokens = choice["logprobs"]["tokens"]
+        assert len(tokens) == len(choice["logprobs"]["token_logprobs"]) and all(isinstance(t, str) for t in tokens)
+        if expected is not None:
+            assert all(t.startswith("token_id:") for t in tokens)
+
+
+def test_client_prefers_integer_token_ids_and_falls_back_to_token_id_strings():
+    """A hand-written answer: choices with integer `token_ids` (the embedded servers, newer vLLM, which may also
+    send the strings), with only `token_id:N` strings (older vLLM), and with neither."""
+    logprobs = {"token_logprobs": [-0.5, -1.0, -0.25], "text_offset": None, "top_logprobs": None}
+    strings = ["token_id:7", "token_id:8", "token_id:9"]
+    common = {"text": "abc", "finish_reason": "length", "policy_version_start": 4, "policy_version_end": 5}
+    common["policy_version_spans"] = [{"version": 4, "start": 0, "end": 2}, {"version": 5, "start": 2, "end": 3}]
+    answer = {
+        "choices": [
+            {**common, "index": 1, "token_ids": [7, 8, 9], "logprobs": {**logprobs, "tokens": None}},
+            {**common, "index": 0, "logprobs": {**logprobs, "tokens": strings}},
+            # both: the integers win (here they disagree with the strings, to tell which was read)
+            {**common, "index": 2, "token_ids": [7, 8, 9], "logprobs": {**logprobs, "tokens": ["token_id:1"] * 3}},
+        ]
+    }
+    [samples] = PolicyClient._parse(answer, 1, 3, "s", 0.5)
+    for s in samples:
+        assert s.token_ids == [7, 8, 9] and s.sampler_logprobs == [-0.5, -1.0, -0.25] and s.text == "abc"
+        assert (s.version_start, s.version_end, s.token_versions) == (4, 5, [4, 4, 5])
+    one = {**common, "index": 0}
+    with pytest.raises(RuntimeError, match="no token ids"):
+        PolicyClient._parse({"choices": [{**one, "logprobs": {**logprobs, "tokens": None}}]}, 1, 1, "s", 0.5)
+    with pytest.raises(ValueError, match="token_id:N"):  # token strings of a server that ignored both options
+        PolicyClient._parse({"choices": [{**one, "logprobs": {**logprobs, "tokens": ["a", "b", "c"]}}]}, 1, 1, "s", 0)
+    with pytest.raises(RuntimeError, match="2 token ids and 3 logprobs"):
+        PolicyClient._parse({"choices": [{**one, "token_ids": [7, 8], "logprobs": logprobs}]}, 1, 1, "s", 0.5)
 
 
 def test_a_server_that_never_received_weights_samples_as_version_minus_one(setup):
@@ -298,6 +372,12 @@ def test_choices_report_versions_and_token_ids_as_the_dialect_says():
         {"version": 4, "start": 2, "end": 3},
     ]
     assert versions_from_spans(choices[0]["policy_version_spans"], 3) == [3, 3, 4]
+    assert "token_ids" not in choices[0]
+    # `return_token_ids`: the ids as integers, and not again as strings; plain OpenAI: the tokens' strings
+    ids_once = completion_choice(0, straddling, request.model_copy(update={"return_token_ids": True}), tok, -1)
+    assert ids_once["token_ids"] == [7, 8, 9] and ids_once["logprobs"]["tokens"] is None
+    plain = completion_choice(0, straddling, CompletionRequest(prompt=[5, 6], logprobs=0), tok, -1)
+    assert plain["logprobs"]["tokens"] == tok.convert_ids_to_tokens([7, 8, 9]) and "token_ids" not in plain
     # nothing sampled: the version served when the request arrived, also -1 (never received weights)
     assert (choices[1]["policy_version_start"], choices[1]["policy_version_end"]) == (-1, -1)
     body = completion_response(request, 0.0, [[5, 6]], choices, completion_tokens=3)

@@ -192,7 +192,7 @@ class SingleTurnEnvironment(Environment):
             temperature=sampling.temperature,
             stop_token_ids=[eos] if eos is not None else None,
         )
-        completions = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        completions = [s.text for s in samples]  # the server's decoding of the sampled ids (special tokens skipped)
         # concurrently: a reward model's client sends the group's completions in one request
         scored = await asyncio.gather(
             *(self.arewards(problem, prompt_ids, c, s.token_ids) for c, s in zip(completions, samples, strict=True))

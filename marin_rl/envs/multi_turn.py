@@ -184,10 +184,11 @@ class Conversation:
 
     # ---- appending --------------------------------------------------------------------------------------
     def add_policy_turn(self, sample: Sample, sampling: SamplingParams) -> Turn:
-        """Append a policy turn with exactly the sampled ids; its message is the decoded text."""
+        """Append a policy turn with exactly the sampled ids; its message is their text as the server decoded it
+        (special tokens skipped)."""
         if self.turns[-1].is_sampled:
             raise ValueError("two policy turns in a row: add the environment's messages in between")
-        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        text = sample.text
         turn = policy_turn(sample, text, sampling)
         self.turns.append(turn)
         self.messages.append({"role": "assistant", "content": text})

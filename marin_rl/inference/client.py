@@ -22,7 +22,8 @@ class Sample:
     sampler_logprobs: list[float]
     """Sampler's log-probability of each sampled token."""
     text: str
-    """Decoded completion text (special tokens skipped)."""
+    """Decoded completion text (special tokens skipped), as the server decoded it: environments use it rather than
+    decoding `token_ids` again."""
     finish_reason: str
     """'stop' or 'length'."""
     version_start: int
@@ -38,20 +39,34 @@ class Sample:
 
 
 def versions_from_spans(spans: list[dict] | None, num_tokens: int) -> list[int] | None:
-    """Per-token versions from `policy_version_spans` (None when absent); the spans must cover every token exactly.
+    """Per-token versions from `policy_version_spans` (None when absent), built in one pass: the spans, in any
+    order, must cover every token exactly once.
 
     Any integer is a version, -1 included (a server that has never received weights)."""
     if spans is None:
         return None
-    out: list[int | None] = [None] * num_tokens
-    for span in spans:
+    out: list[int] = []
+    for span in sorted(spans, key=lambda s: int(s["start"])):
         start, end = int(span["start"]), int(span["end"])
         if not 0 <= start <= end <= num_tokens:
             raise RuntimeError(f"policy_version_spans {spans} reach outside the {num_tokens} sampled tokens")
-        out[start:end] = [int(span["version"])] * (end - start)
-    if None in out:
+        if start != len(out):
+            raise RuntimeError(f"policy_version_spans {spans} do not cover the {num_tokens} sampled tokens once")
+        out += [int(span["version"])] * (end - start)
+    if len(out) != num_tokens:
         raise RuntimeError(f"policy_version_spans {spans} do not cover the {num_tokens} sampled tokens")
-    return out  # type: ignore[return-value]
+    return out
+
+
+def choice_token_ids(choice: dict) -> list[int] | None:
+    """The sampled ids of one completions choice: its integer `token_ids` when the server answered them
+    (`return_token_ids`: the embedded servers, newer vLLM), else parsed from its `logprobs.tokens` strings
+    `token_id:N` (`return_tokens_as_token_ids`: older vLLM); None when it has neither."""
+    ids = choice.get("token_ids")
+    if ids is not None:
+        return ids
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    return None if tokens is None else [_parse_token_id(t) for t in tokens]
 
 
 class ServerUnreachable(ConnectionError):
@@ -79,8 +94,10 @@ class _Call:
 class PolicyClient:
     """Sends completion requests to one of several servers (least outstanding requests first).
 
-    Prompts are sent as token ids and tokens come back as ids (`return_tokens_as_token_ids`, as in vLLM),
-    so what the learner trains on is exactly what was sampled.
+    Prompts are sent as token ids and tokens come back as ids (integers with `return_token_ids`; `token_id:N`
+    strings with `return_tokens_as_token_ids` from servers that do not know it, as older vLLM), so what the learner
+    trains on is exactly what was sampled. A sample's text and per-token versions are the server's (its `text`, its
+    `policy_version_spans`).
 
     Unseeded `sample` calls made in the same turn of the event loop with the same sampling parameters travel as one
     request with a list of prompts (the completions API's batch form), up to `max_prompts_per_request` of them: an
@@ -224,7 +241,8 @@ class PolicyClient:
             "model": self.model,
             "prompt": prompts[0] if len(prompts) == 1 else prompts,
             "logprobs": 0,
-            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,  # integer ids; then no `token_id:N` strings from the embedded servers
+            "return_tokens_as_token_ids": True,  # for servers without `return_token_ids`
             **{k: v for k, v in params.items() if v is not None},
         }
         tried: list[str] = []
@@ -277,19 +295,28 @@ class PolicyClient:
             raise RuntimeError(f"server {server} returned {len(choices)} choices for {num_prompts} prompts × n={n}")
         samples = []
         for choice in choices:
-            logprobs = choice.get("logprobs") or {}
-            if logprobs.get("token_logprobs") is None:
+            token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if token_logprobs is None:
                 raise RuntimeError(f"server {server} returned no logprobs; it must support `logprobs`")
-            tokens = logprobs["tokens"]
+            token_ids = choice_token_ids(choice)
+            if token_ids is None:
+                raise RuntimeError(
+                    f"server {server} returned no token ids; it must support `return_token_ids` or "
+                    "`return_tokens_as_token_ids`"
+                )
+            if len(token_ids) != len(token_logprobs):
+                raise RuntimeError(
+                    f"server {server} returned {len(token_ids)} token ids and {len(token_logprobs)} logprobs"
+                )
             samples.append(
                 Sample(
-                    token_ids=[_parse_token_id(t) for t in tokens],
-                    sampler_logprobs=[float(x) for x in logprobs["token_logprobs"]],
+                    token_ids=token_ids,
+                    sampler_logprobs=[float(x) for x in token_logprobs],
                     text=choice.get("text", ""),
                     finish_reason=choice.get("finish_reason") or "stop",
                     version_start=int(choice.get("policy_version_start", -1)),
                     version_end=int(choice.get("policy_version_end", -1)),
-                    token_versions=versions_from_spans(choice.get("policy_version_spans"), len(tokens)),
+                    token_versions=versions_from_spans(choice.get("policy_version_spans"), len(token_ids)),
                     server=server,
                     latency_s=latency,
                 )

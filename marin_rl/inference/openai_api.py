@@ -3,8 +3,11 @@
 It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this project's:
 
 * prompts may be token ids (`prompt: [1, 2, 3]`), so nothing is re-tokenized between sampling and training;
-* `return_tokens_as_token_ids` returns each sampled token as `token_id:N` (vLLM's convention), `stop_token_ids`
-  adds stop tokens;
+* `return_token_ids` (newer vLLM's) adds each choice's sampled ids as integers, `token_ids`;
+  `return_tokens_as_token_ids` (vLLM's, older) spells each sampled token in `logprobs.tokens` as
+  `token_id:N`, except with `return_token_ids`, where those strings would repeat `token_ids` (`tokens` is then
+  null: the ids travel once, as integers; `PolicyClient` asks for both and reads whichever came);
+* `stop_token_ids` adds stop tokens;
 * every choice carries `policy_version_start`, `policy_version_end` and `policy_version_spans` (vLLM's weight-version
   spans: `[start, end)` token ranges sampled by one policy version);
 * `GET /v1/version` is the version served now; `/health` answers 503 with the reason when the server has failed.
@@ -40,7 +43,7 @@ SERVED_MODEL_NAME = "policy"
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI completions request, plus vLLM's `stop_token_ids` and `return_tokens_as_token_ids`."""
+    """OpenAI completions request, plus vLLM's `stop_token_ids`, `return_token_ids` and `return_tokens_as_token_ids`."""
 
     model: str = SERVED_MODEL_NAME
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -52,6 +55,9 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = None
     seed: int | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    """Each choice carries its sampled ids as integers (`token_ids`); with `return_tokens_as_token_ids` too,
+    `logprobs.tokens` is null rather than a `token_id:N` copy of them."""
     top_p: float | None = Field(default=None, description="Nucleus sampling (backends may support only 1.0).")
 
     @property
@@ -113,11 +119,15 @@ def completion_choice(
     index: int, completion: Completion, request: CompletionRequest, tokenizer, served_version: int
 ) -> dict[str, Any]:
     """The OpenAI choice of one completion. A choice with no sampled token reports `served_version` (the version
-    served when the request arrived) as its start and end."""
+    served when the request arrived) as its start and end.
+
+    The sampled ids travel once: as integers in `token_ids` when the request asks for them (`return_token_ids`), else
+    as `token_id:N` strings in `logprobs.tokens` (`return_tokens_as_token_ids`); plain OpenAI requests get the
+    tokens' strings."""
     logprobs = None
     if request.logprobs is not None:
         if request.return_tokens_as_token_ids:
-            token_strs = [f"token_id:{t}" for t in completion.token_ids]
+            token_strs = None if request.return_token_ids else [f"token_id:{t}" for t in completion.token_ids]
         else:
             token_strs = tokenizer.convert_ids_to_tokens(completion.token_ids)
         logprobs = {
@@ -127,7 +137,7 @@ def completion_choice(
             "top_logprobs": None,
         }
     versions = completion.token_versions
-    return {
+    choice = {
         "index": index,
         "text": completion.text,
         "finish_reason": completion.finish_reason,
@@ -136,6 +146,9 @@ def completion_choice(
         "policy_version_end": int(versions[-1]) if versions else int(served_version),
         "policy_version_spans": version_spans(versions),
     }
+    if request.return_token_ids:
+        choice["token_ids"] = [int(t) for t in completion.token_ids]
+    return choice
 
 
 def completion_response(

@@ -1,14 +1,16 @@
 """Per-environment replay buffer: validates groups, computes advantages, drops stale rollouts, persists and reports.
 
-Life of a group: `admit` validates it once (`marin_rl.replay.validation.check_group`, which runs every rollout's
-`validate` with the vocabulary; the API's `InferenceEngine` and `make_batch` run the same check), applies the group
-filters (`min_group_size`, optional zero-variance filter), computes advantages with the configured estimator,
-appends the rollouts to Parquet (when the buffer has a `rollout_dir`), handles rollouts longer than a batch row
-(`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut) and queues them. It
-returns an `Admission`: accepted, or rejected with a reason code (counted under `replays/{env}/rejected/{reason}`),
-with what it queued and discarded. Rollouts leave the buffer by being used `max_reuse` times (`consume`), by growing
-older than `max_age` learner steps (on arrival and in `drop_stale`), or by eviction when the buffer is over
-`capacity` (oldest arrival first). Every exit is counted.
+Life of a group: `admit` runs four steps. `validate` checks it once (`marin_rl.replay.validation.check_group`, which
+runs every rollout's `validate` with the vocabulary; the API's `InferenceEngine` and `make_batch` run the same check),
+then the future-version check and the group filters (`min_group_size`, optional zero-variance filter). `score`
+computes advantages with the configured estimator (`replay.advantage_estimator`, a name in the registry of
+`marin_rl.replay.advantages`; an estimator may reject a group too). `persist` appends the rollouts to Parquet (when
+the buffer has a `rollout_dir`). `enqueue` discards rollouts already older than `max_age`, handles rollouts longer
+than a batch row (`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut), queues
+the rest and evicts past `capacity`. It returns an `Admission`: accepted, or rejected with a reason code (counted
+under `replays/{env}/rejected/{reason}`), with what it queued and discarded. Rollouts leave the buffer by being used
+`max_reuse` times (`consume`), by growing older than `max_age` learner steps (on arrival and in `drop_stale`), or by
+eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted.
 
 `admit(group, max_version=v)` rejects (reason `future_version`) a group with a token sampled by a policy version
 newer than v: after a resume from a checkpoint, a server that still served the lost run's later weights must not feed
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from marin_rl.replay.advantages import ESTIMATOR_NAMES, GroupAdvantages, turn_rloo_token_advantages
+from marin_rl.replay.advantages import GroupAdvantages, GroupScores, get_estimator
 from marin_rl.replay.packing import Sequence
 from marin_rl.replay.store import RolloutWriter, rollout_to_row
 from marin_rl.replay.validation import GroupRejected, check_group
@@ -56,7 +58,8 @@ class ReplayConfig:
     greedy episode, whose reward is the baseline), see marin_rl.replay.advantages; 'turn_rloo' (one advantage per
     policy turn: the turn's return against the group's other episodes' return from the same turn, `turn_lambda`); or
     'gae': no group advantage, the batches carry per-token rewards and the learner's critic computes advantages
-    (`learner.critic.enabled`)."""
+    (`learner.critic.enabled`); or an estimator registered with `marin_rl.replay.advantages.register_estimator`
+    ('package.module:NAME' imports its module first)."""
     gae_reward_credit: str = "per_turn"
     """'gae' only: which tokens rewards are credited to: 'per_turn' (each turn's reward to the last token the policy
     sampled by the end of that turn) or 'episode_end' (the episode's total reward to its last sampled token)."""
@@ -76,11 +79,10 @@ class ReplayConfig:
     """...or at least this often while rollouts arrive (and at every `flush`, e.g. each learner step, and at exit)."""
 
     def __post_init__(self):
-        if self.advantage_estimator not in ESTIMATOR_NAMES:
-            raise ValueError(
-                f"replay.advantage_estimator: unknown advantage estimator {self.advantage_estimator!r}; "
-                f"choose one of {sorted(ESTIMATOR_NAMES)}"
-            )
+        try:
+            get_estimator(self.advantage_estimator)
+        except ValueError as e:
+            raise ValueError(f"replay.advantage_estimator: {e}") from None
         if self.gae_reward_credit not in REWARD_CREDITS:
             raise ValueError(
                 f"replay.gae_reward_credit must be one of {REWARD_CREDITS}, got {self.gae_reward_credit!r}"
@@ -98,6 +100,13 @@ class ReplayConfig:
 def group_sampled_tokens(group: RolloutGroup) -> int:
     """Tokens the policy sampled in `group`."""
     return sum(r.num_sampled_tokens for r in group.rollouts)
+
+
+def _token_advantages(group: RolloutGroup, scores: GroupScores) -> list[np.ndarray | None]:
+    """Per rollout of `group`, its per-token advantages, or None (its advantage on every sampled token)."""
+    if scores.token_advantages is None:
+        return [None] * len(group.rollouts)
+    return list(scores.token_advantages)
 
 
 def _newest_version(rollout: Rollout) -> int:
@@ -206,8 +215,9 @@ class ReplayBuffer:
             config.advantage_estimator,
             grpo_normalize_std=config.grpo_normalize_std,
             baseline_decay=config.reinforce_baseline_decay,
+            turn_lambda=config.turn_lambda,
+            reward_credit=config.gae_reward_credit,
         )
-        self.reward_credit = config.gae_reward_credit if config.advantage_estimator == "gae" else None
         self.items: list[ReplayItem] = []  # oldest arrival first
         self.learner_version: int | None = None  # latest version given to `drop_stale`
         self.rejected: Counter[str] = Counter()
@@ -242,6 +252,21 @@ class ReplayBuffer:
         `max_version` (the learner's current version): a group with a token sampled by a newer policy version is
         rejected as `future_version`.
         """
+        checked = self.validate(group, max_version)
+        if isinstance(checked, Admission):
+            return checked
+        scores = self.score(checked)
+        if scores.rejected:
+            return self._reject(str(scores.reason), scores.detail, group_sampled_tokens(checked))
+        now = time.time()
+        self.accepted_groups += 1
+        self.persist(checked, scores, now)
+        return self.enqueue(checked, scores, now)
+
+    def validate(self, group: RolloutGroup | dict, max_version: int | None = None) -> RolloutGroup | Admission:
+        """Step 1: the group (a `RolloutGroup`, parsed from a dict if need be) when it may be scored, else its
+        rejection, counted and logged: `check_group`'s reasons, `future_version` (a token sampled by a version newer
+        than `max_version`), `group_too_small` (`min_group_size`), `zero_variance` (`drop_zero_variance_groups`)."""
         try:
             if isinstance(group, dict):
                 try:
@@ -252,7 +277,6 @@ class ReplayBuffer:
         except GroupRejected as e:
             sampled = group_sampled_tokens(group) if isinstance(group, RolloutGroup) else 0
             return self._reject(e.reason, e.detail, sampled)
-        sampled = group_sampled_tokens(group)
         if max_version is not None:
             newest = max(_newest_version(r) for r in group.rollouts)
             if newest > max_version:
@@ -260,36 +284,43 @@ class ReplayBuffer:
                     FUTURE_VERSION,
                     f"group {group.group_id} was sampled by policy version {newest}, newer than the learner's "
                     f"{max_version} (left over from before a restore)",
-                    sampled,
+                    group_sampled_tokens(group),
                 )
         if len(group.rollouts) < self.config.min_group_size:
-            return self._reject("group_too_small", f"{len(group.rollouts)} < {self.config.min_group_size}", sampled)
+            return self._reject(
+                "group_too_small", f"{len(group.rollouts)} < {self.config.min_group_size}", group_sampled_tokens(group)
+            )
         rewards = group.rewards
         if self.config.drop_zero_variance_groups and np.all(rewards == rewards[0]):
-            return self._reject("zero_variance", f"all rewards {rewards[0]}", sampled)
-        if self.config.advantage_estimator == "remax" and group.baseline_reward is None:
-            return self._reject("no_greedy_baseline", f"group {group.group_id} carries no greedy reward", sampled)
-        token_advantages: list[np.ndarray | None] = [None] * len(group.rollouts)
-        if self.config.advantage_estimator == "turn_rloo":
-            token_advantages = turn_rloo_token_advantages(group.rollouts, self.config.turn_lambda)
-            advantages = [
-                float(a[r.loss_mask()].mean()) if r.num_sampled_tokens else 0.0
-                for r, a in zip(group.rollouts, token_advantages, strict=True)
+            return self._reject("zero_variance", f"all rewards {rewards[0]}", group_sampled_tokens(group))
+        return group
+
+    def score(self, group: RolloutGroup) -> GroupScores:
+        """Step 2: the configured estimator's scores of a valid group: an advantage per rollout (and per token for
+        e.g. 'turn_rloo'), or the estimator's rejection (e.g. 'remax' without the greedy reward:
+        `no_greedy_baseline`). Stateful estimators (REINFORCE's baseline) update their state here."""
+        return self.advantages.score(group)
+
+    def persist(self, group: RolloutGroup, scores: GroupScores, now: float) -> None:
+        """Step 3: append the scored rollouts to Parquet (when the buffer has a `rollout_dir`)."""
+        if self.writer is None:
+            return
+        token_advantages = _token_advantages(group, scores)
+        self.writer.append(
+            [
+                rollout_to_row(r, group.group_id, float(a), now, ta)
+                for r, a, ta in zip(group.rollouts, scores.advantages, token_advantages, strict=True)
             ]
-        else:
-            advantages = self.advantages(rewards, group.baseline_reward)
-        now = time.time()
-        self.accepted_groups += 1
-        if self.writer is not None:
-            self.writer.append(
-                [
-                    rollout_to_row(r, group.group_id, float(a), now, ta)
-                    for r, a, ta in zip(group.rollouts, advantages, token_advantages, strict=True)
-                ]
-            )
+        )
+
+    def enqueue(self, group: RolloutGroup, scores: GroupScores, now: float) -> Admission:
+        """Step 4: queue the scored rollouts for batches, except those already older than `max_age` (discarded)
+        and those longer than `max_tokens` (`too_long`: dropped, or truncated when something sampled survives the
+        cut); then evict the oldest arrivals past `capacity`. Counts and logs each, and returns the `Admission`."""
         limit = None if self.learner_version is None else self.learner_version - self.config.max_age
         stale = too_long = truncated = queued = 0
-        for r, a, ta in zip(group.rollouts, advantages, token_advantages, strict=True):
+        token_advantages = _token_advantages(group, scores)
+        for r, a, ta in zip(group.rollouts, scores.advantages, token_advantages, strict=True):
             self._count_new(r)
             if limit is not None and r.oldest_version < limit:
                 stale += 1
@@ -301,7 +332,7 @@ class ReplayBuffer:
                 added_at=now,
                 num_tokens=r.num_tokens,
                 oldest_version=r.oldest_version,
-                reward_credit=self.reward_credit,
+                reward_credit=scores.reward_credit,
                 token_advantages=None if ta is None else ta.astype(np.float32),
             )
             if self.max_tokens is not None and r.num_tokens > self.max_tokens:
@@ -340,7 +371,7 @@ class ReplayBuffer:
             )
         return Admission(
             accepted=True,
-            sampled_tokens=sampled,
+            sampled_tokens=group_sampled_tokens(group),
             queued=queued,
             discarded_stale=stale,
             dropped_too_long=too_long,
@@ -405,7 +436,7 @@ class ReplayBuffer:
 
         The metrics window (`new_*`, reward figures since the last `start_window`) is not included.
         """
-        return {
+        state = {
             "env_name": self.env_name,
             "items": [
                 {
@@ -429,8 +460,14 @@ class ReplayBuffer:
             "evicted": self.evicted,
             "dropped": dict(self.dropped),
             "truncated_too_long": self.truncated_too_long,
-            "reinforce_baseline": self.advantages.baseline,
         }
+        estimator_state = self.advantages.state_dict()  # e.g. 'reinforce_baseline'
+        clash = sorted(estimator_state.keys() & state.keys())
+        if clash:
+            raise ValueError(
+                f"advantage estimator {self.advantages.name!r}: state keys {clash} clash with the buffer's"
+            )
+        return {**state, **estimator_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output (rollouts are validated again; nothing is persisted a second time)."""
@@ -461,7 +498,7 @@ class ReplayBuffer:
         self.evicted = int(state["evicted"])
         self.dropped = Counter({str(k): int(v) for k, v in state["dropped"].items()})
         self.truncated_too_long = int(state.get("truncated_too_long", 0))
-        self.advantages.baseline = float(state["reinforce_baseline"])
+        self.advantages.load_state_dict(state)
         self.start_window()
 
     # ---- metrics ----------------------------------------------------------------------------------------
@@ -487,8 +524,8 @@ class ReplayBuffer:
             out[f"{p}/rejected/{reason}"] = n
         for reason, n in self.dropped.items():
             out[f"{p}/dropped/{reason}"] = n
-        if self.advantages.name == "reinforce":
-            out[f"{p}/reinforce_baseline"] = self.advantages.baseline
+        for name, value in self.advantages.metrics().items():  # e.g. REINFORCE's baseline
+            out[f"{p}/{name}"] = value
         if self._new_rewards:
             r = np.asarray(self._new_rewards)
             out[f"{p}/reward/mean"] = float(r.mean())

@@ -73,7 +73,13 @@ class EnvPool:
 
     @property
     def name(self) -> str:
+        """The environment's name."""
         return self.env.name
+
+    @property
+    def group_size(self) -> int:
+        """Rollouts per group."""
+        return self.env.group_size
 
     @property
     def in_flight_rollouts(self) -> int:

@@ -25,20 +25,15 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import signal
-import threading
 import time
 from dataclasses import asdict
 from typing import Any
 
-import numpy as np
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
-from marin_rl.api.staleness import GateInputs, StalenessGate
+from marin_rl.api.controller import RolloutController
 from marin_rl.config import RunConfig
-from marin_rl.envs.iteration import ProblemTicket
 from marin_rl.learner.checkpoint import (
     RUN_STATE_FILE,
     begin_checkpoint,
@@ -49,20 +44,15 @@ from marin_rl.learner.checkpoint import (
     write_json,
 )
 from marin_rl.logs import configure_logging
+from marin_rl.orchestrator.components import RunComponents
 from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
-from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
-from marin_rl.orchestrator.reward_pool import RewardServerPool
-from marin_rl.orchestrator.server_pool import ServerPool
-from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
-from marin_rl.placement import wait_for_actors
-from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
-from marin_rl.replay.buffer import ReplayBuffer
+from marin_rl.orchestrator.stop import StopRequest
+from marin_rl.replay.batcher import FormedBatch
 from marin_rl.report import plot_rewards, write_summary
-from marin_rl.tokenizer import load_tokenizer
 from marin_rl.tracking import console_line, make_tracker
 
 logger = logging.getLogger("marin_rl")
@@ -70,39 +60,6 @@ logger = logging.getLogger("marin_rl")
 RUN_STATE_FORMAT = 2
 """Version of the driver's checkpoint state (`run_state.json`); format 1 (before the replay buffers handled
 too-long rollouts and the per-token names) is still read."""
-
-
-class StopRequest:
-    """A request to stop at the next safe point (after the learner step in progress, with a checkpoint).
-
-    `run` installs it as the SIGINT and SIGTERM handler: while the loop is running (`armed`), the first signal asks
-    for a clean stop; a second one, or one before the loop runs, raises KeyboardInterrupt at once.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self.armed = False
-
-    def install(self) -> dict:
-        """Handle SIGINT and SIGTERM (from the main thread only; elsewhere a no-op); returns the previous handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def uninstall(self, previous: dict) -> None:
-        """Put back the handlers `install` replaced."""
-        for s, handler in previous.items():
-            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
-                signal.signal(s, handler)
-
-    def __call__(self, signum, frame):
-        if self.armed and not self.requested:
-            self.requested = True
-            logger.warning(
-                "signal %d: stopping after the current learner step and saving a checkpoint (again to abort)", signum
-            )
-            return
-        raise KeyboardInterrupt(f"signal {signum}")
 
 
 class Orchestrator:
@@ -114,21 +71,15 @@ class Orchestrator:
         self.output_dir = config.output_dir
         self.env_names = [e.name for e in config.envs]
         self.stop = stop or StopRequest()
-        self._watchdog: Watchdog | None = None
-        self._started_ray = False
-        self.learner: LearnerGroup | None = None
+        self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
+        self.parts = RunComponents(
+            config, section=lambda name: self.profile.section(name), count=lambda **c: self.profile.count(**c)
+        )
+        """Ray, the learner's processes, the servers, the env actors and the rollout controller."""
         self.learner_budget = RestartBudget("learner processes", config.orchestrator.max_restarts_per_role)
         self.rolled_back_steps = 0
         """Learner steps lost to learner deaths (trained, then rolled back to a checkpoint and trained again)."""
-        self.vocab_size = 0
-        self.launcher: Launcher | None = None
-        self.control_secret = config.inference.control_secret or secrets.token_urlsafe(24)
-        self.servers: ServerPool | None = None
-        self.reward_servers: RewardServerPool | None = None
         self._last_server_check = time.time()
-        self.pools: dict[str, EnvPool] = {}
-        self.buffers: dict[str, ReplayBuffer] = {}
-        self.gates = {e.name: StalenessGate(config.orchestrator.max_staleness, e.group_size) for e in config.envs}
         # Run progress (saved in checkpoints).
         self.step = 0
         self.total_gen_tokens = 0
@@ -141,15 +92,26 @@ class Orchestrator:
         self.served_version = 0
         self.training: list[ray.ObjectRef] | None = None  # the learner step in flight (one call per process)
         self.formed: FormedBatch | None = None  # the batch it trains on
-        self.waiting_for: dict[str, int] = {}  # environments the batcher waits for (tokens missing)
         self.window = {"gen_tokens": 0, "since": time.time()}
-        self.broadcast_transport: str | None = None  # what weights travel through ('auto' decides at the first)
         self.hooks = self._make_hooks()
         self.jsonl = None  # the metrics log (a rollback marks it like a resume)
         self._initial_state: dict[str, Any] | None = None  # pools and buffers before step 1: a rollback target
         self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
-        self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
-        self._published = None  # the update the learner published after the step being booked, until it is applied
+
+    @property
+    def learner(self) -> LearnerGroup | None:
+        """The learner's processes."""
+        return self.parts.learner
+
+    @property
+    def pools(self) -> dict[str, EnvPool]:
+        """The env actors of each environment."""
+        return self.parts.pools
+
+    @property
+    def rollouts(self) -> RolloutController | None:
+        """The rollout pipeline (gates, groups in flight, admission, batcher)."""
+        return self.parts.rollouts
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _loop(self, tracker) -> None:
@@ -194,62 +156,22 @@ class Orchestrator:
 
     def _try_train(self) -> None:
         """Form a batch and start a learner step on it (deterministic runs: only once no group is in flight)."""
-        if self.config.orchestrator.deterministic and any(p.busy for p in self.pools.values()):
-            return
-        result = self.batcher.try_make_batch(self.step)
-        if isinstance(result, BatchWait):
-            self.waiting_for = result.missing
-            return
-        self.waiting_for = {}
-        if result is not None:
-            for name, usage in result.usage.items():
-                self.pools[name].batch_size.observe_batch(usage.rollouts)
-            self.formed = result
-            self.training = self.learner.call("train_step", result.batch)
+        formed = self.rollouts.try_make_batch(self.step)
+        if formed is not None:
+            self.formed = formed
+            self.training = self.learner.call("train_step", formed.batch)
 
     def _launch_groups(self) -> None:
-        batches_formed = self.step + (self.training is not None)
-        for name, pool in self.pools.items():
-            state = GateInputs(
-                served_version=self.served_version,
-                batches_formed=batches_formed,
-                in_flight=pool.in_flight_rollouts,
-                buffered=len(self.buffers[name]),
-                rollouts_per_batch=pool.batch_size.value,
-                starved=name in self.waiting_for,
-            )
-            pool.launch(self.gates[name].groups_allowed(state))
+        self.rollouts.launch(self.served_version, batches_formed=self.step + (self.training is not None))
 
     def _admit_finished_groups(self) -> None:
-        failed = False
-        for name, pool in self.pools.items():
-            with self.profile.section("collect"):
-                groups = pool.collect()
-            self.profile.count(**pool.take_profile_counts())
-            failed |= pool.take_failures() > 0
-            with self.profile.section("admit"):
-                for ticket, group in groups:
-                    admission = self.buffers[name].admit(group, max_version=self.step)
-                    self.window["gen_tokens"] += admission.sampled_tokens
-                    self.total_gen_tokens += admission.sampled_tokens
-                    self._settle(pool, ticket, admission.sampled_by_future_version)
+        admitted = self.rollouts.admit_finished(self.step)
+        self.window["gen_tokens"] += admitted.sampled_tokens
+        self.total_gen_tokens += admitted.sampled_tokens
         due = time.time() - self._last_server_check > self.config.inference.health_check_every_s
-        if failed or due:  # a group failed or an env actor died: a server (or its node) may be gone
+        if admitted.failures or due:  # a group failed or an env actor died: a server (or its node) may be gone
             self._last_server_check = time.time()
-            if self.servers.check():
-                self._servers_moved()
-
-    def _servers_moved(self) -> None:
-        """A server was replaced: env actors send their requests to the current addresses."""
-        for pool in self.pools.values():
-            pool.set_servers(self.servers.addresses)
-
-    @staticmethod
-    def _settle(pool: EnvPool, ticket: ProblemTicket, sample_again: bool) -> None:
-        if sample_again:  # sampled by weights this learner never had (left over from before a restore)
-            pool.iterator.requeue(ticket)
-        else:
-            pool.iterator.done(ticket)
+            self.parts.check_servers()
 
     def _complete_step(self, tracker) -> None:
         """Book a finished learner step: its metrics, the batch's and the buffers', the due hooks, the log line."""
@@ -261,20 +183,13 @@ class Orchestrator:
         metrics.update(self.formed.metrics)
         self.total_trained_tokens += int(self.formed.metrics["batches/trained_tokens"])
         self.formed = None
-        for buffer in self.buffers.values():
-            metrics.update(buffer.metrics(step))
-            buffer.start_window()
-            buffer.flush()
+        metrics.update(self.rollouts.step_metrics(step))
         now = time.time()
         metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
         metrics["time/elapsed_s"] = now
-        server_stats = self.servers.stats()
+        server_stats = self.parts.servers.stats()
         metrics.update(server_stats)
         self.profile.observe_servers(server_stats)
-        for name, pool in self.pools.items():  # counted, never silent: actors replaced, groups handed out again
-            metrics[f"envs/{name}/actor_restarts"] = float(pool.restarts)
-            metrics[f"envs/{name}/failed_groups"] = float(pool.failed_groups)
-            metrics[f"envs/{name}/retried_requests"] = float(pool.retried_requests)
         metrics["learner/restarts"] = float(self.learner_budget.spent)
         metrics["learner/rolled_back_steps"] = float(self.rolled_back_steps)
         self.window = {"gen_tokens": 0, "since": now}
@@ -318,19 +233,18 @@ class Orchestrator:
             )
             self.learner.kill()
             self.training = self.formed = None
-            self.waiting_for = {}
-            dropped = sum(pool.drop_in_flight() for pool in self.pools.values())
+            dropped = self.rollouts.drop_in_flight()
             restarts = {n: pool.restarts for n, pool in self.pools.items()}
             path = latest_checkpoint(self.config.checkpoint_dir)
             try:
-                self._start_learner(wait=True)
+                self.parts.start_learner(wait=True)
                 if path is not None:
                     self._restore(path)
                 else:
                     self._warm_start()  # a fresh learner has the initial weights; the warm start is deterministic
                     self._load_run_state(self._initial_state)
                     self.last_saved_step = None
-                self._broadcast()
+                self.parts.broadcast()
             except RayActorError as e:
                 if not self.learner.owns(e):
                     raise
@@ -358,15 +272,15 @@ class Orchestrator:
         cfg = self.config
 
         def publish(step: int) -> dict[str, float]:
-            return self._publish()
+            return self.parts.publish()
 
         def broadcast(step: int) -> dict[str, float]:
-            out = self._apply_published()
+            out = self.parts.apply_published()
             self.served_version = step
             return out
 
         def evaluate(step: int) -> dict[str, float]:
-            self.last_eval = self._evaluate()
+            self.last_eval = self.parts.evaluate()
             return self.last_eval
 
         def export(step: int) -> None:
@@ -390,70 +304,13 @@ class Orchestrator:
             ]
         )
 
-    def _broadcast(self) -> dict[str, float]:
-        """Publish the learner's weights and wait until every server serves them."""
-        return {**self._publish(), **self._apply_published()}
-
-    def _publish(self) -> dict[str, float]:
-        """The learner publishes its current weights (the update, a handle whose arrays travel through the
-        transport, waits for `_apply_published`); returns `broadcast/publish_s`."""
-        t = time.time()
-        update = self.learner.run("publish")
-        if update.transport != self.broadcast_transport:
-            logger.info(
-                "weights travel through broadcast transport %r (%.1f MB per version)",
-                update.transport,
-                update.num_bytes / 1e6,
-            )
-            self.broadcast_transport = update.transport
-        self._published = update
-        return {"broadcast/publish_s": time.time() - t}
-
-    def _apply_published(self) -> dict[str, float]:
-        """Every server applies the update `_publish` made (a replaced server gets it too); returns the
-        `broadcast/...` metrics (`seconds`: the driver's wait for the servers)."""
-        update, self._published = self._published, None
-        t = time.time()
-        restarts = self.servers.restarts
-        results = self.servers.broadcast(update)
-        if self.servers.restarts != restarts:
-            self._servers_moved()
-        return {
-            "broadcast/seconds": time.time() - t,
-            "broadcast/apply_s": max(r["apply_s"] for r in results),
-            "broadcast/bytes": results[0]["bytes"],
-        }
-
-    def _evaluate(self, attempts: int = 3) -> dict[str, float]:
-        t = time.time()
-        out: dict[str, float] = {}
-        for attempt in range(attempts):
-            refs = [pool.actors[0].evaluate.remote() for pool in self.pools.values()]
-            try:
-                for r in ray.get(refs):
-                    out.update(r)
-                break
-            except (RayTaskError, RayActorError) as e:  # a server (or the env actor) went away mid-evaluation
-                if attempt == attempts - 1:
-                    raise
-                logger.error("evaluation failed (%s); checking the servers and evaluating again", type(e).__name__)
-                for pool in self.pools.values():
-                    pool.check_actor(0)
-                if self.servers.check():
-                    self._servers_moved()
-        out["eval/mean_reward"] = float(np.mean([out[f"eval/{n}/reward"] for n in self.env_names]))
-        out["eval/seconds"] = time.time() - t
-        return out
-
     def _warm_start(self) -> dict[str, Any]:
         """Supervised warm start on the environments' demonstrations (the same ones again when a learner that died
         before the first checkpoint is replaced: an environment may draw them at random)."""
         if self.config.learner.warm_start.steps <= 0:
             return {}
         if self._warm_examples is None:
-            self._warm_examples = []
-            for pool in self.pools.values():
-                self._warm_examples += ray.get(pool.actors[0].warm_start_examples.remote())
+            self._warm_examples = self.parts.warm_start_examples()
         examples = self._warm_examples
         logger.info(
             "warm start: %d supervised steps on %d demonstrations", self.config.learner.warm_start.steps, len(examples)
@@ -462,115 +319,6 @@ class Orchestrator:
         if result["losses"]:
             logger.info("warm start done in %.1fs, final loss %.4f", result["seconds"], result["losses"][-1])
         return result
-
-    # ---- lifecycle ----------------------------------------------------------------------------------
-    def _start_ray(self) -> None:
-        cfg = self.config.orchestrator
-        if ray.is_initialized():
-            return
-        sweep_orphans()  # processes and weight slots that a crashed run on this machine left
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=True)
-        else:
-            # every process of this local Ray dies with the driver, even when the driver is SIGKILLed
-            self._watchdog = Watchdog()
-            self._watchdog.start()
-            # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
-            ray.init(
-                address="local",
-                num_cpus=cfg.num_cpus,
-                include_dashboard=False,
-                log_to_driver=True,
-                logging_level=logging.WARNING,
-            )
-        self._started_ray = True
-
-    def _start_components(self) -> None:
-        """Check the placement, reserve its groups, start the learner's processes, the servers and the env actors
-        (bounded waits that name what is missing), then the replay buffers and the batcher."""
-        cfg = self.config
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        vocab_size = len(tokenizer)
-        self.vocab_size = vocab_size
-        t = time.time()
-        self.launcher = Launcher(cfg)
-        self.launcher.check()
-        self.launcher.reserve()
-        learner_ready = self._start_learner(wait=False)
-        self.servers = ServerPool(cfg, self.launcher, self.control_secret)
-        self.reward_servers = RewardServerPool(cfg)  # the reward models' servers (reward_models), if any
-        ready = wait_for_actors(
-            {
-                "learner": [(a, r) for a, r in zip(self.learner.actors, learner_ready, strict=True)],
-                "servers": self.servers.ready_calls(),
-            },
-            {"learner": cfg.placement.learner, "servers": cfg.placement.servers},
-            self.servers.start_timeout_s,
-        )
-        addresses = ready["servers"]
-        self.servers.addresses = list(addresses)
-        logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
-        reward_addresses = self.reward_servers.start()
-        budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
-        fractions = cfg.env_fractions()
-        self.pools = {
-            e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget, self.launcher, reward_addresses)
-            for i, e in enumerate(cfg.envs)
-        }
-        self.buffers = {
-            n: ReplayBuffer(
-                n,
-                cfg.replay,
-                vocab_size,
-                rollout_dir=os.path.join(self.output_dir, "rollouts", n),
-                max_tokens=cfg.batcher.max_seq_len,
-                too_long=cfg.batcher.too_long,
-            )
-            for n in self.env_names
-        }
-        self.batcher = Batcher(cfg.batcher, self.buffers, fractions)
-        logger.info("policy: %s parameters (learner on %d host(s))", f"{ready['learner'][0]:,}", cfg.learner.hosts)
-
-    def _start_learner(self, wait: bool) -> list[ray.ObjectRef]:
-        """Start the learner's processes (in the placement's bundles); their ready calls, awaited when `wait`
-        (bounded by `placement.wait_timeout_s`)."""
-        self.learner = LearnerGroup(self.config, self.launcher)
-        ready = self.learner.start()
-        if wait:
-            wait_for_actors(
-                {"learner": list(zip(self.learner.actors, ready, strict=True))},
-                {"learner": self.config.placement.learner},
-                self.config.placement.wait_timeout_s,
-            )
-        return ready
-
-    def shutdown(self) -> None:
-        """Stop servers and kill every actor, release the placement groups; shut Ray down if this run started it."""
-        if self.servers is not None:
-            self.servers.stop()
-        if self.reward_servers is not None:
-            self.reward_servers.stop()
-        if self.learner is not None:
-            try:
-                ray.get(self.learner.call("close"), timeout=10)  # frees the broadcast's shared memory
-            except Exception:
-                pass
-            self.learner.kill()
-        actors = []
-        for pool in self.pools.values():
-            actors.extend(pool.actors)
-        for a in actors:
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
-        if self.launcher is not None:
-            self.launcher.release()
-        if self._started_ray:
-            ray.shutdown()
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def _find_resume(self) -> str | None:
@@ -594,8 +342,7 @@ class Orchestrator:
             "last_eval": self.last_eval,
             "generated_tokens": self.total_gen_tokens,
             "trained_tokens": self.total_trained_tokens,
-            "pools": {n: p.state_dict() for n, p in self.pools.items()},
-            "buffers": {n: b.state_dict() for n, b in self.buffers.items()},
+            **self.rollouts.state_dict(),
         }
 
     def save_checkpoint(self) -> float:
@@ -624,7 +371,7 @@ class Orchestrator:
         step = int(state["step"])
         if step != checkpoint_step(path):
             raise ValueError(f"checkpoint {path}: run state is at step {step}, its marker at {checkpoint_step(path)}")
-        if set(state["pools"]) != set(self.pools):
+        if set(state["pools"]) != set(self.pools):  # checked before the learner loads anything
             raise ValueError(f"checkpoint {path} has envs {sorted(state['pools'])}, the config {sorted(self.pools)}")
         version = self.learner.run("load_checkpoint", path)
         if version != step:
@@ -635,12 +382,7 @@ class Orchestrator:
     def _load_run_state(self, state: dict[str, Any]) -> None:
         """Set the buffers, problem order and counters from a `_run_state()` (the learner is restored separately)."""
         step = int(state["step"])
-        for n, pool in self.pools.items():
-            pool.load_state_dict(state["pools"][n])
-            buffer_state = dict(state["buffers"][n])
-            if "batcher" in state:  # format 1: the batcher counted too-long rollouts; the buffers do now
-                buffer_state["truncated_too_long"] = state["batcher"]["truncated_too_long"][n]
-            self.buffers[n].load_state_dict(buffer_state)
+        self.rollouts.load_state_dict(state)
         self.step = self.served_version = step
         self.warm = state["warm_start"]
         self.eval_start = state["eval_start"]
@@ -654,12 +396,12 @@ class Orchestrator:
         cfg = self.config
         start_time = time.time()
         resume_path = self._find_resume()
-        self._start_ray()
+        self.parts.start_ray()
         # After ray.init: Ray's driver installs its own SIGTERM handler (which aborts); ours must replace it.
         previous = self.stop.install()
         tracker = None
         try:
-            self._start_components()
+            self.parts.start()
             if resume_path is not None:
                 self._restore(resume_path)
                 logger.info("resumed from step %d at %s", self.step, resume_path)
@@ -676,14 +418,14 @@ class Orchestrator:
             if resume_path is None:
                 warm = self._warm_start()
                 self.warm = {"final_loss": warm["losses"][-1] if warm.get("losses") else None}
-                bmetrics = self._broadcast()
-                self.eval_start = self.last_eval = self._evaluate()
+                bmetrics = self.parts.broadcast()
+                self.eval_start = self.last_eval = self.parts.evaluate()
                 self._initial_state = self._run_state()  # where a learner that dies before a checkpoint returns
                 logger.info("eval at start: %s", _fmt(self.eval_start))
                 start = {**self.eval_start, **bmetrics, "learner/version": 0, "time/elapsed_s": time.time()}
                 tracker.log(start, step=0)
             else:
-                self._broadcast()  # the restored weights reach every server before any new generation
+                self.parts.broadcast()  # the restored weights reach every server before any new generation
             self.served_version = self.step
             self.window = {"gen_tokens": 0, "since": time.time()}
             self.stop.armed = True
@@ -712,7 +454,7 @@ class Orchestrator:
             self.stop.armed = False
             if tracker is not None:
                 tracker.finish()
-            self.shutdown()
+            self.parts.shutdown()
             self.stop.uninstall(previous)
 
     def _summary(self, start_time: float, resume_path: str | None) -> dict[str, Any]:
@@ -722,14 +464,12 @@ class Orchestrator:
             "eval_reward_end": self.last_eval["eval/mean_reward"],
             "generated_tokens": self.total_gen_tokens,
             "trained_tokens": self.total_trained_tokens,
-            "env_restarts": sum(p.restarts for p in self.pools.values()),
-            "server_restarts": self.servers.restarts,
+            **self.rollouts.totals(),
+            "server_restarts": self.parts.servers.restarts,
             "learner_restarts": self.learner_budget.spent,
             "rolled_back_steps": self.rolled_back_steps,
-            "server_addresses": list(self.servers.addresses),
-            "failed_groups": sum(p.failed_groups for p in self.pools.values()),
-            "retried_requests": sum(p.retried_requests for p in self.pools.values()),
-            "broadcast_transport": self.broadcast_transport,
+            "server_addresses": list(self.parts.servers.addresses),
+            "broadcast_transport": self.parts.broadcast_transport,
             "final_checkpoint": os.path.join(self.output_dir, "hf", f"step-{self.step}"),
             "warm_start_steps": self.config.learner.warm_start.steps,
             "warm_start_final_loss": self.warm.get("final_loss"),

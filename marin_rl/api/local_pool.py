@@ -1,0 +1,182 @@
+"""`LocalWorkerPool`: one environment's groups run in this process, on an event loop, by a `RolloutWorker`.
+
+It is the in-process worker backend of `RolloutController` (the Ray backend is the orchestrator's `EnvPool`): the
+same problem order (`ProblemIterator`), the same seeded sampling in deterministic runs, the same hand-out-again rule
+for a failed group, so a driver without Ray gates, validates, scores and batches exactly like a run on Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
+from marin_rl.api.staleness import RolloutsPerBatch
+from marin_rl.envs.base import Environment, SamplingParams
+from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
+from marin_rl.types import RolloutGroup
+
+logger = logging.getLogger(__name__)
+
+
+class LocalWorkerPool:
+    """Groups of `env`'s training problems, at most `concurrency` at once, run by `worker` on `loop` (an event loop
+    running in another thread). `tokens_per_batch`: this environment's share of a batch, for the rollouts-per-batch
+    estimate. `deterministic`: each group is sampled with a seed derived from its ticket and groups are collected in
+    hand-out order; a failed group is sampled again, with the same seed, in its place."""
+
+    def __init__(
+        self,
+        env: Environment,
+        worker: RolloutWorker,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        group_size: int,
+        sampling: SamplingParams,
+        tokens_per_batch: float,
+        concurrency: int = 64,
+        seed: int = 0,
+        deterministic: bool = False,
+        greedy_baseline: bool = False,
+    ):
+        self.env = env
+        self.worker = worker
+        self.loop = loop
+        self.group_size = group_size
+        self.sampling = sampling
+        self.concurrency = concurrency
+        self.deterministic = deterministic
+        self.greedy_baseline = greedy_baseline
+        self.problems = env.train_problems()
+        if not self.problems:
+            raise ValueError(f"environment {env.name} has no training problems")
+        self.iterator = ProblemIterator(len(self.problems), seed, stream_id(env.name))
+        self.batch_size = RolloutsPerBatch(tokens_per_batch, sampling.max_tokens + 16)
+        self.inflight: dict[concurrent.futures.Future, ProblemTicket] = {}
+        """Groups running, in hand-out order."""
+        self.to_resample: list[ProblemTicket] = []
+        self.restarts = 0
+        self.failed_groups = 0
+        self.retried_requests = 0
+        self._new_failures = 0
+        self._profile_counts: dict[str, float] = defaultdict(float)
+
+    @property
+    def name(self) -> str:
+        """The environment's name."""
+        return self.env.name
+
+    @property
+    def in_flight_rollouts(self) -> int:
+        """Rollouts of the groups in flight (and of those waiting to be sampled again)."""
+        return (len(self.inflight) + len(self.to_resample)) * self.group_size
+
+    @property
+    def busy(self) -> bool:
+        """Whether a group is in flight or waiting to be sampled again."""
+        return bool(self.inflight or self.to_resample)
+
+    def launch(self, groups: int) -> int:
+        """Start up to `groups` groups (at most `concurrency` in flight); returns how many started. Groups to sample
+        again (deterministic runs) start first, at the head of the order, outside that count."""
+        if self.to_resample:
+            again = {self._start(ticket): ticket for ticket in self.to_resample}
+            self.inflight = {**again, **self.inflight}
+            self.to_resample = []
+        started = 0
+        while started < groups and len(self.inflight) < self.concurrency:
+            ticket = self.iterator.next()
+            self.inflight[self._start(ticket)] = ticket
+            started += 1
+        return started
+
+    def _start(self, ticket: ProblemTicket) -> concurrent.futures.Future:
+        seed = self.iterator.sample_seed(ticket) if self.deterministic else None
+        return asyncio.run_coroutine_threadsafe(self._run(self.problems[ticket.index], seed), self.loop)
+
+    async def _run(self, problem, seed: int | None) -> tuple[RolloutGroup, float]:
+        start = time.perf_counter()
+        group = await self.worker.run_group(
+            self.env, problem, self.group_size, self.sampling, seed=seed, greedy_baseline=self.greedy_baseline
+        )
+        return group, time.perf_counter() - start
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a group in flight finishes (deterministic: the oldest), at most `timeout_s`."""
+        if not self.inflight:
+            return
+        futures = [next(iter(self.inflight))] if self.deterministic else list(self.inflight)
+        concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def collect(self) -> list[tuple[ProblemTicket, RolloutGroup]]:
+        """Finished groups with their tickets (deterministic: only in hand-out order). A group whose episode raised
+        is not returned: its problem is handed out again, first."""
+        if self.to_resample:  # deterministic: the head of the order is to be sampled again
+            return []
+        out = []
+        for future in list(self.inflight):
+            if not future.done():
+                if self.deterministic:
+                    break
+                continue
+            ticket = self.inflight.pop(future)
+            try:
+                group, seconds = future.result()
+            except Exception as e:  # noqa: BLE001 - the episode raised: hand its problem out again
+                self._failed(ticket, e)
+                continue
+            counts = self.worker.take_counters()
+            self.retried_requests += int(counts["retried_requests"])
+            self._profile_counts["groups"] += 1
+            self._profile_counts["group_s"] += seconds
+            self._profile_counts["turnaround_s"] += seconds
+            for key in CLIENT_COUNTERS[1:]:
+                self._profile_counts[key] += float(counts[key])
+            self.batch_size.observe_rollout_tokens([r.num_tokens for r in group.rollouts])
+            out.append((ticket, group))
+        return out
+
+    def _failed(self, ticket: ProblemTicket, error: BaseException) -> None:
+        if self.deterministic:
+            self.to_resample.append(ticket)  # same seed, same place in the order
+        else:
+            self.iterator.requeue(ticket)  # first in line
+        self.failed_groups += 1
+        self._new_failures += 1
+        logger.warning(
+            "%s: a group failed (%s: %s); its problem is handed out again", self.name, type(error).__name__, error
+        )
+
+    def take_failures(self) -> int:
+        """Groups that failed since the last call."""
+        n, self._new_failures = self._new_failures, 0
+        return n
+
+    def take_profile_counts(self) -> dict[str, float]:
+        """Counted since the last call, for the loop profile."""
+        out, self._profile_counts = dict(self._profile_counts), defaultdict(float)
+        return out
+
+    def drop_in_flight(self) -> int:
+        """Cancel the groups in flight and forget them; returns how many were dropped."""
+        for future in self.inflight:
+            future.cancel()
+        dropped = len(self.inflight) + len(self.to_resample)
+        self.inflight.clear()
+        self.to_resample = []
+        return dropped
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint state: the problem order (in-flight problems become redo), the batch-size estimate, counters
+        (the same keys as the Ray backend's)."""
+        return {"iterator": self.iterator.state_dict(), **self.batch_size.state_dict(), "restarts": self.restarts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output (before anything is launched)."""
+        self.iterator.load_state_dict(state["iterator"])
+        self.batch_size.load_state_dict(state)
+        self.restarts = int(state["restarts"])

@@ -1,0 +1,253 @@
+"""The actors of one run on Ray and their lifetimes: Ray itself, the placement's reservations, the learner's
+processes, the inference and reward servers, the env actors, and the rollout controller over them; the weight
+updates (publish, then every server applies) and the held-out evaluation they run together.
+
+`Orchestrator` (the loop) drives these; everything here is about starting, reaching, replacing and stopping actors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from marin_rl.api.controller import RolloutController
+from marin_rl.config import RunConfig
+from marin_rl.orchestrator.env_pool import EnvPool
+from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.learner_group import LearnerGroup
+from marin_rl.orchestrator.reward_pool import RewardServerPool
+from marin_rl.orchestrator.server_pool import ServerPool
+from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
+from marin_rl.placement import wait_for_actors
+from marin_rl.replay.batcher import Batcher
+from marin_rl.replay.buffer import ReplayBuffer
+from marin_rl.tokenizer import load_tokenizer
+
+logger = logging.getLogger("marin_rl")
+
+
+class RunComponents:
+    """Ray, the learner group, the servers, the env pools and the `RolloutController` of one run.
+
+    `section(name)` and `count(**counters)` receive the rollout controller's profile timings and counters."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        section: Callable[[str], contextlib.AbstractContextManager],
+        count: Callable[..., None],
+    ):
+        self.config = config
+        self.env_names = [e.name for e in config.envs]
+        self.control_secret = config.inference.control_secret or secrets.token_urlsafe(24)
+        self._section, self._count = section, count
+        self._watchdog: Watchdog | None = None
+        self._started_ray = False
+        self.launcher: Launcher | None = None
+        self.learner: LearnerGroup | None = None
+        self.servers: ServerPool | None = None
+        self.reward_servers: RewardServerPool | None = None
+        self.pools: dict[str, EnvPool] = {}
+        self.rollouts: RolloutController | None = None
+        """The rollout pipeline: gates, groups in flight, admission into the replay buffers, the batcher."""
+        self.vocab_size = 0
+        self.broadcast_transport: str | None = None  # what weights travel through ('auto' decides at the first)
+        self._published = None  # an update the learner published, until every server applied it
+
+    # ---- starting and stopping ----------------------------------------------------------------------------------
+    def start_ray(self) -> None:
+        """Join `orchestrator.ray_address`, or start a local Ray that dies with this process (unless one runs)."""
+        cfg = self.config.orchestrator
+        if ray.is_initialized():
+            return
+        sweep_orphans()  # processes and weight slots that a crashed run on this machine left
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, log_to_driver=True)
+        else:
+            # every process of this local Ray dies with the driver, even when the driver is SIGKILLed
+            self._watchdog = Watchdog()
+            self._watchdog.start()
+            # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
+            ray.init(
+                address="local",
+                num_cpus=cfg.num_cpus,
+                include_dashboard=False,
+                log_to_driver=True,
+                logging_level=logging.WARNING,
+            )
+        self._started_ray = True
+
+    def start(self) -> None:
+        """Check the placement, reserve its groups, start the learner's processes, the servers and the env actors
+        (bounded waits that name what is missing), then the replay buffers, the batcher and the controller."""
+        cfg = self.config
+        self.vocab_size = vocab_size = len(load_tokenizer(cfg.tokenizer))
+        t = time.time()
+        self.launcher = Launcher(cfg)
+        self.launcher.check()
+        self.launcher.reserve()
+        learner_ready = self.start_learner(wait=False)
+        self.servers = ServerPool(cfg, self.launcher, self.control_secret)
+        self.reward_servers = RewardServerPool(cfg)  # the reward models' servers (reward_models), if any
+        ready = wait_for_actors(
+            {
+                "learner": [(a, r) for a, r in zip(self.learner.actors, learner_ready, strict=True)],
+                "servers": self.servers.ready_calls(),
+            },
+            {"learner": cfg.placement.learner, "servers": cfg.placement.servers},
+            self.servers.start_timeout_s,
+        )
+        addresses = ready["servers"]
+        self.servers.addresses = list(addresses)
+        logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
+        reward_addresses = self.reward_servers.start()
+        budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
+        fractions = cfg.env_fractions()
+        self.pools = {
+            e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget, self.launcher, reward_addresses)
+            for i, e in enumerate(cfg.envs)
+        }
+        buffers = {
+            n: ReplayBuffer(
+                n,
+                cfg.replay,
+                vocab_size,
+                rollout_dir=os.path.join(cfg.output_dir, "rollouts", n),
+                max_tokens=cfg.batcher.max_seq_len,
+                too_long=cfg.batcher.too_long,
+            )
+            for n in self.env_names
+        }
+        self.rollouts = RolloutController(
+            self.pools,
+            buffers,
+            Batcher(cfg.batcher, buffers, fractions),
+            cfg.orchestrator.max_staleness,
+            deterministic=cfg.orchestrator.deterministic,
+            section=self._section,
+            count=self._count,
+        )
+        logger.info("policy: %s parameters (learner on %d host(s))", f"{ready['learner'][0]:,}", cfg.learner.hosts)
+
+    def start_learner(self, wait: bool) -> list[ray.ObjectRef]:
+        """Start the learner's processes (in the placement's bundles); their ready calls, awaited when `wait`
+        (bounded by `placement.wait_timeout_s`)."""
+        self.learner = LearnerGroup(self.config, self.launcher)
+        ready = self.learner.start()
+        if wait:
+            wait_for_actors(
+                {"learner": list(zip(self.learner.actors, ready, strict=True))},
+                {"learner": self.config.placement.learner},
+                self.config.placement.wait_timeout_s,
+            )
+        return ready
+
+    def shutdown(self) -> None:
+        """Stop servers and kill every actor, release the placement groups; shut Ray down if this run started it."""
+        if self.servers is not None:
+            self.servers.stop()
+        if self.reward_servers is not None:
+            self.reward_servers.stop()
+        if self.learner is not None:
+            try:
+                ray.get(self.learner.call("close"), timeout=10)  # frees the broadcast's shared memory
+            except Exception:
+                pass
+            self.learner.kill()
+        for pool in self.pools.values():
+            for actor in pool.actors:
+                try:
+                    ray.kill(actor)
+                except Exception:
+                    pass
+        if self.launcher is not None:
+            self.launcher.release()
+        if self._started_ray:
+            ray.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+    # ---- servers and weights ------------------------------------------------------------------------------------
+    def check_servers(self) -> None:
+        """Replace dead servers; env actors then send their requests to the current addresses."""
+        if self.servers.check():
+            self.servers_moved()
+
+    def servers_moved(self) -> None:
+        """A server was replaced: env actors send their requests to the current addresses."""
+        for pool in self.pools.values():
+            pool.set_servers(self.servers.addresses)
+
+    def broadcast(self) -> dict[str, float]:
+        """Publish the learner's weights and wait until every server serves them."""
+        return {**self.publish(), **self.apply_published()}
+
+    def publish(self) -> dict[str, float]:
+        """The learner publishes its current weights (the update, a handle whose arrays travel through the
+        transport, waits for `apply_published`); returns `broadcast/publish_s`."""
+        t = time.time()
+        update = self.learner.run("publish")
+        if update.transport != self.broadcast_transport:
+            logger.info(
+                "weights travel through broadcast transport %r (%.1f MB per version)",
+                update.transport,
+                update.num_bytes / 1e6,
+            )
+            self.broadcast_transport = update.transport
+        self._published = update
+        return {"broadcast/publish_s": time.time() - t}
+
+    def apply_published(self) -> dict[str, float]:
+        """Every server applies the update `publish` made (a replaced server gets it too); returns the
+        `broadcast/...` metrics (`seconds`: the driver's wait for the servers)."""
+        update, self._published = self._published, None
+        t = time.time()
+        restarts = self.servers.restarts
+        results = self.servers.broadcast(update)
+        if self.servers.restarts != restarts:
+            self.servers_moved()
+        return {
+            "broadcast/seconds": time.time() - t,
+            "broadcast/apply_s": max(r["apply_s"] for r in results),
+            "broadcast/bytes": results[0]["bytes"],
+        }
+
+    # ---- what the env actors hold -------------------------------------------------------------------------------
+    def evaluate(self, attempts: int = 3) -> dict[str, float]:
+        """Held-out metrics of the served policy, every environment's first env actor at once (`eval/...`, with
+        `eval/mean_reward` over environments); evaluated again after a server or env actor dies mid-way."""
+        t = time.time()
+        out: dict[str, float] = {}
+        for attempt in range(attempts):
+            refs = [pool.actors[0].evaluate.remote() for pool in self.pools.values()]
+            try:
+                for r in ray.get(refs):
+                    out.update(r)
+                break
+            except (RayTaskError, RayActorError) as e:  # a server (or the env actor) went away mid-evaluation
+                if attempt == attempts - 1:
+                    raise
+                logger.error("evaluation failed (%s); checking the servers and evaluating again", type(e).__name__)
+                for pool in self.pools.values():
+                    pool.check_actor(0)
+                self.check_servers()
+        out["eval/mean_reward"] = float(np.mean([out[f"eval/{n}/reward"] for n in self.env_names]))
+        out["eval/seconds"] = time.time() - t
+        return out
+
+    def warm_start_examples(self) -> list[Any]:
+        """Every environment's demonstrations for the supervised warm start ((prompt ids, completion ids) pairs)."""
+        examples: list[Any] = []
+        for pool in self.pools.values():
+            examples += ray.get(pool.actors[0].warm_start_examples.remote())
+        return examples

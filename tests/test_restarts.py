@@ -83,4 +83,4 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
 
     wait_until(lambda: not actor_processes(), 30, poll_s=0.5)  # and shut everything down on its way out
     assert actor_processes() == [], f"actor processes still running: {actor_processes()}"
-    assert orchestrator._watchdog is None, "the watcher is stopped with the run"
+    assert orchestrator.parts._watchdog is None, "the watcher is stopped with the run"

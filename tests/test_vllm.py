@@ -1,7 +1,7 @@
 """vLLM backend against the learner: exact tokens and logprobs, in-place weight updates, versions, restarts.
 
 The slow tests run a real `vllm serve` (CPU build) from the project's vLLM environment, which the session fixture
-creates on first use (minutes, then cached in `.venvs/vllm`).
+creates on first use (minutes once per machine, then cached: `marin_rl.inference.vllm_env.default_path()`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_vllm_python_names_the_command_that_creates_it(tmp_path, monkeypatch):
 # ---- a served policy -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def vllm_env():
-    """The project's vLLM environment, created if absent (minutes once; cached in .venvs/vllm afterwards)."""
+    """The project's vLLM environment, created if absent (minutes once per machine; cached outside the checkout)."""
     return ensure_vllm_env(quiet=True)
 
 

@@ -10,7 +10,7 @@ from marin_rl.run import parse_config, run
 
 @pytest.mark.slow
 def test_run_on_the_vllm_backend(tmp_path):
-    ensure_vllm_env(quiet=True)  # created on a clean clone (minutes once), cached in .venvs/vllm afterwards
+    ensure_vllm_env(quiet=True)  # created once per machine (minutes), cached outside the checkout afterwards
     out = tmp_path / "run"
     config = parse_config(
         [

@@ -17,6 +17,7 @@ staleness bound `replay.max_age`, too-long rollouts, the batch rule) lives here 
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -69,6 +70,58 @@ class WorkerPool(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class WorkerPoolBase:
+    """What every worker pool keeps alike: groups in flight (`inflight`) and to sample again (`to_resample`), the
+    failure and profile counters, and the checkpoint state (problem order, batch-size estimate, restarts).
+    Subclasses set `group_size`, `iterator`, `batch_size` and fill `inflight` / `to_resample`."""
+
+    group_size: int
+    iterator: ProblemIterator
+    batch_size: RolloutsPerBatch
+
+    def __init__(self):
+        self.inflight: dict = {}
+        self.to_resample: list = []
+        self.restarts = 0
+        self.failed_groups = 0
+        """Groups that raised (e.g. their server went away) and were handed out again."""
+        self.retried_requests = 0
+        """Requests sent again to another server because theirs could not be reached (the group went on)."""
+        self._new_failures = 0
+        self._profile_counts: dict[str, float] = defaultdict(float)
+
+    @property
+    def in_flight_rollouts(self) -> int:
+        """Rollouts of the groups in flight (and of those waiting to be sampled again)."""
+        return (len(self.inflight) + len(self.to_resample)) * self.group_size
+
+    @property
+    def busy(self) -> bool:
+        """Whether a group is in flight or waiting to be sampled again."""
+        return bool(self.inflight or self.to_resample)
+
+    def take_failures(self) -> int:
+        """Groups that failed (or whose worker died) since the last call."""
+        n, self._new_failures = self._new_failures, 0
+        return n
+
+    def take_profile_counts(self) -> dict[str, float]:
+        """Counted since the last call, for the loop profile: groups collected, their seconds in the worker and
+        from launch to collect, and their clients' requests and request seconds."""
+        out, self._profile_counts = dict(self._profile_counts), defaultdict(float)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint state: the problem order (in-flight problems become redo), the batch-size estimate, counters."""
+        return {"iterator": self.iterator.state_dict(), **self.batch_size.state_dict(), "restarts": self.restarts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output (before anything is launched)."""
+        self.iterator.load_state_dict(state["iterator"])
+        self.batch_size.load_state_dict(state)
+        self.restarts = int(state["restarts"])
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections import defaultdict
-from typing import Any
 
+from marin_rl.api.controller import WorkerPoolBase
 from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.envs.base import Environment, SamplingParams
@@ -23,7 +22,7 @@ from marin_rl.types import RolloutGroup
 logger = logging.getLogger(__name__)
 
 
-class LocalWorkerPool:
+class LocalWorkerPool(WorkerPoolBase):
     """Groups of `env`'s training problems, at most `concurrency` at once, run by `worker` on `loop` (an event loop
     running in another thread). `tokens_per_batch`: this environment's share of a batch, for the rollouts-per-batch
     estimate. `deterministic`: each group is sampled with a seed derived from its ticket and groups are collected in
@@ -56,29 +55,15 @@ class LocalWorkerPool:
             raise ValueError(f"environment {env.name} has no training problems")
         self.iterator = ProblemIterator(len(self.problems), seed, stream_id(env.name))
         self.batch_size = RolloutsPerBatch(tokens_per_batch, sampling.max_tokens + 16)
+        super().__init__()
         self.inflight: dict[concurrent.futures.Future, ProblemTicket] = {}
         """Groups running, in hand-out order."""
         self.to_resample: list[ProblemTicket] = []
-        self.restarts = 0
-        self.failed_groups = 0
-        self.retried_requests = 0
-        self._new_failures = 0
-        self._profile_counts: dict[str, float] = defaultdict(float)
 
     @property
     def name(self) -> str:
         """The environment's name."""
         return self.env.name
-
-    @property
-    def in_flight_rollouts(self) -> int:
-        """Rollouts of the groups in flight (and of those waiting to be sampled again)."""
-        return (len(self.inflight) + len(self.to_resample)) * self.group_size
-
-    @property
-    def busy(self) -> bool:
-        """Whether a group is in flight or waiting to be sampled again."""
-        return bool(self.inflight or self.to_resample)
 
     def launch(self, groups: int) -> int:
         """Start up to `groups` groups (at most `concurrency` in flight); returns how many started. Groups to sample
@@ -151,16 +136,6 @@ class LocalWorkerPool:
             "%s: a group failed (%s: %s); its problem is handed out again", self.name, type(error).__name__, error
         )
 
-    def take_failures(self) -> int:
-        """Groups that failed since the last call."""
-        n, self._new_failures = self._new_failures, 0
-        return n
-
-    def take_profile_counts(self) -> dict[str, float]:
-        """Counted since the last call, for the loop profile."""
-        out, self._profile_counts = dict(self._profile_counts), defaultdict(float)
-        return out
-
     def drop_in_flight(self) -> int:
         """Cancel the groups in flight and forget them; returns how many were dropped."""
         for future in self.inflight:
@@ -169,14 +144,3 @@ class LocalWorkerPool:
         self.inflight.clear()
         self.to_resample = []
         return dropped
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint state: the problem order (in-flight problems become redo), the batch-size estimate, counters
-        (the same keys as the Ray backend's)."""
-        return {"iterator": self.iterator.state_dict(), **self.batch_size.state_dict(), "restarts": self.restarts}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output (before anything is launched)."""
-        self.iterator.load_state_dict(state["iterator"])
-        self.batch_size.load_state_dict(state)
-        self.restarts = int(state["restarts"])

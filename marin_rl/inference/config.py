@@ -13,8 +13,8 @@ class VllmConfig:
     """The vLLM backend: `vllm serve` in its own Python environment, given new weights without restarting."""
 
     python: str | None = None
-    """Interpreter of the vLLM environment. None: $MARIN_RL_VLLM_PYTHON, else `.venvs/vllm` under the repository
-    (create it with `python -m marin_rl.inference.vllm_env`)."""
+    """Interpreter of the vLLM environment. None: $MARIN_RL_VLLM_PYTHON, else the default environment in the user's
+    cache, `~/.cache/marin_rl/venvs/vllm-VERSION` (create it with `python -m marin_rl.inference.vllm_env`)."""
     dtype: str = "float32"
     """Parameter and activation dtype of the served model (`--dtype`); float32 keeps sampler logprobs exact."""
     kv_cache_gib: float | None = 1.0

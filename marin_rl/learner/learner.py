@@ -545,10 +545,11 @@ class Learner:
             self._check_rows(batch.num_rows, "the batch", m * n)
         ex = self.place_batch(batch)
         data: dict[str, Any] = {"rollouts": batch, "_example": ex}
+        # host arrays for user calls; built-in calls read the placed example's unless a call replaced them
         if batch.rewards is not None:
-            data["token_rewards"] = batch.rewards  # host arrays for user calls; built-in calls read the example's
+            data["token_rewards"] = batch.rewards
         else:
-            data["advantages"] = ex.advantages
+            data["advantages"] = batch.advantages
         if batch.rewards is None and self.reads_token_rewards:
             raise ValueError(
                 f"algorithm {self.algorithm.name!r} needs batches with per-token rewards: set "
@@ -574,7 +575,7 @@ class Learner:
         cfg = self.config
         m, e = cfg.minibatches, cfg.epochs
         batch, ex = data["rollouts"], _example(self, data)
-        if data["advantages"] is not ex.advantages:  # computed in the step (a critic's GAE, or a user's call)
+        if data["advantages"] is not batch.advantages:  # computed in the step (a critic's GAE, or a user's call)
             advantages = data["advantages"]
             if not isinstance(advantages, hax.NamedArray):
                 advantages = hax.named(jnp.asarray(advantages, jnp.float32), ex.advantages.axes)

@@ -20,7 +20,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from marin_rl.api.staleness import GateInputs, RolloutsPerBatch, StalenessGate
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
@@ -29,8 +29,12 @@ from marin_rl.replay.buffer import ReplayBuffer
 from marin_rl.types import RolloutGroup
 
 
-class WorkerPool(Protocol):
-    """Where one environment's groups run (e.g. Ray env actors): the interface the controller drives."""
+class WorkerPool:
+    """Where one environment's groups run (Ray env actors, or this process): the interface the controller drives,
+    and what every pool keeps alike: groups in flight (`inflight`) and to sample again (`to_resample`), the failure
+    and profile counters, and the checkpoint state (problem order, batch-size estimate, restarts). Subclasses set
+    `name`, `group_size`, `iterator`, `batch_size`, fill `inflight` / `to_resample`, and implement `launch`,
+    `collect` and `drop_in_flight`."""
 
     name: str
     """The environment's name."""
@@ -40,46 +44,6 @@ class WorkerPool(Protocol):
     """The environment's problem order (the driver's; tickets are settled by the controller)."""
     batch_size: RolloutsPerBatch
     """Estimate of the rollouts a batch takes from this environment (B in the gate)."""
-    restarts: int
-    failed_groups: int
-    retried_requests: int
-
-    @property
-    def in_flight_rollouts(self) -> int:
-        """Rollouts of the groups in flight (and of those waiting to be sampled again)."""
-
-    @property
-    def busy(self) -> bool:
-        """Whether a group is in flight or waiting to be sampled again."""
-
-    def launch(self, groups: int) -> int:
-        """Start up to `groups` groups; returns how many started."""
-
-    def collect(self) -> list[tuple[ProblemTicket, RolloutGroup | dict]]:
-        """Finished groups with their tickets (a group may be a `RolloutGroup.to_dict()`)."""
-
-    def take_failures(self) -> int:
-        """Groups that failed since the last call."""
-
-    def take_profile_counts(self) -> dict[str, float]:
-        """Counted since the last call, for the loop profile."""
-
-    def drop_in_flight(self) -> int:
-        """Cancel and forget the groups in flight; returns how many."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class WorkerPoolBase:
-    """What every worker pool keeps alike: groups in flight (`inflight`) and to sample again (`to_resample`), the
-    failure and profile counters, and the checkpoint state (problem order, batch-size estimate, restarts).
-    Subclasses set `group_size`, `iterator`, `batch_size` and fill `inflight` / `to_resample`."""
-
-    group_size: int
-    iterator: ProblemIterator
-    batch_size: RolloutsPerBatch
 
     def __init__(self):
         self.inflight: dict = {}
@@ -112,6 +76,18 @@ class WorkerPoolBase:
         from launch to collect, and their clients' requests and request seconds."""
         out, self._profile_counts = dict(self._profile_counts), defaultdict(float)
         return out
+
+    def launch(self, groups: int) -> int:
+        """Start up to `groups` groups; returns how many started."""
+        raise NotImplementedError
+
+    def collect(self) -> list[tuple[ProblemTicket, RolloutGroup | dict]]:
+        """Finished groups with their tickets (a group may be a `RolloutGroup.to_dict()`)."""
+        raise NotImplementedError
+
+    def drop_in_flight(self) -> int:
+        """Cancel and forget the groups in flight; returns how many."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint state: the problem order (in-flight problems become redo), the batch-size estimate, counters."""

@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import time
 
-from marin_rl.api.controller import WorkerPoolBase
+from marin_rl.api.controller import WorkerPool
 from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.envs.base import Environment, SamplingParams
@@ -22,7 +22,7 @@ from marin_rl.types import RolloutGroup
 logger = logging.getLogger(__name__)
 
 
-class LocalWorkerPool(WorkerPoolBase):
+class LocalWorkerPool(WorkerPool):
     """Groups of `env`'s training problems, at most `concurrency` at once, run by `worker` on `loop` (an event loop
     running in another thread). `tokens_per_batch`: this environment's share of a batch, for the rollouts-per-batch
     estimate. `deterministic`: each group is sampled with a seed derived from its ticket and groups are collected in
@@ -56,6 +56,7 @@ class LocalWorkerPool(WorkerPoolBase):
         self.iterator = ProblemIterator(len(self.problems), seed, stream_id(env.name))
         self.batch_size = RolloutsPerBatch(tokens_per_batch, sampling.max_tokens + 16)
         super().__init__()
+        self._launched_at: dict[concurrent.futures.Future, float] = {}
         self.inflight: dict[concurrent.futures.Future, ProblemTicket] = {}
         """Groups running, in hand-out order."""
         self.to_resample: list[ProblemTicket] = []
@@ -81,7 +82,9 @@ class LocalWorkerPool(WorkerPoolBase):
 
     def _start(self, ticket: ProblemTicket) -> concurrent.futures.Future:
         seed = self.iterator.sample_seed(ticket) if self.deterministic else None
-        return asyncio.run_coroutine_threadsafe(self._run(self.problems[ticket.index], seed), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self._run(self.problems[ticket.index], seed), self.loop)
+        self._launched_at[future] = time.perf_counter()
+        return future
 
     async def _run(self, problem, seed: int | None) -> tuple[RolloutGroup, float]:
         start = time.perf_counter()
@@ -109,6 +112,7 @@ class LocalWorkerPool(WorkerPoolBase):
                     break
                 continue
             ticket = self.inflight.pop(future)
+            launched = self._launched_at.pop(future)
             try:
                 group, seconds = future.result()
             except Exception as e:  # noqa: BLE001 - the episode raised: hand its problem out again
@@ -118,7 +122,7 @@ class LocalWorkerPool(WorkerPoolBase):
             self.retried_requests += int(counts["retried_requests"])
             self._profile_counts["groups"] += 1
             self._profile_counts["group_s"] += seconds
-            self._profile_counts["turnaround_s"] += seconds
+            self._profile_counts["turnaround_s"] += time.perf_counter() - launched  # launch to collect
             for key in CLIENT_COUNTERS[1:]:
                 self._profile_counts[key] += float(counts[key])
             self.batch_size.observe_rollout_tokens([r.num_tokens for r in group.rollouts])
@@ -142,5 +146,6 @@ class LocalWorkerPool(WorkerPoolBase):
             future.cancel()
         dropped = len(self.inflight) + len(self.to_resample)
         self.inflight.clear()
+        self._launched_at.clear()
         self.to_resample = []
         return dropped

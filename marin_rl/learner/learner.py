@@ -544,7 +544,7 @@ class Learner:
         if self.mesh is not None:
             self._check_rows(batch.num_rows, "the batch", m * n)
         ex = self.place_batch(batch)
-        data: dict[str, Any] = {"rollouts": batch, "_example": ex}
+        data: dict[str, Any] = {"rollouts": batch, "_example": ex}  # "_example": the batch placed once
         # host arrays for user calls; built-in calls read the placed example's unless a call replaced them
         if batch.rewards is not None:
             data["token_rewards"] = batch.rewards
@@ -574,7 +574,7 @@ class Learner:
         """The policy's `minibatches × epochs` optimizer steps on `data['rollouts']` with `data['advantages']`."""
         cfg = self.config
         m, e = cfg.minibatches, cfg.epochs
-        batch, ex = data["rollouts"], _example(self, data)
+        batch, ex = data["rollouts"], data["_example"]
         if data["advantages"] is not batch.advantages:  # computed in the step (a critic's GAE, or a user's call)
             advantages = data["advantages"]
             if not isinstance(advantages, hax.NamedArray):
@@ -631,7 +631,7 @@ class Learner:
                 **{k: None if v is None else np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in vars(batch).items()}
             )
         with self._sharding():
-            [lp] = host_arrays([self._logprobs(self.model, self._shard_batch(_to_example(batch)))])
+            [lp] = host_arrays([self._logprobs(self.model, self.place_batch(batch))])
         return lp[:rows]
 
     def weights(self) -> list[np.ndarray]:
@@ -719,7 +719,7 @@ class Learner:
         self._check_rows(batch.num_rows, "the supervised batch")
         with self._sharding():
             self.model, opt_state, metrics = self._supervised_step(
-                (self.model, self._shard_batch(_to_example(batch))), opt_state, optimizer
+                (self.model, self.place_batch(batch)), opt_state, optimizer
             )
         return opt_state, metrics
 
@@ -728,7 +728,7 @@ class Learner:
         weights, and their number."""
         self._check_rows(batch.num_rows, "the supervised batch")
         with self._sharding():
-            total, count = self._supervised_nll(self.model, self._shard_batch(_to_example(batch)))
+            total, count = self._supervised_nll(self.model, self.place_batch(batch))
         return float(total), int(count)
 
     @functools.cached_property
@@ -787,13 +787,6 @@ class Learner:
 
 
 # ---- the learner-side calls of the shipped algorithms (`marin_rl.learner.algorithm`) ------------------------------
-def _example(learner: Learner, data: dict[str, Any]) -> RlExample:
-    """The batch as the example `train_step` placed on the devices once (kept in `data` under a private key)."""
-    if "_example" not in data:
-        data["_example"] = learner.place_batch(data["rollouts"])
-    return data["_example"]
-
-
 @register_learner_call("actor_train")
 def actor_train(learner: Learner, data: dict[str, Any], loss=None, loss_weight_fn=None, **_) -> dict[str, float]:
     """The policy's steps on the batch with `data['advantages']` (reads rollouts, advantages; writes actor)."""
@@ -803,7 +796,7 @@ def actor_train(learner: Learner, data: dict[str, Any], loss=None, loss_weight_f
 @register_learner_call("critic_inf")
 def critic_inference(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
     """The critic's values of the batch before any update (reads rollouts; writes values, bootstrap_values)."""
-    data["values"], data["bootstrap_values"] = learner.critic.values(_example(learner, data))
+    data["values"], data["bootstrap_values"] = learner.critic.values(data["_example"])
     return {}
 
 
@@ -815,7 +808,7 @@ def generalized_advantages(learner: Learner, data: dict[str, Any], **_) -> dict[
     rewards = data["token_rewards"]
     rewards = None if rewards is data["rollouts"].rewards else rewards
     data["advantages"], data["returns"], metrics = learner.critic.gae(
-        _example(learner, data), rewards, data["values"], data["bootstrap_values"]
+        data["_example"], rewards, data["values"], data["bootstrap_values"]
     )
     return {f"learner/{k}": v for k, v in metrics.items()}
 
@@ -823,5 +816,5 @@ def generalized_advantages(learner: Learner, data: dict[str, Any], **_) -> dict[
 @register_learner_call("critic_train")
 def critic_train(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
     """One critic step of the clipped value loss (reads rollouts, values, returns; writes critic)."""
-    metrics = learner.critic.train(_example(learner, data), data["values"], data["returns"])
+    metrics = learner.critic.train(data["_example"], data["values"], data["returns"])
     return {f"learner/{k}": v for k, v in metrics.items()}

@@ -9,7 +9,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 
-from marin_rl.api.controller import WorkerPoolBase
+from marin_rl.api.controller import WorkerPool
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
@@ -21,7 +21,7 @@ from marin_rl.placement import wait_for_actors
 logger = logging.getLogger("marin_rl")
 
 
-class EnvPool(WorkerPoolBase):
+class EnvPool(WorkerPool):
     """`envs[index].replicas` env actors, the driver-owned problem order (`ProblemIterator`) and the groups in flight.
 
     `launch(n)` hands out up to `n` problems (each replica runs at most `concurrency` groups at once); `collect()`

@@ -56,6 +56,13 @@ class EnvConfig:
 class OrchestratorConfig:
     """The driver loop."""
 
+    backend: str = "ray"
+    """'ray': the learner, servers and env workers are Ray actors (one machine or a cluster). 'local': the whole
+    run in this process without Ray: the learner, a colocated embedded engine sampling from the learner's own weights
+    (no copy per version) and the env workers in-process (`marin_rl.orchestrator.local`)."""
+    local_http: bool = False
+    """Local backend: also serve the colocated engine's OpenAI endpoint (for tools and agents that need HTTP; the
+    env workers never use it)."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; None starts a local one."""
     num_cpus: int | None = None
@@ -221,6 +228,31 @@ class RunConfig:
                 "reward_models, or remove them"
             )
 
+    def _validate_local(self) -> None:
+        """What the local backend (one process, a colocated embedded engine) cannot run, named before it starts."""
+        if self.inference.backend != "levanter":
+            raise ValueError(
+                "orchestrator.backend: local samples from the learner's weights with the embedded engine; "
+                f"inference.backend must be 'levanter', got {self.inference.backend!r}"
+            )
+        if self.inference.num_servers != 1:
+            raise ValueError(
+                "orchestrator.backend: local runs one colocated engine in the learner's process: "
+                f"set inference.num_servers: 1 (got {self.inference.num_servers})"
+            )
+        if self.learner.hosts != 1:
+            raise ValueError(
+                f"orchestrator.backend: local runs on one host; learner.hosts={self.learner.hosts} needs "
+                "orchestrator.backend: ray"
+            )
+        if self.reward_models:
+            raise ValueError(
+                "orchestrator.backend: local does not serve reward models (reward_models "
+                f"{[m.name for m in self.reward_models]}); use orchestrator.backend: ray"
+            )
+        if self.orchestrator.ray_address:
+            raise ValueError("orchestrator.ray_address is set but orchestrator.backend is 'local' (no Ray)")
+
     def validate(self) -> None:
         """Cross-field checks that a single dataclass cannot do; raises ValueError naming the fields."""
         names = [e.name for e in self.envs]
@@ -247,6 +279,10 @@ class RunConfig:
             raise ValueError("tracking.wandb_mode must be 'disabled', 'offline' or 'online'")
         if self.batcher.max_seq_len > self.inference.max_seq_len:
             raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
+        if self.orchestrator.backend not in ("ray", "local"):
+            raise ValueError(f"orchestrator.backend must be 'ray' or 'local', got {self.orchestrator.backend!r}")
+        if self.orchestrator.backend == "local":
+            self._validate_local()
         if self.orchestrator.max_restarts_per_role < 0:
             raise ValueError("orchestrator.max_restarts_per_role must be >= 0")
         if self.learner.algorithm is not None:  # the algorithm decides what the replay buffers compute

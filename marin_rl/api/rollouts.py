@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from marin_rl.envs.base import Environment, Problem, SamplingParams
 from marin_rl.envs.iteration import derived_seed, stream_id
 from marin_rl.inference.client import PolicyClient, SeededPolicy
+from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.types import RolloutGroup
 
 CLIENT_COUNTERS = ("retried_requests", "requests", "request_s", "backend_s", "queue_s")
@@ -43,13 +44,23 @@ class RolloutWorker:
     Roles: "train" (groups that will be trained on; its request figures are what `take_counters` reports) and
     "eval" (evaluation and one-off sampling). Clients are created in the running event loop at first use, so a
     worker can be built outside it. Not thread-safe: use it from one event loop.
+
+    `client_factory`: instead of server addresses, a function making each role's client (e.g. an
+    `InProcessPolicyClient` over a policy server of this process).
     """
 
-    def __init__(self, addresses: Sequence[str], *, timeout_s: float = 600.0):
-        if not addresses:
-            raise ValueError("RolloutWorker needs at least one server address")
+    def __init__(
+        self,
+        addresses: Sequence[str] = (),
+        *,
+        timeout_s: float = 600.0,
+        client_factory: Callable[[], PolicyClient | InProcessPolicyClient] | None = None,
+    ):
+        if not addresses and client_factory is None:
+            raise ValueError("RolloutWorker needs at least one server address (or a client_factory)")
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
+        self.client_factory = client_factory
         self._clients: dict[str, PolicyClient] = {}
         self._retired: list[PolicyClient] = []  # clients replaced by `set_servers`, closed by `aclose`
         self._old = dict.fromkeys(CLIENT_COUNTERS, 0.0)  # counted by replaced clients
@@ -60,7 +71,10 @@ class RolloutWorker:
         if role not in ("train", "eval"):
             raise ValueError(f"unknown client role {role!r} (train or eval)")
         if role not in self._clients:
-            self._clients[role] = PolicyClient(self.addresses, timeout_s=self.timeout_s)
+            if self.client_factory is not None:
+                self._clients[role] = self.client_factory()
+            else:
+                self._clients[role] = PolicyClient(self.addresses, timeout_s=self.timeout_s)
         return self._clients[role]
 
     def set_servers(self, addresses: Sequence[str]) -> None:

@@ -81,12 +81,13 @@ class TrainEngine:
     the distributed runtime), every process builds one and makes every call in the same order (they are
     collectives); process 0 holds the transport, publishes and writes single-copy files."""
 
-    def __init__(self, run_config: RunConfig, *, tokenizer=None):
+    def __init__(self, run_config: RunConfig, *, tokenizer=None, transport: bool = True):
         self.config = run_config
         self.tokenizer = tokenizer or load_tokenizer(run_config.tokenizer)
         temperature = run_config.envs[0].sampling.temperature
         self.learner = Learner(run_config.model, run_config.learner, len(self.tokenizer), temperature=temperature)
-        self.transport = make_transport(run_config.broadcast) if is_primary() else None
+        # transport=False: the weights never leave this process (a colocated engine reads the learner's own arrays)
+        self.transport = make_transport(run_config.broadcast) if transport and is_primary() else None
 
     @property
     def version(self) -> int:
@@ -140,7 +141,10 @@ class TrainEngine:
     def publish(self) -> WeightUpdate | None:
         """Publish the current weights as `version` through the broadcast transport, without applying them anywhere;
         returns the update (None on processes other than 0). One process publishes the model's device arrays (cast
-        on the device when `broadcast.dtype` asks); a multi-host learner gathers them first (a collective)."""
+        on the device when `broadcast.dtype` asks); a multi-host learner gathers them first (a collective). Raises
+        RuntimeError for an engine built with `transport=False`."""
+        if is_primary() and self.transport is None:
+            raise RuntimeError("this TrainEngine has no weight transport (built with transport=False)")
         if jax.process_count() == 1:
             return self.transport.publish(self.learner.version, self.learner.model)
         leaves = self.learner.weights()

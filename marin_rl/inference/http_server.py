@@ -4,8 +4,10 @@ server binds to and advertises (`inference.host`), and completing a request's fu
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -41,18 +43,21 @@ def bind_and_advertise(setting: str) -> tuple[str, str]:
     return setting, setting
 
 
-def _ray_nodes() -> int:
-    import ray
+def _ray() -> Any:
+    """The Ray module when this process has joined a Ray cluster, else None (Ray is not imported for the asking:
+    a process that never imported it has joined none, and may not have it installed)."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
 
-    if not ray.is_initialized():
-        return 1
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+def _ray_nodes() -> int:
+    ray = _ray()
+    return 1 if ray is None else sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
 def _node_address() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
+    ray = _ray()
+    return LOOPBACK if ray is None else ray.util.get_node_ip_address()
 
 
 class HttpServerThread:

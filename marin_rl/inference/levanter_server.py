@@ -431,7 +431,15 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
 class LevanterInferenceServer(CompletionBackend):
     """Levanter's engine serving one policy over HTTP (`openai_api`'s dialect). Run it in-process or as a Ray actor."""
 
-    def __init__(self, model: LmHeadModel, tokenizer, config: InferenceConfig, name: str = "server-0"):
+    def __init__(
+        self,
+        model: LmHeadModel,
+        tokenizer,
+        config: InferenceConfig,
+        name: str = "server-0",
+        *,
+        share_weights: bool = False,
+    ):
         self.config = config
         self.name = name
         self.tokenizer = tokenizer
@@ -455,10 +463,12 @@ class LevanterInferenceServer(CompletionBackend):
         self._server_config = InferenceServerConfig(
             trainer=TrainerConfig(), service=engine_config, batch_timeout=lev.batch_timeout_s
         )
-        # Place the first weights exactly as `apply_weights` places later ones (committed arrays with the same
-        # shardings), so that swapping weights reuses the compiled decode functions.
-        own_leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]
-        model = _replace_leaves(model, own_leaves, name)
+        if not share_weights:
+            # Place the first weights exactly as `apply_weights` places later ones (committed arrays with the same
+            # shardings), so that swapping weights reuses the compiled decode functions.
+            own_leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]
+            model = _replace_leaves(model, own_leaves, name)
+        # share_weights: serve `model`'s own arrays (a colocated learner's), and later versions with `serve_model`
         sampler = _FullDistributionSampler(model.Vocab)
         if lev.engine == "dense":
             engine = DenseEngine(
@@ -521,6 +531,37 @@ class LevanterInferenceServer(CompletionBackend):
         model = _replace_leaves(self.context.model, leaves, self.name)
         self.context.swap_weights(version, model)
         return time.time() - start
+
+    def serve_model(self, version: int, model: LmHeadModel) -> dict[str, float]:
+        """Serve `model`, a policy of the served structure whose arrays live on this process's devices (a colocated
+        learner's own parameters), as `version`, from the next engine call on.
+
+        No array is copied where its sharding is the one served now (the learner's and the engine's layouts agree):
+        the engine reads the learner's buffers, which the learner's step never donates. An array laid out otherwise
+        is resharded device to device (never through the host) to the served layout, and cast on the device to the
+        served dtype. Returns `bytes` copied, `arrays` copied and `apply_s` (seconds until it was being served)."""
+        start = time.time()
+        served = eqx.filter(self.context.model, eqx.is_array)
+        params, static = eqx.partition(model, eqx.is_array)
+        old_leaves = jax.tree_util.tree_leaves(served)
+        new_leaves, treedef = jax.tree_util.tree_flatten(params)
+        if len(old_leaves) != len(new_leaves):
+            raise ValueError(f"{self.name}: got {len(new_leaves)} weight arrays, the model has {len(old_leaves)}")
+        copied_bytes, copied = 0, 0
+        leaves = []
+        for i, (old, new) in enumerate(zip(old_leaves, new_leaves, strict=True)):
+            if tuple(old.shape) != tuple(new.shape):
+                raise ValueError(f"{self.name}: weight {i} has shape {tuple(new.shape)}, expected {tuple(old.shape)}")
+            if new.dtype != old.dtype or not new.sharding.is_equivalent_to(old.sharding, old.ndim):
+                new = jax.device_put(new, old.sharding)
+                if new.dtype != old.dtype:
+                    new = new.astype(old.dtype)
+                copied_bytes += int(new.size) * new.dtype.itemsize
+                copied += 1
+            leaves.append(new)
+        model = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
+        self.context.swap_weights(version, model)
+        return {"bytes": float(copied_bytes), "arrays": float(copied), "apply_s": time.time() - start}
 
     def pause(self) -> None:
         """Stop sampling once the engine call in progress ends (requests wait; see `_VersionedContext.pause`)."""

@@ -63,7 +63,22 @@ class RunComponents:
         self.broadcast_transport: str | None = None  # what weights travel through ('auto' decides at the first)
         self._published = None  # an update the learner published, until every server applied it
 
+    learner_errors = (RayActorError,)
+    """What a dead learner process raises (the loop replaces the learner and rolls back)."""
+
     # ---- starting and stopping ----------------------------------------------------------------------------------
+    def start_backend(self) -> None:
+        """Start (or join) Ray."""
+        self.start_ray()
+
+    def wait(self, training: list[ray.ObjectRef] | None, timeout_s: float) -> None:
+        """Block until a group or the learner step `training` finishes, at most `timeout_s`."""
+        refs = [r for p in self.pools.values() for r in p.wait_refs()]
+        if training is not None:
+            refs.extend(training)
+        if refs:
+            ray.wait(refs, num_returns=1, timeout=timeout_s)
+
     def start_ray(self) -> None:
         """Join `orchestrator.ray_address`, or start a local Ray that dies with this process (unless one runs)."""
         cfg = self.config.orchestrator

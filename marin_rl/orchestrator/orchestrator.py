@@ -1,6 +1,10 @@
-"""The Ray driver: starts every component from one config, runs the asynchronous loop, and shuts it all down.
+"""The driver: starts every component from one config, runs the asynchronous loop, and shuts it all down.
 
-Loop (one driver thread, everything else in actors), `Orchestrator._loop`:
+The parts are Ray actors (`orchestrator.backend: ray`, `RunComponents`) or live in this process, the embedded engine
+sampling from the learner's own weights (`orchestrator.backend: local`, `marin_rl.orchestrator.local`); the loop,
+checkpoints, resume, metrics and reports are the same code for both.
+
+Loop (one driver thread, everything else in actors or worker threads), `Orchestrator._loop`:
   env actors generate groups → replay buffers admit them (validation, advantages, staleness) → the batcher forms a
   batch (token budget, packing) when the learner is idle → learner step (a new version) → step hooks: weights
   published every `broadcast.sync_every` steps, HF export, checkpoint; then the next learner step starts while the
@@ -27,10 +31,7 @@ import logging
 import os
 import time
 from dataclasses import asdict
-from typing import Any
-
-import ray
-from ray.exceptions import RayActorError
+from typing import TYPE_CHECKING, Any
 
 from marin_rl.api.controller import RolloutController
 from marin_rl.config import RunConfig
@@ -44,17 +45,17 @@ from marin_rl.learner.checkpoint import (
     write_json,
 )
 from marin_rl.logs import configure_logging
-from marin_rl.orchestrator.components import RunComponents
-from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
-from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
-from marin_rl.orchestrator.server_pool import ServerPool
 from marin_rl.orchestrator.stop import StopRequest
 from marin_rl.replay.batcher import FormedBatch
 from marin_rl.report import plot_rewards, write_summary
 from marin_rl.tracking import console_line, make_tracker
+
+if TYPE_CHECKING:
+    from marin_rl.orchestrator.components import RunComponents
+    from marin_rl.orchestrator.local import LocalComponents
 
 logger = logging.getLogger("marin_rl")
 
@@ -63,8 +64,20 @@ RUN_STATE_FORMAT = 2
 too-long rollouts and the per-token names) is still read."""
 
 
+def make_components(config: RunConfig, section, count) -> RunComponents | LocalComponents:
+    """The run's parts for `orchestrator.backend`: Ray actors (`RunComponents`), or everything in this process, the
+    engine sampling from the learner's own weights (`LocalComponents`: Ray is never imported)."""
+    if config.orchestrator.backend == "local":
+        from marin_rl.orchestrator.local import LocalComponents
+
+        return LocalComponents(config, section=section, count=count)
+    from marin_rl.orchestrator.components import RunComponents
+
+    return RunComponents(config, section=section, count=count)
+
+
 class Orchestrator:
-    """Owns the actors of one run and drives the loop."""
+    """Owns the parts of one run and drives the loop (on Ray, or in this process: `orchestrator.backend`)."""
 
     def __init__(self, config: RunConfig, stop: StopRequest | None = None):
         config.validate()
@@ -73,10 +86,10 @@ class Orchestrator:
         self.env_names = [e.name for e in config.envs]
         self.stop = stop or StopRequest()
         self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
-        self.parts = RunComponents(
+        self.parts = make_components(
             config, section=lambda name: self.profile.section(name), count=lambda **c: self.profile.count(**c)
         )
-        """Ray, the learner's processes, the servers, the env actors and the rollout controller."""
+        """The learner, the servers, the env workers and the rollout controller (Ray actors, or in this process)."""
         self.learner_budget = RestartBudget("learner processes", config.orchestrator.max_restarts_per_role)
         self.rolled_back_steps = 0
         """Learner steps lost to learner deaths (trained, then rolled back to a checkpoint and trained again)."""
@@ -91,7 +104,7 @@ class Orchestrator:
         self.last_saved_step: int | None = None
         # Loop state.
         self.served_version = 0
-        self.training: list[ray.ObjectRef] | None = None  # the learner step in flight (one call per process)
+        self.training: list[Any] | None = None  # the learner step in flight (one handle per process)
         self.formed: FormedBatch | None = None  # the batch it trains on
         self.window = {"gen_tokens": 0, "since": time.time()}
         self.hooks = self._make_hooks()
@@ -100,17 +113,17 @@ class Orchestrator:
         self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
 
     @property
-    def learner(self) -> LearnerGroup | None:
-        """The learner's processes."""
+    def learner(self):
+        """The learner's processes (`LearnerGroup`, or the in-process `LocalLearner`)."""
         return self.parts.learner
 
     @property
-    def pools(self) -> dict[str, EnvPool]:
-        """The env actors of each environment."""
+    def pools(self):
+        """The env workers of each environment (`EnvPool`s of Ray actors, or `LocalWorkerPool`s)."""
         return self.parts.pools
 
     @property
-    def servers(self) -> ServerPool | None:
+    def servers(self):
         """The inference servers."""
         return self.parts.servers
 
@@ -142,7 +155,7 @@ class Orchestrator:
                 with section("wait"):
                     self._wait_for_anything()
                 self._admit_finished_groups()
-            except RayActorError as e:
+            except self.parts.learner_errors as e:
                 if not self.learner.owns(e):
                     raise
                 with section("recover"):
@@ -150,15 +163,11 @@ class Orchestrator:
 
     def _training_done(self) -> bool:
         """Whether every learner process has finished the step in flight (raises a dead process's error)."""
-        return LearnerGroup.finished(self.training)
+        return self.learner.finished(self.training)
 
     def _wait_for_anything(self, timeout_s: float = 0.05) -> None:
         """Block until a group or the learner step finishes, at most `timeout_s`."""
-        refs = [r for p in self.pools.values() for r in p.wait_refs()]
-        if self.training is not None:
-            refs.extend(self.training)
-        if refs:
-            ray.wait(refs, num_returns=1, timeout=timeout_s)
+        self.parts.wait(self.training, timeout_s)
 
     def _try_train(self) -> None:
         """Form a batch and start a learner step on it (deterministic runs: only once no group is in flight)."""
@@ -181,7 +190,7 @@ class Orchestrator:
 
     def _complete_step(self, tracker) -> None:
         """Book a finished learner step: its metrics, the batch's and the buffers', the due hooks, the log line."""
-        metrics = LearnerGroup.get(self.training)[0]
+        metrics = self.learner.get(self.training)[0]
         self.training = None
         self.step += 1
         step, last = self.step, self.step == self.config.orchestrator.num_steps
@@ -215,7 +224,7 @@ class Orchestrator:
             logger.info(console_line(step, metrics, self.env_names))
 
     # ---- a dead learner ----------------------------------------------------------------------------------
-    def _replace_learner(self, error: RayActorError) -> None:
+    def _replace_learner(self, error: BaseException) -> None:
         """A learner process died: replace the whole learner and roll the run back, in-run, to the latest complete
         checkpoint (to the start of the run when there is none: the same initial weights and warm start).
 
@@ -251,7 +260,7 @@ class Orchestrator:
                     self._load_run_state(self._initial_state)
                     self.last_saved_step = None
                 self.parts.broadcast()
-            except RayActorError as e:
+            except self.parts.learner_errors as e:
                 if not self.learner.owns(e):
                     raise
                 error = e
@@ -402,7 +411,7 @@ class Orchestrator:
         cfg = self.config
         start_time = time.time()
         resume_path = self._find_resume()
-        self.parts.start_ray()
+        self.parts.start_backend()
         # After ray.init: Ray's driver installs its own SIGTERM handler (which aborts); ours must replace it.
         previous = self.stop.install()
         tracker = None

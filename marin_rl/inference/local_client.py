@@ -1,0 +1,91 @@
+"""`InProcessPolicyClient`: a policy client that calls a server's backend in this process, without HTTP or JSON.
+
+It answers exactly what `PolicyClient` answers for the same request (token ids, sampler logprobs, text, finish reason,
+per-token versions), because it calls the same `CompletionBackend.complete` the HTTP front end calls, with the same
+checks of the request. The local backend's env workers sample through it from the colocated engine; environments
+cannot tell the two clients apart.
+"""
+
+from __future__ import annotations
+
+import time
+
+from marin_rl.inference.client import Sample, ServerError
+from marin_rl.inference.openai_api import CompletionBackend, CompletionRequest, prompt_token_ids
+
+
+class InProcessPolicyClient:
+    """`PolicyClient`'s `sample` and counters over a `CompletionBackend` of this process; call it from the event loop
+    the backend answers in (the embedded server resolves its futures in the caller's loop). A request the backend
+    refuses raises `ServerError` with status 400, as the HTTP front end answers it."""
+
+    def __init__(self, backend: CompletionBackend):
+        self.backend = backend
+        self.servers = [f"in-process:{backend.name}"]
+        self.retried_requests = 0
+        """Always 0: nothing to reach."""
+        self.requests = 0
+        """`sample` calls answered."""
+        self.request_s = 0.0
+        """Seconds from each call to its answer, summed."""
+        self.backend_s = 0.0
+        """The same seconds (the backend is the whole request here)."""
+        self.queue_s = 0.0
+        """Always 0: no connection slots to wait for."""
+
+    async def sample(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int,
+        temperature: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """`n` completions of `prompt_ids` from the backend (see `PolicyClient.sample`)."""
+        start = time.time()
+        server = self.servers[0]
+        try:
+            if max_tokens < 1:
+                raise ValueError("max_tokens must be >= 1")
+            if n < 1:
+                raise ValueError("n must be >= 1")
+            request = CompletionRequest(
+                prompt=list(prompt_ids),
+                max_tokens=int(max_tokens),
+                temperature=float(temperature),
+                n=int(n),
+                stop=list(stop) if stop else None,
+                stop_token_ids=[int(t) for t in stop_token_ids or []],
+                logprobs=0,
+                seed=seed,
+                return_token_ids=True,
+            )
+            prompts = prompt_token_ids(request.prompt, self.backend.tokenizer, self.backend.max_seq_len)
+            served = self.backend.version
+            completions = await self.backend.complete(request, prompts)
+        except ValueError as e:
+            raise ServerError(server, 400, str(e)) from e
+        latency = time.time() - start
+        self.requests += 1
+        self.request_s += latency
+        self.backend_s += latency
+        return [
+            Sample(
+                token_ids=list(c.token_ids),
+                sampler_logprobs=[float(x) for x in c.sampler_logprobs],
+                text=c.text,
+                finish_reason=c.finish_reason,
+                version_start=int(c.token_versions[0]) if c.token_versions else served,
+                version_end=int(c.token_versions[-1]) if c.token_versions else served,
+                token_versions=[int(v) for v in c.token_versions],
+                server=server,
+                latency_s=latency,
+            )
+            for c in completions
+        ]
+
+    async def aclose(self) -> None:
+        """Nothing to close (the backend belongs to its owner)."""

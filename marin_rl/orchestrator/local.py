@@ -1,0 +1,380 @@
+"""The local backend (`orchestrator.backend: local`): a whole run in this process, without Ray.
+
+The learner (`LocalLearner`: a `TrainEngine` whose steps run on a worker thread), a colocated policy server (the
+embedded Levanter engine sampling from the learner's own parameters: `LevanterInferenceServer(share_weights=True)`),
+and every environment's workers (`LocalWorkerPool`s on one event-loop thread, sampling through
+`InProcessPolicyClient`: no HTTP, no JSON) live in one process and time-share its devices. A new version is handed
+over by reference: the engine reads the learner's arrays (0 bytes copied where the two layouts agree; the learner's
+step never donates the policy), so the process holds one copy of the policy, not a learner's and a server's.
+
+`LocalComponents` has the surface of the Ray `RunComponents`, so `Orchestrator` drives both with one loop: the same
+staleness gate, replay buffers, batcher, checkpoints, resume, metrics, reward plot and deterministic mode. Nothing
+here imports Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from marin_rl.api.controller import RolloutController
+from marin_rl.api.local_pool import LocalWorkerPool
+from marin_rl.api.rollouts import RolloutWorker
+from marin_rl.api.train import TrainEngine
+from marin_rl.config import RunConfig, make_environment
+from marin_rl.envs.base import reference_examples
+from marin_rl.inference.levanter_server import LevanterInferenceServer
+from marin_rl.inference.local_client import InProcessPolicyClient
+from marin_rl.replay.batcher import Batcher
+from marin_rl.replay.buffer import ReplayBuffer
+from marin_rl.types import PackedBatch
+
+logger = logging.getLogger("marin_rl")
+
+
+def policy_bytes(*models) -> int:
+    """Bytes of the distinct device buffers that `models` hold (a buffer two of them share counts once): what the
+    process keeps resident for them."""
+    seen: dict[tuple, int] = {}
+    for model in models:
+        for leaf in jax.tree_util.tree_leaves(model):
+            if not isinstance(leaf, jax.Array):
+                continue
+            for shard in leaf.addressable_shards:
+                data = shard.data
+                key = (str(shard.device), data.unsafe_buffer_pointer())
+                seen[key] = int(data.size) * data.dtype.itemsize
+    return sum(seen.values())
+
+
+def process_memory() -> dict[str, float]:
+    """This process's resident memory now and at its peak (MB), and the first device's bytes in use and peak where
+    the device reports them (accelerators; a CPU device does not)."""
+    out = {"memory/host_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/statm") as f:
+            out["memory/host_rss_mb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_in_use" in stats:
+        out["memory/device_mb"] = stats["bytes_in_use"] / 2**20
+    if "peak_bytes_in_use" in stats:
+        out["memory/device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20
+    return out
+
+
+@dataclass
+class ColocatedUpdate:
+    """A version handed from the learner to the colocated engine: the learner's policy itself (no arrays copied)."""
+
+    version: int
+    model: Any
+    transport: str = "colocated"
+    num_bytes: int = 0
+    """Bytes the hand-over sends anywhere: none."""
+
+
+class LocalLearner:
+    """The learner in this process, with the surface of the Ray `LearnerGroup`: `call(method, *args)` queues a call
+    on the learner's thread (one call at a time, in order) and returns its handle; `finished`, `get` and `run` as
+    there. The methods are those of the Ray `LearnerActor`."""
+
+    def __init__(self, config: RunConfig, tokenizer):
+        self.engine = TrainEngine(config, tokenizer=tokenizer, transport=False)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner")
+
+    @property
+    def model(self):
+        """The learner's current policy (its device arrays)."""
+        return self.engine.learner.model
+
+    # ---- the LearnerGroup surface ---------------------------------------------------------------------------
+    def call(self, method: str, *args) -> list[concurrent.futures.Future]:
+        """Run `method` on the learner's thread; its handle (a one-element list, like one call per process)."""
+        return [self._thread.submit(getattr(self, method), *args)]
+
+    def run(self, method: str, *args) -> Any:
+        """Run `method` and return its result."""
+        return self.get(self.call(method, *args))[0]
+
+    @staticmethod
+    def get(handles: list[concurrent.futures.Future]) -> list[Any]:
+        """The results of a call (raising its error)."""
+        return [h.result() for h in handles]
+
+    @staticmethod
+    def finished(handles: list[concurrent.futures.Future]) -> bool:
+        """Whether a call has finished, without blocking; raises its error."""
+        if not all(h.done() for h in handles):
+            return False
+        for h in handles:
+            h.result()
+        return True
+
+    def owns(self, error: BaseException) -> bool:
+        """Never: a learner error in this process ends the run (rerun the command to resume)."""
+        return False
+
+    def kill(self) -> None:
+        """Stop the learner's thread (after the call in progress)."""
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+    # ---- the LearnerActor methods ---------------------------------------------------------------------------
+    def warm_start(self, examples: list[tuple[list[int], list[int]]]) -> dict:
+        """Supervised steps on (prompt_ids, completion_ids) pairs; returns the loss curve."""
+        return self.engine.warm_start(examples)
+
+    def train_step(self, batch: PackedBatch) -> dict[str, float]:
+        """One training step on `batch`; returns the `learner/...` metrics and the process's memory after it."""
+        metrics = self.engine.train_batch(batch)
+        metrics.update({f"{k}/after_train": v for k, v in process_memory().items()})
+        return metrics
+
+    def publish(self) -> ColocatedUpdate:
+        """The current policy as its version: a reference to the learner's arrays."""
+        return ColocatedUpdate(self.engine.version, self.engine.learner.model)
+
+    def close(self) -> None:
+        """Nothing to release (no transport)."""
+
+    def export_hf(self, path: str) -> str:
+        """Save the current policy as a Hugging Face checkpoint."""
+        return self.engine.export_hf(path)
+
+    def save_checkpoint(self, path: str, step: int) -> float:
+        """Write the learner's part of the run checkpoint at `path`; returns seconds."""
+        start = time.time()
+        self.engine.write_state(path, step)
+        return time.time() - start
+
+    def load_checkpoint(self, path: str) -> int:
+        """Continue from the complete checkpoint at `path`; returns the restored version."""
+        return self.engine.load(path)
+
+
+class ColocatedServers:
+    """The one colocated policy server, with the surface of the Ray `ServerPool` the loop reads (`stats`,
+    `restarts`, `addresses`)."""
+
+    def __init__(self, server: LevanterInferenceServer, addresses: list[str]):
+        self.server = server
+        self.addresses = addresses
+        """The OpenAI endpoint's address when `orchestrator.local_http` serves one; else empty."""
+        self.restarts = 0
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters (`servers/0/...`) and the process's memory (`memory/...`)."""
+        out: dict[str, float] = {"servers/restarts": 0.0}
+        for key, value in self.server.stats().items():
+            if isinstance(value, (bool, int, float)):
+                out[f"servers/0/{key}"] = float(value)
+        out.update(process_memory())
+        return out
+
+    def stop(self) -> None:
+        """Stop the engine (and the HTTP endpoint, if any)."""
+        self.server.stop()
+
+
+class LocalComponents:
+    """The learner, the colocated policy server, the env workers and the rollout controller of one run, in this
+    process (`orchestrator.backend: local`). `section(name)` and `count(**counters)` receive the rollout
+    controller's profile timings and counters."""
+
+    learner_errors: tuple[type[BaseException], ...] = ()
+    """Nothing is replaced in-run: a learner error ends the run, and rerunning the command resumes it."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        section: Callable[[str], contextlib.AbstractContextManager],
+        count: Callable[..., None],
+    ):
+        self.config = config
+        self.env_names = [e.name for e in config.envs]
+        self._section, self._count = section, count
+        self.tokenizer = None
+        self.learner: LocalLearner | None = None
+        self.server: LevanterInferenceServer | None = None
+        self.servers: ColocatedServers | None = None
+        self.pools: dict[str, LocalWorkerPool] = {}
+        self.workers: dict[str, RolloutWorker] = {}
+        self.rollouts: RolloutController | None = None
+        self.vocab_size = 0
+        self.broadcast_transport = "colocated"
+        self._published: ColocatedUpdate | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+
+    # ---- starting and stopping ----------------------------------------------------------------------------------
+    def start_backend(self) -> None:
+        """Nothing to start: no Ray, one process."""
+
+    def start(self) -> None:
+        """Build the learner, the colocated engine on its parameters, the environments and their workers on one
+        event-loop thread, the replay buffers, the batcher and the controller."""
+        from marin_rl.tokenizer import load_tokenizer
+
+        cfg = self.config
+        t = time.time()
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.vocab_size = vocab_size = len(self.tokenizer)
+        self.learner = LocalLearner(cfg, self.tokenizer)
+        self.server = LevanterInferenceServer(
+            self.learner.model, self.tokenizer, cfg.inference, name="colocated-0", share_weights=True
+        )
+        addresses = [self.server.start()] if cfg.orchestrator.local_http else []
+        if addresses:
+            logger.info("the colocated engine's OpenAI endpoint: http://%s/v1", addresses[0])
+        self.servers = ColocatedServers(self.server, addresses)
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="env-workers", daemon=True)
+        self._loop_thread.start()
+        budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
+        fractions = cfg.env_fractions()
+        greedy = cfg.algorithm().greedy_baseline
+        for e in cfg.envs:
+            env = make_environment(e, self.tokenizer, seed=cfg.orchestrator.seed)
+            worker = RolloutWorker(client_factory=lambda: InProcessPolicyClient(self.server))
+            self.workers[e.name] = worker
+            self.pools[e.name] = LocalWorkerPool(
+                env,
+                worker,
+                self._loop,
+                group_size=e.group_size,
+                sampling=e.sampling,
+                tokens_per_batch=fractions[e.name] * budget,
+                concurrency=e.concurrency * e.replicas,
+                seed=cfg.orchestrator.seed,
+                deterministic=cfg.orchestrator.deterministic,
+                greedy_baseline=greedy,
+            )
+        buffers = {
+            n: ReplayBuffer(
+                n,
+                cfg.replay,
+                vocab_size,
+                rollout_dir=os.path.join(cfg.output_dir, "rollouts", n),
+                max_tokens=cfg.batcher.max_seq_len,
+                too_long=cfg.batcher.too_long,
+            )
+            for n in self.env_names
+        }
+        self.rollouts = RolloutController(
+            self.pools,
+            buffers,
+            Batcher(cfg.batcher, buffers, fractions),
+            cfg.orchestrator.max_staleness,
+            deterministic=cfg.orchestrator.deterministic,
+            section=self._section,
+            count=self._count,
+        )
+        logger.info(
+            "policy: %s parameters; learner and colocated engine in this process on %s (%.1fs)",
+            f"{self.learner.engine.learner.num_params:,}",
+            jax.devices()[0].platform,
+            time.time() - t,
+        )
+
+    def start_learner(self, wait: bool) -> None:
+        """Not supported: the local learner is not replaced in-run."""
+        raise RuntimeError("the local backend does not replace its learner in-run; rerun the command to resume")
+
+    def wait(self, training: list[concurrent.futures.Future] | None, timeout_s: float) -> None:
+        """Block until a group or the learner step `training` finishes, at most `timeout_s`."""
+        futures = [f for p in self.pools.values() for f in p.inflight]
+        if training is not None:
+            futures.extend(training)
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        """Stop the engine, the env workers' loop and the learner's thread."""
+        for pool in self.pools.values():
+            pool.drop_in_flight()
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._close_workers(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=10)
+            self._loop = None
+        if self.servers is not None:
+            self.servers.stop()
+        if self.learner is not None:
+            self.learner.kill()
+
+    async def _close_workers(self) -> None:
+        await asyncio.gather(*(w.aclose() for w in self.workers.values()))
+
+    # ---- servers and weights ------------------------------------------------------------------------------------
+    def check_servers(self) -> None:
+        """Nothing to check: the engine lives in this process."""
+
+    def broadcast(self) -> dict[str, float]:
+        """Hand the learner's current policy to the engine and wait until it is served."""
+        return {**self.publish(), **self.apply_published()}
+
+    def publish(self) -> dict[str, float]:
+        """Take the learner's current policy (a reference: nothing is copied); returns `broadcast/publish_s`."""
+        t = time.time()
+        self._published = self.learner.run("publish")
+        return {"broadcast/publish_s": time.time() - t}
+
+    def apply_published(self) -> dict[str, float]:
+        """The engine serves the published policy from its next engine call (`serve_model`: arrays whose layout
+        differs are resharded on the devices); returns the `broadcast/...` metrics (`bytes`: copied)."""
+        update, self._published = self._published, None
+        t = time.time()
+        result = self.server.serve_model(update.version, update.model)
+        return {
+            "broadcast/seconds": time.time() - t,
+            "broadcast/apply_s": result["apply_s"],
+            "broadcast/bytes": result["bytes"],
+            "broadcast/resident_policy_bytes": float(policy_bytes(self.learner.model, self.server.context.model)),
+        }
+
+    # ---- what the env workers hold ------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics of the served policy, every environment at once (`eval/...`, with `eval/mean_reward`)."""
+        t = time.time()
+        cfg = self.config
+        eval_seed = cfg.orchestrator.seed if cfg.orchestrator.deterministic else None
+
+        async def one(e) -> dict[str, float]:
+            pool = self.pools[e.name]
+            metrics = await self.workers[e.name].evaluate(
+                pool.env,
+                pool.env.eval_problems()[: e.num_eval_problems],
+                e.eval_samples_per_problem,
+                e.sampling,
+                seed=eval_seed,
+            )
+            return {f"eval/{e.name}/{key}": value for key, value in metrics.items()}
+
+        async def all_envs() -> list[dict[str, float]]:
+            return list(await asyncio.gather(*(one(e) for e in cfg.envs)))
+
+        out: dict[str, float] = {}
+        for r in asyncio.run_coroutine_threadsafe(all_envs(), self._loop).result():
+            out.update(r)
+        out["eval/mean_reward"] = float(np.mean([out[f"eval/{n}/reward"] for n in self.env_names]))
+        out["eval/seconds"] = time.time() - t
+        return out
+
+    def warm_start_examples(self) -> list[Any]:
+        """Every environment's demonstrations for the supervised warm start ((prompt ids, completion ids) pairs)."""
+        examples: list[Any] = []
+        for pool in self.pools.values():
+            examples += reference_examples(pool.env, self.tokenizer)
+        return examples

@@ -19,9 +19,10 @@ def deterministic_config(
     learning_rate: float | None = None,
     num_servers: int = 1,
     ppo: bool = False,
+    backend: str = "ray",
 ) -> Path:
     """Write the config of a run into `out` (checkpoint every `every` steps) next to it, as `<out>.yaml`; its path.
-    `ppo`: with a critic and GAE (experiments/quickstart_ppo.yaml's settings)."""
+    `ppo`: with a critic and GAE (experiments/quickstart_ppo.yaml's settings). `backend`: `orchestrator.backend`."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "experiments" / ("quickstart_ppo.yaml" if ppo else "quickstart.yaml")).read_text())
@@ -35,7 +36,7 @@ def deterministic_config(
     cfg["batcher"]["total_token_budget"] = 1024
     cfg["inference"]["num_servers"] = num_servers
     cfg["orchestrator"].update(
-        num_steps=num_steps, max_staleness=0, deterministic=True, eval_every=1000, num_cpus=2, seed=3
+        num_steps=num_steps, max_staleness=0, deterministic=True, eval_every=1000, num_cpus=2, seed=3, backend=backend
     )
     cfg["checkpoint"] = {"every": every, "keep": 2}
     path = out.parent / f"{out.name}.yaml"

@@ -70,21 +70,38 @@ class LocalWorkerPool(WorkerPool):
         """Start up to `groups` groups (at most `concurrency` in flight); returns how many started. Groups to sample
         again (deterministic runs) start first, at the head of the order, outside that count."""
         if self.to_resample:
-            again = {self._start(ticket): ticket for ticket in self.to_resample}
+            again = dict(zip(self._start(self.to_resample), self.to_resample, strict=True))
             self.inflight = {**again, **self.inflight}
             self.to_resample = []
-        started = 0
-        while started < groups and len(self.inflight) < self.concurrency:
-            ticket = self.iterator.next()
-            self.inflight[self._start(ticket)] = ticket
-            started += 1
-        return started
+        tickets = []
+        while len(tickets) < groups and len(self.inflight) + len(tickets) < self.concurrency:
+            tickets.append(self.iterator.next())
+        self.inflight.update(zip(self._start(tickets), tickets, strict=True))
+        return len(tickets)
 
-    def _start(self, ticket: ProblemTicket) -> concurrent.futures.Future:
-        seed = self.iterator.sample_seed(ticket) if self.deterministic else None
-        future = asyncio.run_coroutine_threadsafe(self._run(self.problems[ticket.index], seed), self.loop)
-        self._launched_at[future] = time.perf_counter()
-        return future
+    def _start(self, tickets: list[ProblemTicket]) -> list[concurrent.futures.Future]:
+        """Start the groups of `tickets` on the loop (one wake-up of it for all); their futures, in order."""
+        if not tickets:
+            return []
+        jobs = []
+        for ticket in tickets:
+            seed = self.iterator.sample_seed(ticket) if self.deterministic else None
+            jobs.append((self.problems[ticket.index], seed, concurrent.futures.Future()))
+        self.loop.call_soon_threadsafe(self._schedule, jobs)
+        now = time.perf_counter()
+        for _, _, future in jobs:
+            self._launched_at[future] = now
+        return [future for _, _, future in jobs]
+
+    def _schedule(self, jobs: list) -> None:  # on the loop
+        for problem, seed, future in jobs:
+            if future.cancelled():  # dropped before it started
+                continue
+            task = self.loop.create_task(self._run(problem, seed))
+            task.add_done_callback(lambda t, f=future: _settle(f, t))
+            future.add_done_callback(
+                lambda f, t=task: self.loop.call_soon_threadsafe(t.cancel) if f.cancelled() else None
+            )
 
     async def _run(self, problem, seed: int | None) -> tuple[RolloutGroup, float]:
         start = time.perf_counter()
@@ -149,3 +166,18 @@ class LocalWorkerPool(WorkerPool):
         self._launched_at.clear()
         self.to_resample = []
         return dropped
+
+
+def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
+    """Hand a finished group task's result (or error) to the driver's future, unless the driver dropped it."""
+    if future.cancelled():
+        return
+    try:
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+    except concurrent.futures.InvalidStateError:  # cancelled by the driver meanwhile
+        pass

@@ -28,6 +28,22 @@ def resolve_future(future: asyncio.Future, result=None, error: Exception | None 
     future.get_loop().call_soon_threadsafe(done)
 
 
+def resolve_futures(answers: list[tuple[asyncio.Future, object]]) -> None:
+    """Complete many futures with their results from another thread: one wake-up of each event loop they belong to
+    (a call per future costs the loop a wake-up each)."""
+    by_loop: dict = {}
+    for future, result in answers:
+        by_loop.setdefault(future.get_loop(), []).append((future, result))
+
+    def done(pairs):
+        for future, result in pairs:
+            if not future.done():
+                future.set_result(result)
+
+    for loop, pairs in by_loop.items():
+        loop.call_soon_threadsafe(done, pairs)
+
+
 def bind_and_advertise(setting: str) -> tuple[str, str]:
     """(interface to bind, address clients use) for `inference.host`.
 

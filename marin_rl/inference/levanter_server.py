@@ -45,7 +45,7 @@ from levanter.trainer import TrainerConfig
 from marin_rl.broadcast.base import cast_on_host
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.dense_engine import DenseEngine
-from marin_rl.inference.http_server import HttpServerThread, resolve_future
+from marin_rl.inference.http_server import HttpServerThread, resolve_future, resolve_futures
 from marin_rl.inference.openai_api import (
     Completion,
     CompletionBackend,
@@ -226,7 +226,8 @@ class _VersionedContext(InferenceContext):
         stops (every request of a run, typically: building a named array per request cost ~0.15 ms)."""
         if not stop_seqs:
             return None
-        key = tuple(tuple(int(t) for t in s) for s in stop_seqs)
+        # the front end passes a tuple of tuples (its own cache's): the key as is; other callers' lists are converted
+        key = stop_seqs if isinstance(stop_seqs, tuple) else tuple(tuple(int(t) for t in s) for s in stop_seqs)
         if key not in self._stop_arrays:
             self._stop_arrays[key] = self._new_stop_array(stop_seqs)
         return self._stop_arrays[key]
@@ -371,6 +372,7 @@ class _VersionedContext(InferenceContext):
         for seq in failed:
             resolve_future(seq.req.future, error=seq.error)
         seqs = [s for s in seqs if s.error is None]
+        answers = []
         for seq, text in zip(seqs, self._decode([s.tokens for s in seqs]), strict=True):
             req = seq.req
             self.token_versions[req.request_id] = list(seq.token_versions)
@@ -382,7 +384,8 @@ class _VersionedContext(InferenceContext):
                 completion_tokens=len(seq.tokens),
                 logprobs=seq.logprobs,
             )
-            resolve_future(req.future, [out])
+            answers.append((req.future, [out]))
+        resolve_futures(answers)
 
     def _decode(self, token_lists: list[list[int]]) -> list[str]:
         """Texts of `token_lists`, special tokens skipped: in one call of a fast tokenizer's Rust backend (the
@@ -498,6 +501,7 @@ class LevanterInferenceServer(CompletionBackend):
             lev.segment_tokens,
         )
         self.context.start()
+        self._stop_cache: dict[tuple, tuple[tuple[int, ...], ...]] = {}
         self.counters = FrontEndCounters()
         self.app = openai_app(self, "marin_rl embedded inference server", self.counters)
         self._http_server = HttpServerThread(self.config.host, self.name)
@@ -590,17 +594,24 @@ class LevanterInferenceServer(CompletionBackend):
             "paused": not self.context._running.is_set(),
         }
 
+    def _stop_sequences(self, strings: tuple[str, ...], token_ids: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences that stop a generation: each stop string's tokens, then each stop id alone (cached
+        per request shape: every request of a run typically has the same stops)."""
+        key = (strings, token_ids)
+        cached = self._stop_cache.get(key)
+        if cached is None:
+            seqs = [tuple(self.tokenizer(s, add_special_tokens=False)["input_ids"]) for s in strings]
+            cached = tuple(s for s in seqs if s) + tuple((int(t),) for t in token_ids)
+            if len(self._stop_cache) < 1024:
+                self._stop_cache[key] = cached
+        return cached
+
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
         """`request.n` single-sample engine requests per prompt (the engine's own `n > 1` mis-reports logprobs on
         long prompts); several stop strings stay separate, `stop_token_ids` are single-token stops."""
         if request.top_p not in (None, 1.0):
             raise ValueError("top_p is not supported by the embedded server")
-        stop_seqs: list[list[int]] = []
-        for s in request.stop_strings:
-            ids = self.tokenizer(s, add_special_tokens=False)["input_ids"]
-            if ids:
-                stop_seqs.append(ids)
-        stop_seqs += [[t] for t in (request.stop_token_ids or [])]
+        stop_seqs = self._stop_sequences(tuple(request.stop_strings), tuple(request.stop_token_ids or ()))
         jobs = []
         for prompt in prompts:
             max_tokens = min(request.max_tokens, self.config.max_seq_len - len(prompt))
@@ -619,7 +630,7 @@ class LevanterInferenceServer(CompletionBackend):
                 )
                 jobs.append((rid, fut, max_tokens))
         results = await asyncio.gather(*(f for _, f, _ in jobs))
-        stop_set = {tuple(s) for s in stop_seqs}
+        stop_set = set(stop_seqs)
         out = []
         for (rid, _, max_tokens), [gen] in zip(jobs, results, strict=True):
             versions = self.context.token_versions.pop(rid, [self.version] * len(gen.tokens))

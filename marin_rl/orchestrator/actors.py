@@ -38,6 +38,7 @@ class LearnerActor:
 
     def __init__(self, config: RunConfig, process_id: int = 0, num_processes: int = 1):
         configure_logging()
+        config.enable_compilation_cache()
         self.config = config
         self.process_id = process_id
         self.num_processes = num_processes
@@ -99,6 +100,7 @@ class ServerActor:
         self, config: RunConfig, name: str, control_secret: str | None = None, hf_checkpoint: str | None = None
     ):
         configure_logging()
+        config.enable_compilation_cache()
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.server = make_policy_server(config, self.tokenizer, name, hf_checkpoint=hf_checkpoint)
         self.transport = make_transport(config.broadcast)

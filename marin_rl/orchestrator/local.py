@@ -228,6 +228,7 @@ class LocalComponents:
 
         cfg = self.config
         t = time.time()
+        cfg.enable_compilation_cache()
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.vocab_size = vocab_size = len(self.tokenizer)
         self.learner = LocalLearner(cfg, self.tokenizer)
@@ -341,6 +342,7 @@ class LocalComponents:
             "broadcast/seconds": time.time() - t,
             "broadcast/apply_s": result["apply_s"],
             "broadcast/bytes": result["bytes"],
+            "broadcast/policy_bytes": float(policy_bytes(self.learner.model)),
             "broadcast/resident_policy_bytes": float(policy_bytes(self.learner.model, self.server.context.model)),
         }
 

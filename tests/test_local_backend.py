@@ -1,0 +1,328 @@
+"""The local backend (`orchestrator.backend: local`): a whole run in one process without Ray, the engine sampling
+from the learner's own weights. It learns where `import ray` fails, hands each version over without copying it,
+answers exactly what the HTTP front end answers, resumes a SIGKILLed deterministic run exactly, and refuses what it
+cannot run with one line."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from deterministic_run import deterministic_config, final_learner_arrays
+from test_resume import _markers, _progress, _reap_session, _signal_when
+
+from marin_rl.envs.arithmetic import AdditionEnvironment
+from marin_rl.inference.client import PolicyClient
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
+from marin_rl.inference.levanter_server import LevanterInferenceServer
+from marin_rl.inference.local_client import InProcessPolicyClient
+from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
+from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.orchestrator.local import policy_bytes
+from marin_rl.run import parse_config
+from marin_rl.tokenizer import build_char_tokenizer
+from marin_rl.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _without_ray(tmp_path: Path) -> dict[str, str]:
+    """An environment in which `import ray` fails (a module of that name that raises comes first on the path)."""
+    shim = tmp_path / "no_ray"
+    shim.mkdir(exist_ok=True)
+    (shim / "ray.py").write_text('raise ImportError("ray is not installed here")\n')
+    path = os.pathsep.join([str(shim), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
+
+
+def _start(config: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "marin_rl.run", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float, expect_rc: int = 0) -> None:
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        _reap_session(proc.pid)
+    assert rc == expect_rc, f"run ended with rc={rc}, expected {expect_rc}:\n" + log.read_text()[-6000:]
+
+
+# ---- the whole run ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
+    """experiments/quickstart_local.yaml, shortened to 100 RL steps, in a process where `import ray` fails: held-out
+    reward rises, every version is handed over with 0 bytes copied and one resident copy of the policy."""
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "marin_rl.run",
+            "--config",
+            str(ROOT / "experiments" / "quickstart_local.yaml"),
+            "--output_dir",
+            str(out),
+            "--orchestrator.num_steps",
+            "100",
+        ],
+        cwd=ROOT,
+        env=_without_ray(tmp_path),
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    _finish(proc, log, 600)
+    summary = json.loads((out / "summary.json").read_text())
+    gain = summary["eval_reward_end"] - summary["eval_reward_start"]
+    assert gain >= 0.15, f"held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}"
+    assert summary["broadcast_transport"] == "colocated" and summary["steps"] == 100
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    handed = [r for r in rows if "broadcast/bytes" in r]
+    assert len(handed) == 101, "a hand-over at the start and after every step"
+    assert all(r["broadcast/bytes"] == 0 for r in handed), "the engine reads the learner's arrays: nothing copied"
+    assert all(r["broadcast/resident_policy_bytes"] == r["broadcast/policy_bytes"] > 0 for r in handed)
+    assert all(r["batches/staleness/max"] <= 1 for r in rows if "batches/staleness/max" in r)
+    assert (out / "rewards.png").exists() and (out / "hf" / "step-100" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_local_run_killed_with_sigkill_resumes_exactly(tmp_path):
+    """Deterministic local runs, without Ray: one uninterrupted; one SIGKILLed after a checkpoint and a later step,
+    then resumed to the end. The same batches, losses and final arrays; every step trained once."""
+    steps, every = 10, 3
+    env = _without_ray(tmp_path)
+    ref_cfg = deterministic_config(tmp_path / "reference", steps, every, backend="local")
+    cfg = deterministic_config(tmp_path / "killed", steps, every, backend="local")
+    ref_log, log, out = tmp_path / "reference.log", tmp_path / "killed.log", tmp_path / "killed"
+    reference = _start(ref_cfg, ref_log, env)
+    procs = [reference]
+    try:
+        proc = _start(cfg, log, env)
+        procs.append(proc)
+        saved, killed_after = _signal_when(proc, log, out, signal.SIGKILL, lambda s, last: s and last > max(s))
+        proc.wait()
+        first_resume = max(saved)
+        assert 1 <= first_resume < killed_after < steps
+        proc = _start(cfg, log, env)
+        procs.append(proc)
+        _finish(proc, log, 400)
+        _finish(reference, ref_log, 400)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            _reap_session(p.pid)
+    text = log.read_text()
+    assert f"resumed from step {first_resume}" in text and text.count("warm start:") == 1
+    assert [m["step"] for m in _markers(out)] == [first_resume]
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    ref_rows = read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(steps + 1)) == [r["step"] for r in ref_rows]
+    for r, ref in zip(rows[1:], ref_rows[1:], strict=True):
+        for key in ("batches/rollouts", "batches/tokens", "batches/trained_tokens", "batches/addition/reward/mean"):
+            assert r[key] == ref[key], (r["step"], key)
+        for key in ("learner/loss", "learner/grad_norm", "learner/entropy", "learner/kl_sampler"):
+            np.testing.assert_allclose(r[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=f"step {r['step']} {key}")
+    assert any(abs(r["learner/loss"]) > 1e-4 for r in ref_rows[1:]), "the comparison needs a learning signal"
+    for a, b in zip(
+        final_learner_arrays(cfg, out, steps),
+        final_learner_arrays(ref_cfg, tmp_path / "reference", steps),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    summary = json.loads((out / "summary.json").read_text())
+    ref_summary = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert summary["generated_tokens"] == ref_summary["generated_tokens"], "nothing generated twice or lost"
+    assert _progress(out)[1] == steps
+
+
+# ---- the colocated engine -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def colocated():
+    tok = build_char_tokenizer()
+    env = AdditionEnvironment(tok, max_operand=49, num_eval=20)
+    learner = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(warm_start=WarmStartConfig(steps=20)), 80)
+    examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
+    learner.warm_start(examples, 64)
+    server = LevanterInferenceServer(
+        learner.model,
+        tok,
+        InferenceConfig(max_seqs=64, max_seq_len=64, levanter=LevanterServerConfig(engine="dense")),
+        share_weights=True,
+    )
+    address = server.start()
+    yield tok, env, learner, server, address
+    server.stop()
+
+
+def _pointers(model) -> list[int]:
+    return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(model) if isinstance(x, jax.Array)]
+
+
+def test_serve_model_shares_the_learners_arrays_and_copies_only_what_differs(colocated):
+    tok, env, learner, server, _ = colocated
+    result = server.serve_model(7, learner.model)
+    assert result["bytes"] == 0 and result["arrays"] == 0 and server.version == 7
+    assert _pointers(server.context.model) == _pointers(learner.model), "the engine reads the learner's buffers"
+    assert policy_bytes(learner.model, server.context.model) == policy_bytes(learner.model)
+    # a policy in another dtype is cast on the device to the served one: every array copied, values kept
+    half = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if isinstance(x, jax.Array) else x, learner.model)
+    result = server.serve_model(8, half)
+    leaves = [x for x in jax.tree_util.tree_leaves(learner.model) if isinstance(x, jax.Array)]
+    assert result["arrays"] == len(leaves) and result["bytes"] == sum(x.size * 4 for x in leaves)
+    served = [x for x in jax.tree_util.tree_leaves(server.context.model) if isinstance(x, jax.Array)]
+    for a, b in zip(served, jax.tree_util.tree_leaves(half), strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="shape"):
+        server.serve_model(9, jax.tree_util.tree_map(lambda x: x[..., :1] if isinstance(x, jax.Array) else x, half))
+    server.serve_model(0, learner.model)
+
+
+def test_in_process_client_answers_exactly_what_the_http_client_answers(colocated):
+    """The same seeded requests through HTTP (`PolicyClient`) and in-process (`InProcessPolicyClient`): the same
+    tokens, logprobs, text, finish reasons and versions; a bad request fails the same way (a 400)."""
+    tok, env, learner, server, address = colocated
+    server.serve_model(3, learner.model)
+    prompts = [env.encode_prompt(p) for p in env.eval_problems()[:6]]
+
+    async def both():
+        http, local = PolicyClient([address]), InProcessPolicyClient(server)
+        try:
+            kwargs = dict(n=3, max_tokens=5, temperature=1.0, stop_token_ids=[tok.eos_token_id])
+            a = [await http.sample(p, seed=100 + i, **kwargs) for i, p in enumerate(prompts)]
+            b = [await local.sample(p, seed=100 + i, **kwargs) for i, p in enumerate(prompts)]
+            errors = []
+            for client in (http, local):
+                try:
+                    await client.sample([1] * 64, max_tokens=5)
+                except Exception as e:  # noqa: BLE001 - compared below
+                    errors.append(e)
+            return a, b, errors, local
+        finally:
+            await http.aclose()
+
+    a, b, errors, local = asyncio.run(both())
+    for x, y in zip([s for g in a for s in g], [s for g in b for s in g], strict=True):
+        assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason
+        np.testing.assert_allclose(x.sampler_logprobs, y.sampler_logprobs, rtol=0, atol=1e-6)
+        assert x.token_versions == y.token_versions == [3] * len(x.token_ids)
+        assert (x.version_start, x.version_end) == (y.version_start, y.version_end) == (3, 3)
+    assert len({tuple(s.token_ids) for g in a for s in g}) > 1, "seeded samples should differ between seeds"
+    assert [getattr(e, "status", None) for e in errors] == [400, 400]
+    assert "exceeds max_seq_len" in errors[1].detail
+    assert local.requests == len(prompts) and local.retried_requests == 0
+
+
+# ---- configs ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--inference.backend", "vllm"], "inference.backend must be 'levanter'"),
+        (["--inference.num_servers", "2"], "set inference.num_servers: 1"),
+        (["--learner.hosts", "2"], "learner.hosts=2 needs orchestrator.backend: ray"),
+        (["--orchestrator.ray_address", "auto"], "orchestrator.ray_address is set"),
+        (["--orchestrator.backend", "slurm"], "orchestrator.backend must be 'ray' or 'local'"),
+    ],
+)
+def test_the_local_backend_names_what_it_cannot_run(overrides, message):
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--config", str(ROOT / "experiments" / "quickstart_local.yaml"), *overrides])
+    text = str(e.value)
+    assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize(
+    "name,devices,mesh",
+    [
+        ("tpu_v5e_8_local.yaml", 8, {"data": 1, "fsdp": 8, "tensor": 1}),
+        ("gpu_local.yaml", 1, {"data": 1, "fsdp": 1, "tensor": 1}),
+    ],
+)
+def test_one_accelerator_host_configs_are_accepted_and_mapped(name, devices, mesh):
+    """The one-host configs run the local backend (learner and engine in one process: on a TPU VM only one process
+    may open the chips); the learner's mesh spans the host's devices."""
+    cfg = parse_config(["--config", str(ROOT / "experiments" / name)])
+    assert cfg.orchestrator.backend == "local" and cfg.learner.hosts == 1 and cfg.inference.num_servers == 1
+    assert cfg.learner.mesh.shape(devices) == mesh
+    raw = yaml.safe_load((ROOT / "experiments" / name).read_text())
+    assert "placement" not in raw, "one process: nothing to place"
+
+
+SHARDED_SAMPLING = r"""
+import asyncio, json, sys
+import jax, numpy as np
+assert jax.device_count() == 4, jax.devices()
+from marin_rl.envs.arithmetic import AdditionEnvironment
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
+from marin_rl.inference.levanter_server import LevanterInferenceServer
+from marin_rl.inference.local_client import InProcessPolicyClient
+from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.tokenizer import build_char_tokenizer
+
+tok = build_char_tokenizer()
+env = AdditionEnvironment(tok, max_operand=49, num_eval=16)
+cfg = LearnerConfig(warm_start=WarmStartConfig(steps=20), mesh=MeshConfig(data=1, fsdp=4))
+learner = Learner(ModelConfig(architecture=tiny_llama()), cfg, 80)
+examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
+learner.warm_start(examples, 64)
+inference = InferenceConfig(max_seqs=16, max_seq_len=64, levanter=LevanterServerConfig(engine="dense"))
+colocated = LevanterInferenceServer(learner.model, tok, inference, name="colocated", share_weights=True)
+handed = colocated.serve_model(1, learner.model)
+leaf = jax.tree_util.tree_leaves(colocated.context.model)[0]
+one_device = jax.tree_util.tree_map(
+    lambda x: jax.device_put(np.asarray(x), jax.devices()[0]) if isinstance(x, jax.Array) else x, learner.model
+)
+single = LevanterInferenceServer(one_device, tok, inference, name="single")
+single.apply_weights(1, [np.asarray(x) for x in jax.tree_util.tree_leaves(one_device)])
+prompts = [env.encode_prompt(p) for p in env.eval_problems()]
+
+async def sample(server):
+    client = InProcessPolicyClient(server)
+    out = []
+    for i, p in enumerate(prompts):
+        for s in await client.sample(p, n=4, max_tokens=5, seed=10 * i, stop_token_ids=[tok.eos_token_id]):
+            out.append((s.token_ids, s.sampler_logprobs))
+    return out
+
+a, b = asyncio.run(sample(colocated)), asyncio.run(sample(single))
+colocated.stop(); single.stop()
+print(json.dumps({"bytes": handed["bytes"], "devices": len(leaf.sharding.device_set), "a": a, "b": b}))
+"""
+
+
+@pytest.mark.slow
+def test_the_colocated_engine_samples_from_sharded_weights_what_one_device_samples(tmp_path):
+    """A learner sharded over 4 devices (fsdp): the colocated engine serves its sharded arrays as they are (0 bytes
+    copied) and samples the same tokens, with the same logprobs, as an engine on one device given the same weights
+    and seeds."""
+    env = dict(_without_ray(tmp_path), XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_SAMPLING], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bytes"] == 0 and result["devices"] == 4, "the engine reads the learner's sharded arrays"
+    assert len(result["a"]) == 64
+    for (tokens_a, lp_a), (tokens_b, lp_b) in zip(result["a"], result["b"], strict=True):
+        assert tokens_a == tokens_b
+        np.testing.assert_allclose(lp_a, lp_b, rtol=0, atol=1e-5)

@@ -14,8 +14,9 @@ Printed for each run:
   apply) and the driver's own host work (its loop sections other than waiting), so the fixed per-step costs show;
 - the held-out reward at every evaluation (the same learning per step is part of the comparison);
 - the weight hand-over per version: bytes copied and seconds;
-- resident copies of the policy: the local run measures the distinct device buffers its learner and engine hold;
-  the default holds one in the learner's process and one in each server's.
+- resident copies of the policy: the local run measures, at every hand-over, the distinct device buffers the
+  learner's version and the engine's served policy take (one copy: the engine serves the learner's arrays); the
+  default holds one in the learner's process and one in each server's.
 
 The last line is `default_over_local=<value>`: the default run's whole wall time over the local run's (launch to
 exit). Run: `python benchmarks/colocated.py [--steps N]`; `--smoke` runs a few steps of each in seconds.
@@ -178,8 +179,9 @@ def main() -> None:
         f"{default['handover_s'] * 1000:.1f} ms"
     )
     print(
-        f"resident copies of the policy: local {max(resident) / policy:.2f} (distinct device buffers of learner and "
-        f"engine, {max(resident) / 1e6:.2f} MB, at every hand-over); default 2 (one in the learner's process, one in "
+        f"resident copies of the policy: local {max(resident) / policy:.2f} (distinct device buffers of the learner's "
+        f"version and the engine's, {max(resident) / 1e6:.2f} MB, at most over every hand-over); default 2 (one in "
+        "the learner's process, one in "
         "the server's)"
     )
     print(f"default_over_local={default['whole_s'] / local['whole_s']:.2f}")

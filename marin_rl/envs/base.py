@@ -44,6 +44,10 @@ class SamplingParams:
     """Limit on generated tokens per policy turn."""
 
 
+PROMPT_CACHE_SIZE = 1 << 16
+"""Distinct prompts whose token ids an environment keeps (`SingleTurnEnvironment.encode_prompt`)."""
+
+
 class Environment(abc.ABC):
     """A task: training and held-out problems, and an episode that turns a problem into a scored `Rollout`.
 
@@ -124,8 +128,15 @@ class SingleTurnEnvironment(Environment):
     reward_functions: dict[str, RewardFunction] = {}
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        """Token ids of the prompt (no special tokens added)."""
-        return self.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        """Token ids of the prompt (no special tokens added; each distinct prompt is tokenized once per
+        environment)."""
+        cache = self.__dict__.setdefault("_prompt_ids", {})
+        ids = cache.get(problem.prompt)
+        if ids is None:
+            ids = tuple(self.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"])
+            if len(cache) < PROMPT_CACHE_SIZE:
+                cache[problem.prompt] = ids
+        return list(ids)
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
         """Named rewards of a completion; combined with `reward_weights` into the turn's reward.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import equinox as eqx
 import haliax as hax
@@ -36,6 +37,24 @@ from levanter.layers.attention import Attention
 from levanter.layers.sampler import Sampler
 from levanter.models.llama import LlamaDecoderLayer
 from levanter.models.lm_model import LmHeadModel
+
+
+@dataclass(frozen=True)
+class DenseDecodeParams:
+    """A sequence's decoding parameters as `DenseEngine` reads them: the fields of Levanter's `SeqDecodingParams`
+    (which it also accepts), in a plain record that is cheap to build per sequence."""
+
+    max_num_tokens: np.int32
+    """Tokens in all, prompt included."""
+    stop_tokens: hax.NamedArray | None
+    """[stop_seq, position] stop sequences, left padded with INVALID (None: none)."""
+    temperature: np.float32
+    """Sampling temperature (0: greedy)."""
+    top_p: np.float32
+    """Unused by the dense engine (it samples the whole distribution)."""
+    key: np.ndarray
+    """The sequence's PRNG key data ([0, seed])."""
+
 
 BATCH_BUCKETS = (16, 64, 256)
 """Row counts a batch is padded to (each compiles once; capped at `max_seqs`, which is always one)."""

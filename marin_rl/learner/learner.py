@@ -238,6 +238,11 @@ class LearnerConfig:
     microbatches: int = 1
     """Gradient accumulation: split each minibatch's rows into this many chunks, run forward and backward one chunk
     at a time and sum the gradients, normalised by the whole minibatch (the same step as without splitting)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state in host memory between train steps (pinned host memory where the devices have it,
+    else this process's RAM), and bring it back for each step: while a colocated engine generates, the devices hold
+    the policy and the KV cache but not the optimizer's moments (peers' sleep/wake). Costs a host round trip of the
+    optimizer state per step."""
     algorithm: str | None = None
     """The algorithm, a declared graph of model calls (`marin_rl.learner.algorithm`): 'rloo', 'grpo', 'dr_grpo',
     'reinforce', 'remax', 'ppo' (critic and GAE), a name registered with `register_algorithm`, or
@@ -271,6 +276,17 @@ class LearnerConfig:
         if self.algorithm is not None:
             return self.algorithm
         return "ppo" if self.critic.enabled else "rloo"
+
+
+def _has_pinned_host(sharding) -> bool:
+    """Whether `sharding`'s devices have pinned host memory (accelerators; a CPU device has only its own)."""
+    try:
+        return all(
+            any(m.kind == "pinned_host" for m in d.addressable_memories()) and d.platform != "cpu"
+            for d in sharding.device_set
+        )
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
 
 
 def _to_example(batch: PackedBatch) -> RlExample:
@@ -350,6 +366,7 @@ class Learner:
         """The value model (an algorithm with a critic role, e.g. 'ppo'), or None."""
         self.loss = get_loss(config.loss.objective)
         """The configured loss (`loss.objective`, looked up in the loss registry); `train_step` may be given another."""
+        self._offloaded: tuple | None = None  # (treedef, shardings) while the optimizer state is in host memory
         self.step_metrics: list[dict[str, float]] = []
         """Metrics of each optimizer step of the last `train_step`."""
         # Only the optimizer state is donated: the reference model must survive the step, and so must the batch
@@ -562,8 +579,11 @@ class Learner:
                 "algorithm that does, e.g. learner.algorithm: ppo)"
             )
         metrics: dict[str, float] = {}
+        self.restore_optimizer()
         for call in self.learner_calls:  # the algorithm's learner-side graph, in order
             metrics.update(learner_call(call.function)(self, data, loss=loss, loss_weight_fn=loss_weight_fn))
+        if self.config.offload_optimizer:
+            self.offload_optimizer()
         self.version += 1
         elapsed = time.time() - start
         metrics["learner/step_time_s"] = elapsed
@@ -614,6 +634,36 @@ class Learner:
                 device_metrics.append(metrics)
         return device_metrics
 
+    # ---- optimizer state in host memory -----------------------------------------------------------------
+    def offload_optimizer(self) -> None:
+        """Move the optimizer state to host memory (pinned host memory where the devices have it, else host arrays);
+        `restore_optimizer` (which `train_step` calls) puts it back with its shardings. No-op when offloaded."""
+        if self._offloaded is not None:
+            return
+        leaves, treedef = jax.tree_util.tree_flatten(self.opt_state)
+        shardings = [x.sharding if isinstance(x, jax.Array) else None for x in leaves]
+        host = []
+        for x, sharding in zip(leaves, shardings, strict=True):
+            if sharding is None:
+                host.append(x)
+            elif _has_pinned_host(sharding):
+                host.append(jax.device_put(x, sharding.with_memory_kind("pinned_host")))
+            else:
+                host.append(np.asarray(x))
+        jax.block_until_ready([h for h in host if isinstance(h, jax.Array)])
+        self._offloaded = (treedef, shardings)
+        self.opt_state = jax.tree_util.tree_unflatten(treedef, host)
+
+    def restore_optimizer(self) -> None:
+        """Bring an offloaded optimizer state back to the devices, each array with its sharding (no-op otherwise)."""
+        if self._offloaded is None:
+            return
+        treedef, shardings = self._offloaded
+        leaves = jax.tree_util.tree_leaves(self.opt_state)
+        back = [x if s is None else jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
+        self.opt_state = jax.tree_util.tree_unflatten(treedef, back)
+        self._offloaded = None
+
     # ---- evaluation helpers ----------------------------------------------------------------------------
     def _logprobs_impl(self, model, ex: RlExample):
         lp, _ = token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=self.temperature)
@@ -658,6 +708,7 @@ class Learner:
         """Everything a resumed run needs from the learner, as a pytree of arrays: the policy, the optimizer state,
         the frozen reference model (None when there is none), the policy version and the optimizer step count, and
         the critic with its optimizer state and step count (None without a critic)."""
+        self.restore_optimizer()  # a checkpoint holds device arrays with their shardings
         return {
             "model": self.model,
             "opt_state": self.opt_state,
@@ -692,6 +743,7 @@ class Learner:
         with self._sharding():
             self.model = self._shard_params(state["model"])
             self.opt_state = self._shard_params(state["opt_state"])
+            self._offloaded = None
             ref = state.get("reference_model")
             self.reference_model = None if ref is None else self._shard_params(ref)
             if self.critic is not None:

@@ -342,8 +342,9 @@ class LocalComponents:
             "broadcast/seconds": time.time() - t,
             "broadcast/apply_s": result["apply_s"],
             "broadcast/bytes": result["bytes"],
-            "broadcast/policy_bytes": float(policy_bytes(self.learner.model)),
-            "broadcast/resident_policy_bytes": float(policy_bytes(self.learner.model, self.server.context.model)),
+            "broadcast/policy_bytes": float(policy_bytes(update.model)),
+            # the copies of this version the process holds: the learner's and whatever the engine serves it from
+            "broadcast/resident_policy_bytes": float(policy_bytes(update.model, self.server.context.model)),
         }
 
     # ---- what the env workers hold ------------------------------------------------------------------------------

@@ -245,10 +245,10 @@ class RunConfig:
                 "orchestrator.backend: local runs one colocated engine in the learner's process: "
                 f"set inference.num_servers: 1 (got {self.inference.num_servers})"
             )
-        if self.learner.hosts != 1:
+        if self.learner.hosts > 1 and self.inference.levanter.engine != "dense":
             raise ValueError(
-                f"orchestrator.backend: local runs on one host; learner.hosts={self.learner.hosts} needs "
-                "orchestrator.backend: ray"
+                f"orchestrator.backend: local with learner.hosts={self.learner.hosts} (one process per host) samples "
+                "with the dense engine: set inference.levanter.engine: dense"
             )
         if self.reward_models:
             raise ValueError(

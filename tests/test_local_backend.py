@@ -238,7 +238,7 @@ def test_in_process_client_answers_exactly_what_the_http_client_answers(colocate
     [
         (["--inference.backend", "vllm"], "inference.backend must be 'levanter'"),
         (["--inference.num_servers", "2"], "set inference.num_servers: 1"),
-        (["--learner.hosts", "2"], "learner.hosts=2 needs orchestrator.backend: ray"),
+        (["--learner.hosts", "2", "--inference.levanter.engine", "paged"], "set inference.levanter.engine: dense"),
         (["--orchestrator.ray_address", "auto"], "orchestrator.ray_address is set"),
         (["--orchestrator.backend", "slurm"], "orchestrator.backend must be 'ray' or 'local'"),
     ],
@@ -251,18 +251,24 @@ def test_the_local_backend_names_what_it_cannot_run(overrides, message):
 
 
 @pytest.mark.parametrize(
-    "name,devices,mesh",
+    "name,hosts,devices,mesh",
     [
-        ("tpu_v5e_8_local.yaml", 8, {"data": 1, "fsdp": 8, "tensor": 1}),
-        ("gpu_local.yaml", 1, {"data": 1, "fsdp": 1, "tensor": 1}),
+        ("tpu_v5e_8_local.yaml", 1, 8, {"data": 1, "fsdp": 8, "tensor": 1}),
+        ("tpu_v4_32_local.yaml", 4, 16, {"data": 1, "fsdp": 16, "tensor": 1}),
+        ("gpu_local.yaml", 1, 1, {"data": 1, "fsdp": 1, "tensor": 1}),
     ],
 )
-def test_one_accelerator_host_configs_are_accepted_and_mapped(name, devices, mesh):
-    """The one-host configs run the local backend (learner and engine in one process: on a TPU VM only one process
-    may open the chips); the learner's mesh spans the host's devices."""
+def test_accelerator_host_configs_are_accepted_and_mapped(name, hosts, devices, mesh):
+    """The accelerator configs of the local backend (learner and engine in one process per host: on a TPU VM only
+    one process may open the chips): the learner's mesh spans every host's devices, one process per host, and
+    the mesh does not fit fewer devices."""
     cfg = parse_config(["--config", str(ROOT / "experiments" / name)])
-    assert cfg.orchestrator.backend == "local" and cfg.learner.hosts == 1 and cfg.inference.num_servers == 1
+    assert cfg.orchestrator.backend == "local" and cfg.learner.hosts == hosts and cfg.inference.num_servers == 1
+    assert cfg.inference.levanter.engine == "dense" or hosts == 1
     assert cfg.learner.mesh.shape(devices) == mesh
+    if devices > 1:
+        with pytest.raises(ValueError, match="devices"):
+            cfg.learner.mesh.shape(devices // 2)
     raw = yaml.safe_load((ROOT / "experiments" / name).read_text())
     assert "placement" not in raw, "one process: nothing to place"
 
@@ -363,3 +369,155 @@ def test_an_offloaded_optimizer_state_trains_exactly_like_one_kept_on_the_device
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     state = offloaded.state()  # a checkpoint takes device arrays again
     assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(state["opt_state"]))
+
+
+# ---- several hosts: one process per host ----------------------------------------------------------------------------
+MULTIHOST_SAMPLING = r"""
+import json, sys
+mode, weights = sys.argv[1], sys.argv[2]
+if mode == "two":
+    from marin_rl.learner.distributed import initialize
+    initialize(sys.argv[3], 2, int(sys.argv[4]))
+import equinox as eqx, jax, numpy as np
+assert jax.device_count() == 4, jax.devices()
+from levanter.inference.engine import Request
+from marin_rl.envs.arithmetic import AdditionEnvironment
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
+from marin_rl.inference.dense_engine import DenseDecodeParams
+from marin_rl.inference.levanter_server import LevanterInferenceServer
+from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.tokenizer import build_char_tokenizer
+
+tok = build_char_tokenizer()
+env = AdditionEnvironment(tok, max_operand=49, num_eval=16)
+cfg = LearnerConfig(warm_start=WarmStartConfig(steps=20), mesh=MeshConfig(data=1, fsdp=4))
+learner = Learner(ModelConfig(architecture=tiny_llama()), cfg, 80)
+params, static = eqx.partition(learner.model, eqx.is_array)
+if mode == "one":
+    pairs = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
+    learner.warm_start(pairs, 64)
+    np.savez(weights, *learner.weights())
+else:  # the same weights, laid out over both processes' devices
+    stored = np.load(weights)
+    old, treedef = jax.tree_util.tree_flatten(params)
+    new = [
+        jax.make_array_from_callback(o.shape, o.sharding, lambda index, a=stored[f"arr_{i}"]: a[index])
+        for i, o in enumerate(old)
+    ]
+    learner.model = eqx.combine(jax.tree_util.tree_unflatten(treedef, new), static)
+inference = InferenceConfig(max_seqs=64, max_seq_len=64, levanter=LevanterServerConfig(engine="dense"))
+server = LevanterInferenceServer(learner.model, tok, inference, share_weights=True)
+engine = server.context.engine
+stop = server.context._stop_array(((tok.eos_token_id,),))
+requests = []
+for i, problem in enumerate(env.eval_problems()):
+    prompt = env.encode_prompt(problem)
+    for k in range(4):
+        params = DenseDecodeParams(np.int32(len(prompt) + 5), stop, np.float32(1.0), np.float32(1.0),
+                                   np.array([0, 100 * i + k], np.uint32))
+        requests.append(Request(prompt_tokens=prompt, request_id=len(requests), decode_params=params, n_generations=1))
+result = engine.generate(requests)  # every process makes the same call: one program over the 4 devices
+server.stop()
+shards = len(jax.tree_util.tree_leaves(server.context.model)[0].sharding.device_set)
+if jax.process_index() == 0:
+    print(json.dumps({"tokens": result.tokens, "logprobs": result.logprobs, "devices": shards}))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_sample_what_one_process_samples(tmp_path):
+    """The colocated engine on a learner sharded over 2 processes × 2 devices samples, from the same weights and
+    seeds, the same tokens with the same logprobs as on 1 process × 4 devices."""
+    weights = str(tmp_path / "weights.npz")
+    one_env = dict(_without_ray(tmp_path), XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    one = subprocess.run(
+        [sys.executable, "-c", MULTIHOST_SAMPLING, "one", weights],
+        cwd=ROOT,
+        env=one_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr[-4000:]
+    two_env = dict(one_env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MULTIHOST_SAMPLING, "two", weights, coordinator, str(pid)],
+            cwd=ROOT,
+            env=two_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    a = json.loads(one.stdout.strip().splitlines()[-1])
+    b = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert a["devices"] == b["devices"] == 4 and len(a["tokens"]) == 64
+    assert a["tokens"] == b["tokens"]
+    for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_two_process_local_run_learns(tmp_path):
+    """experiments/quickstart_local.yaml on 2 processes (one per "host", `learner.hosts: 2`, the data axis over both),
+    started like torchrun with the coordinator in the environment, without Ray: process 0 drives, process 1 follows;
+    the held-out reward rises, every step is trained once, and both processes end cleanly."""
+    out = tmp_path / "run"
+    coordinator = f"127.0.0.1:{_free_port()}"
+    args = [
+        sys.executable,
+        "-m",
+        "marin_rl.run",
+        "--config",
+        str(ROOT / "experiments" / "quickstart_local.yaml"),
+        "--output_dir",
+        str(out),
+        "--orchestrator.num_steps",
+        "60",
+        "--orchestrator.eval_every",
+        "60",
+        "--learner.hosts",
+        "2",
+        "--learner.mesh.data",
+        "2",
+    ]
+    logs = [tmp_path / f"process-{pid}.log" for pid in range(2)]
+    procs = []
+    for pid in range(2):
+        env = dict(
+            _without_ray(tmp_path),
+            MARIN_RL_COORDINATOR=coordinator,
+            MARIN_RL_NUM_PROCESSES="2",
+            MARIN_RL_PROCESS_ID=str(pid),
+            JAX_PLATFORMS="cpu",
+        )
+        procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(logs[pid], "wb"), stderr=subprocess.STDOUT))
+    try:
+        for p, log in zip(procs, logs, strict=True):
+            assert p.wait(timeout=900) == 0, log.read_text()[-6000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 60
+    assert summary["eval_reward_end"] - summary["eval_reward_start"] >= 0.1, summary
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows if "learner/loss" in r] == list(range(1, 61))
+    assert all(r["broadcast/bytes"] == 0 for r in rows if "broadcast/bytes" in r)
+    assert "process 1 of 2" in logs[1].read_text() and "follower 1:" in logs[1].read_text()

@@ -22,8 +22,9 @@ models are Levanter's Llama family (Llama, Mistral, Qwen: `LlamaDecoderLayer`s w
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import equinox as eqx
@@ -213,12 +214,31 @@ class DenseEngine:
         # batch_invariant: one row count, so no row's arithmetic depends on how many others share its batch
         self.buckets = [max_seqs] if batch_invariant else sorted({min(b, max_seqs) for b in BATCH_BUCKETS} | {max_seqs})
         self._jitted = eqx.filter_jit(_generate)
+        self.model_version = -1
+        """The policy version of `model` (its owner sets both)."""
+        self.call_guard: Callable[[int, tuple], contextlib.AbstractContextManager] | None = None
+        """Entered around every decode call with (`model_version`, the call's input arrays): a multi-process run
+        orders its processes' device work with it (`marin_rl.orchestrator.spmd`)."""
 
     def generate(self, requests: Sequence[Request]) -> GenerationResult:
         """Sample each request's generation (`n_generations` must be 1): tokens after its prompt up to
         `decode_params.max_num_tokens` tokens in all (prompt included) or one of its stop sequences (included), at
         its temperature, with its key. Raises ValueError for more than `max_seqs` requests or a prompt that does not
         fit."""
+        inputs = self.prepare(requests)
+        with self.call_guard(self.model_version, inputs) if self.call_guard is not None else contextlib.nullcontext():
+            out, logprobs, sampled = self.run(inputs)
+        lengths = inputs[1]
+        result_tokens, result_logprobs = [], []
+        for i in range(len(requests)):
+            a, b = lengths[i], lengths[i] + int(sampled[i])
+            result_tokens.append([int(x) for x in out[i, a:b]])
+            result_logprobs.append([float(x) for x in logprobs[i, a:b]])
+        return GenerationResult(result_tokens, result_logprobs, int(sum(len(t) for t in result_tokens)))
+
+    def prepare(self, requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
+        """The host arrays one decode call takes for `requests`: (tokens, lengths, limits, temperatures, keys, stops),
+        padded to the batch's row bucket."""
         n = len(requests)
         if n > self.max_seqs:
             raise ValueError(f"{n} requests exceed the dense engine's max_seqs={self.max_seqs}")
@@ -245,12 +265,22 @@ class DenseEngine:
             if params.stop_tokens is not None:
                 st = np.asarray(params.stop_tokens.array, np.int32)  # [K, L] left padded
                 stops[i, : st.shape[0], self.max_stop_tokens - st.shape[1] :] = st
-        out, logprobs, sampled = jax.device_get(
-            self._jitted(self.model, self.sampler, tokens, lengths, limits, temperatures, keys, stops, self.cache_dtype)
-        )
-        result_tokens, result_logprobs = [], []
-        for i in range(n):
-            a, b = lengths[i], lengths[i] + int(sampled[i])
-            result_tokens.append([int(x) for x in out[i, a:b]])
-            result_logprobs.append([float(x) for x in logprobs[i, a:b]])
-        return GenerationResult(result_tokens, result_logprobs, int(sum(len(t) for t in result_tokens)))
+        return tokens, lengths, limits, temperatures, keys, stops
+
+    def run(self, inputs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One decode call on `prepare`'s arrays with the current model: (tokens, logprobs, sampled per row) on the
+        host. Over several processes (a model sharded across hosts) every process must make the same call."""
+        outputs = self._jitted(self.model, self.sampler, *inputs, self.cache_dtype)
+        return tuple(_to_host(x) for x in outputs)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A host copy of an output array, also when it spans several processes' devices (then every process gathers it:
+    they all run the same call)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

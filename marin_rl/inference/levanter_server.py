@@ -23,6 +23,7 @@ It differs from `levanter.inference.openai.InferenceServer` where RL needs exact
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -143,6 +144,15 @@ class _VersionedContext(InferenceContext):
         self._in_engine_call = False
         self._stop_arrays: dict[tuple, Any] = {}
 
+    def engine_scope(self) -> contextlib.AbstractContextManager:
+        """The mesh and axis mapping that every engine call runs under (Levanter's batch thread enters them): a
+        process repeating this server's engine calls (a follower of a multi-host run) enters them too, so that both
+        run the same program."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(hax.partitioning.set_mesh(self.config.trainer.device_mesh))
+        stack.enter_context(hax.axis_mapping(self.config.trainer.compute_axis_mapping))
+        return stack
+
     # ---- pause and resume -----------------------------------------------------------------------------------
     def pause(self) -> None:
         """No engine call starts until `resume`; returns once the call in progress (one segment) has finished.
@@ -189,6 +199,7 @@ class _VersionedContext(InferenceContext):
         self.model = model
         if self.engine is not None:
             self.engine.model = model  # same structure and shardings: the compiled decode functions are reused
+            self.engine.model_version = version
         self.version = version
         self.num_weight_swaps += 1
         applied.set()

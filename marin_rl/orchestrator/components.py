@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from marin_rl.api.controller import RolloutController
 from marin_rl.config import RunConfig
+from marin_rl.learner.checkpoint import begin_checkpoint
 from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
@@ -191,6 +192,10 @@ class RunComponents:
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+
+    def begin_checkpoint(self, root: str, step: int) -> str:
+        """Prepare the checkpoint directory of `step` under `root` (the driver's job on Ray); its path."""
+        return begin_checkpoint(root, step)
 
     # ---- servers and weights ------------------------------------------------------------------------------------
     def check_servers(self) -> None:

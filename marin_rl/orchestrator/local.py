@@ -37,6 +37,8 @@ from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
+from marin_rl.learner.checkpoint import begin_checkpoint
+from marin_rl.orchestrator.spmd import CommandStream
 from marin_rl.replay.batcher import Batcher
 from marin_rl.replay.buffer import ReplayBuffer
 from marin_rl.types import PackedBatch
@@ -93,6 +95,8 @@ class LocalLearner:
     def __init__(self, config: RunConfig, tokenizer):
         self.engine = TrainEngine(config, tokenizer=tokenizer, transport=False)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner")
+        self.stream: CommandStream | None = None
+        """Several hosts (process 0): every call is published to the followers and runs while holding the stream."""
 
     @property
     def model(self):
@@ -102,7 +106,15 @@ class LocalLearner:
     # ---- the LearnerGroup surface ---------------------------------------------------------------------------
     def call(self, method: str, *args) -> list[concurrent.futures.Future]:
         """Run `method` on the learner's thread; its handle (a one-element list, like one call per process)."""
-        return [self._thread.submit(getattr(self, method), *args)]
+        return [self._thread.submit(self._invoke, method, args)]
+
+    def _invoke(self, method: str, args: tuple) -> Any:
+        if self.stream is None:
+            return getattr(self, method)(*args)
+        with self.stream.ordered("learner", method, args):  # the followers run the same call, in the same order
+            result = getattr(self, method)(*args)
+            jax.block_until_ready(self.engine.learner.model)
+            return result
 
     def run(self, method: str, *args) -> Any:
         """Run `method` and return its result."""
@@ -151,6 +163,10 @@ class LocalLearner:
     def export_hf(self, path: str) -> str:
         """Save the current policy as a Hugging Face checkpoint."""
         return self.engine.export_hf(path)
+
+    def begin_checkpoint(self, root: str, step: int) -> str:
+        """Prepare the checkpoint directory of `step` (every process of a multi-host run: they synchronise)."""
+        return begin_checkpoint(root, step)
 
     def save_checkpoint(self, path: str, step: int) -> float:
         """Write the learner's part of the run checkpoint at `path`; returns seconds."""
@@ -216,6 +232,8 @@ class LocalComponents:
         self._published: ColocatedUpdate | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+        self.stream: CommandStream | None = None
+        """Several hosts: the device work published to the follower processes (`marin_rl.orchestrator.spmd`)."""
 
     # ---- starting and stopping ----------------------------------------------------------------------------------
     def start_backend(self) -> None:
@@ -235,6 +253,10 @@ class LocalComponents:
         self.server = LevanterInferenceServer(
             self.learner.model, self.tokenizer, cfg.inference, name="colocated-0", share_weights=True
         )
+        if jax.process_count() > 1:  # several hosts: the followers run the same device work, in the same order
+            stream = CommandStream()
+            self.learner.stream = self.stream = stream
+            self.server.context.engine.call_guard = lambda version, inputs: stream.ordered("generate", version, inputs)
         addresses = [self.server.start()] if cfg.orchestrator.local_http else []
         if addresses:
             logger.info("the colocated engine's OpenAI endpoint: http://%s/v1", addresses[0])
@@ -310,13 +332,19 @@ class LocalComponents:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=10)
             self._loop = None
-        if self.servers is not None:
-            self.servers.stop()
         if self.learner is not None:
             self.learner.kill()
+        if self.servers is not None:
+            self.servers.stop()
+        if self.stream is not None:
+            self.stream.send("stop")  # the followers stop once they ran everything before
 
     async def _close_workers(self) -> None:
         await asyncio.gather(*(w.aclose() for w in self.workers.values()))
+
+    def begin_checkpoint(self, root: str, step: int) -> str:
+        """Prepare the checkpoint directory of `step` under `root` (on every process of a multi-host run)."""
+        return self.learner.run("begin_checkpoint", root, step)
 
     # ---- servers and weights ------------------------------------------------------------------------------------
     def check_servers(self) -> None:

@@ -37,7 +37,6 @@ from marin_rl.api.controller import RolloutController
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import (
     RUN_STATE_FILE,
-    begin_checkpoint,
     checkpoint_step,
     latest_checkpoint,
     prune_checkpoints,
@@ -368,7 +367,7 @@ class Orchestrator:
         """
         start = time.time()
         root = self.config.checkpoint_dir
-        path = begin_checkpoint(root, self.step)
+        path = self.parts.begin_checkpoint(root, self.step)
         write_json(path, RUN_STATE_FILE, self._run_state())
         self.learner.run("save_checkpoint", path, self.step)
         prune_checkpoints(root, self.config.checkpoint.keep)
@@ -520,4 +519,13 @@ def run(config: RunConfig) -> dict[str, Any]:
     progress finishes, a checkpoint is saved, every actor is stopped, and KeyboardInterrupt is raised.
     """
     configure_logging()
+    config.validate()
+    if config.orchestrator.backend == "local" and config.learner.hosts > 1:  # one process per host (SPMD)
+        import jax
+
+        from marin_rl.orchestrator import spmd
+
+        spmd.join(config)
+        if jax.process_index() != 0:
+            return spmd.follow(config)
     return Orchestrator(config).run()

@@ -446,7 +446,11 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
 
 
 class LevanterInferenceServer(CompletionBackend):
-    """Levanter's engine serving one policy over HTTP (`openai_api`'s dialect). Run it in-process or as a Ray actor."""
+    """Levanter's engine serving one policy over HTTP (`openai_api`'s dialect). Run it in-process or as a Ray actor.
+
+    `share_weights`: serve `model`'s own arrays (a colocated learner's) rather than a private copy; later versions
+    arrive with `serve_model` (no copy where layouts agree). Otherwise weights arrive as host arrays through
+    `apply_weights`."""
 
     def __init__(
         self,

@@ -1,11 +1,12 @@
 """The local backend (`orchestrator.backend: local`): a whole run in this process, without Ray.
 
-The learner (`marin_rl.orchestrator.local_learner.LocalLearner`: a `TrainEngine` whose steps run on a worker
-thread), a colocated policy server (the embedded Levanter engine sampling from the learner's own parameters:
-`LevanterInferenceServer(share_weights=True)`), and every environment's workers (`LocalWorkerPool`s on one event-loop thread, sampling through
-`InProcessPolicyClient`: no HTTP, no JSON) live in one process and time-share its devices. A new version is handed
-over by reference: the engine reads the learner's arrays (0 bytes copied where the two layouts agree; the learner's
-step never donates the policy), so the process holds one copy of the policy, not a learner's and a server's.
+The learner (`marin_rl.orchestrator.local_learner.LocalLearner`: a `TrainEngine` whose steps run on a worker thread), a
+colocated policy server (the embedded Levanter engine sampling from the learner's own parameters:
+`LevanterInferenceServer(share_weights=True)`), and every environment's workers (`LocalWorkerPool`s on one event-loop
+thread, sampling through `InProcessPolicyClient`: no HTTP, no JSON) live in one process and time-share its devices. A
+new version is handed over by reference: the engine reads the learner's arrays (0 bytes copied where the two layouts
+agree; the learner's step never donates the policy), so the process holds one copy of the policy, not a learner's and a
+server's.
 
 `LocalComponents` has the surface of the Ray `RunComponents`, so `Orchestrator` drives both with one loop: the same
 staleness gate, replay buffers, batcher, checkpoints, resume, metrics, reward plot and deterministic mode. Nothing

@@ -96,17 +96,19 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 def end_run_processes(token: str, grace_s: float = GRACE_S) -> int:
     """SIGTERM every process of the run `token`, SIGKILL those left after `grace_s`; returns how many there were.
-    Repeats until none is left, as dying parents may still have started children."""
+    Repeats until none is left, as dying parents may still have started children (Ray's raylet restarts agents that
+    die while it shuts down): those later processes get SIGKILL at once, without another grace period."""
     ended: set[int] = set()
-    for _ in range(10):
+    for round_ in range(10):
         pids = processes_of(token)
         if not pids:
             break
         ended.update(pids)
-        _signal_all(pids, signal.SIGTERM)
-        deadline = time.time() + grace_s
-        while time.time() < deadline and processes_of(token):
-            time.sleep(0.1)
+        if round_ == 0:
+            _signal_all(pids, signal.SIGTERM)
+            deadline = time.time() + grace_s
+            while time.time() < deadline and processes_of(token):
+                time.sleep(0.1)
         _signal_all(processes_of(token), signal.SIGKILL)
         time.sleep(0.1)
     return len(ended)

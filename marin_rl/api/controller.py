@@ -17,12 +17,14 @@ staleness bound `replay.max_age`, too-long rollouts, the batch rule) lives here 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from marin_rl.api.staleness import GateInputs, RolloutsPerBatch, StalenessGate
+from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
 from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer
@@ -249,3 +251,35 @@ class RolloutController:
             if "batcher" in state:
                 buffer_state["truncated_too_long"] = state["batcher"]["truncated_too_long"][n]
             self.buffers[n].load_state_dict(buffer_state)
+
+
+def run_rollout_controller(
+    config: RunConfig,
+    pools: dict[str, WorkerPool],
+    vocab_size: int,
+    section: Callable[[str], contextlib.AbstractContextManager],
+    count: Callable[..., None],
+) -> RolloutController:
+    """The rollout controller of a run of `config` over its environments' `pools`: a replay buffer per environment
+    (persisting to `output_dir/rollouts/<env>`), the batcher over them at the environments' shares, the staleness
+    bound; `section`/`count` receive its profile timings and counters (both backends build theirs with this)."""
+    buffers = {
+        e.name: ReplayBuffer(
+            e.name,
+            config.replay,
+            vocab_size,
+            rollout_dir=os.path.join(config.output_dir, "rollouts", e.name),
+            max_tokens=config.batcher.max_seq_len,
+            too_long=config.batcher.too_long,
+        )
+        for e in config.envs
+    }
+    return RolloutController(
+        pools,
+        buffers,
+        Batcher(config.batcher, buffers, config.env_fractions()),
+        config.orchestrator.max_staleness,
+        deterministic=config.orchestrator.deterministic,
+        section=section,
+        count=count,
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from marin_rl.api.controller import RolloutController
+from marin_rl.api.controller import RolloutController, run_rollout_controller
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import begin_checkpoint
 from marin_rl.orchestrator.env_pool import EnvPool
@@ -29,8 +28,6 @@ from marin_rl.orchestrator.reward_pool import RewardServerPool
 from marin_rl.orchestrator.server_pool import ServerPool
 from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
-from marin_rl.replay.batcher import Batcher
-from marin_rl.replay.buffer import ReplayBuffer
 from marin_rl.tokenizer import load_tokenizer
 
 logger = logging.getLogger("marin_rl")
@@ -132,26 +129,7 @@ class RunComponents:
             e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget, self.launcher, reward_addresses)
             for i, e in enumerate(cfg.envs)
         }
-        buffers = {
-            n: ReplayBuffer(
-                n,
-                cfg.replay,
-                vocab_size,
-                rollout_dir=os.path.join(cfg.output_dir, "rollouts", n),
-                max_tokens=cfg.batcher.max_seq_len,
-                too_long=cfg.batcher.too_long,
-            )
-            for n in self.env_names
-        }
-        self.rollouts = RolloutController(
-            self.pools,
-            buffers,
-            Batcher(cfg.batcher, buffers, fractions),
-            cfg.orchestrator.max_staleness,
-            deterministic=cfg.orchestrator.deterministic,
-            section=self._section,
-            count=self._count,
-        )
+        self.rollouts = run_rollout_controller(cfg, self.pools, vocab_size, self._section, self._count)
         logger.info("policy: %s parameters (learner on %d host(s))", f"{ready['learner'][0]:,}", cfg.learner.hosts)
 
     def start_learner(self, wait: bool) -> list[ray.ObjectRef]:

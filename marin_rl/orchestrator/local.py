@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from marin_rl.api.controller import RolloutController
+from marin_rl.api.controller import RolloutController, run_rollout_controller
 from marin_rl.api.local_pool import LocalWorkerPool
 from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import RunConfig, make_environment
@@ -37,8 +36,6 @@ from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.orchestrator.local_learner import ColocatedUpdate, LocalLearner, process_memory
 from marin_rl.orchestrator.spmd import CommandStream
-from marin_rl.replay.batcher import Batcher
-from marin_rl.replay.buffer import ReplayBuffer
 
 logger = logging.getLogger("marin_rl")
 
@@ -162,26 +159,7 @@ class LocalComponents:
                 deterministic=cfg.orchestrator.deterministic,
                 greedy_baseline=greedy,
             )
-        buffers = {
-            n: ReplayBuffer(
-                n,
-                cfg.replay,
-                vocab_size,
-                rollout_dir=os.path.join(cfg.output_dir, "rollouts", n),
-                max_tokens=cfg.batcher.max_seq_len,
-                too_long=cfg.batcher.too_long,
-            )
-            for n in self.env_names
-        }
-        self.rollouts = RolloutController(
-            self.pools,
-            buffers,
-            Batcher(cfg.batcher, buffers, fractions),
-            cfg.orchestrator.max_staleness,
-            deterministic=cfg.orchestrator.deterministic,
-            section=self._section,
-            count=self._count,
-        )
+        self.rollouts = run_rollout_controller(cfg, self.pools, vocab_size, self._section, self._count)
         logger.info(
             "policy: %s parameters; learner and colocated engine in this process on %s (%.1fs)",
             f"{self.learner.engine.learner.num_params:,}",

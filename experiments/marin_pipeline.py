@@ -21,14 +21,23 @@ import os
 from dataclasses import dataclass
 
 import fsspec
-from marin.execution import (
-    ExecutorMainConfig,
-    ExecutorStep,
-    executor_main,
-    output_path_of,
-    this_output_path,
-    versioned,
-)
+
+try:
+    from marin.execution import (
+        ExecutorMainConfig,
+        ExecutorStep,
+        executor_main,
+        output_path_of,
+        this_output_path,
+        versioned,
+    )
+except ModuleNotFoundError as e:  # the `marin` extra is not installed (a module missing inside Marin is re-raised)
+    if e.name not in ("marin", "marin.execution"):
+        raise
+    raise SystemExit(
+        "marin_rl: experiments/marin_pipeline.py needs marin-core (Marin's executor), the `marin` extra: "
+        "pip install -e '.[marin]' in the marin_rl checkout"
+    ) from None
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.marin import run_step

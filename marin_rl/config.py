@@ -10,6 +10,7 @@ from typing import Any
 import draccus
 
 from marin_rl.broadcast.base import BroadcastConfig
+from marin_rl.cli_help import preflight
 from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.reward_server import RewardModelConfig
@@ -371,6 +372,7 @@ def parse_config(args: list[str] | None = None) -> RunConfig:
     """Parse `--config FILE` plus dotted overrides (default: the command line); exits with a message naming the bad
     key or value."""
     args = list(sys.argv[1:] if args is None else args)
+    preflight(RunConfig, args)  # --help, --help-all, unknown keys
     config_path = None
     for i, a in enumerate(args):
         if a in ("--config", "--config_path") and i + 1 < len(args):

@@ -9,8 +9,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from marin_rl.cli_help import PLACEHOLDER, placeholder_fields
 from marin_rl.config import RunConfig, parse_config
 from marin_rl.orchestrator.orchestrator import run as run_rl
+from marin_rl.placement import PlacementError
 from marin_rl.sft import run_sft
 
 __all__ = ["RunConfig", "main", "parse_config", "run"]
@@ -24,11 +26,28 @@ def run(config: RunConfig) -> dict[str, Any]:
     return run_rl(config)
 
 
+def refuse_placeholders(config: RunConfig) -> None:
+    """Exit with one line naming a field that still holds an example config's placeholder (`gs://YOUR_BUCKET/...`),
+    before anything starts (such a path would otherwise be retried for a minute and fail deep in the run)."""
+    found = placeholder_fields(config)
+    if found:
+        key, value, settable = found[0]
+        where = f"in the config file or with --{key} VALUE" if settable else "in the config file"
+        raise SystemExit(
+            f"marin_rl: invalid configuration: {key}: {value!r} holds the placeholder "
+            f"{PLACEHOLDER.search(value).group(0)}; replace it {where}"
+        )
+
+
 def main(args: list[str] | None = None) -> None:
-    """Command-line entry point: parse the config and run; exits with 130 when interrupted."""
+    """Command-line entry point: parse the config and run; exits with 130 when interrupted, and with one line (no
+    traceback) when the cluster cannot hold the run (`PlacementError`)."""
     config = parse_config(args)
+    refuse_placeholders(config)
     try:
         run(config)
+    except PlacementError as e:
+        raise SystemExit(f"marin_rl: {e}") from None
     except KeyboardInterrupt:
         print(
             "marin_rl: interrupted; all actors were stopped (rerun the same command to resume from the latest "

@@ -293,14 +293,14 @@ def unknown_key_message(
     keys = valid_keys(config_class, merged, lists=not prefix)
     parts = key.split(".")
     ancestors = {".".join(parts[:n]) for n in range(1, len(parts))}
-    listed = sorted(a for a in ancestors if a in keys and a + "[*]" not in ancestors and _is_list(config_class, a))
+    listed = next((a for a in sorted(ancestors, key=len) if _is_list(config_class, a)), None)
     if prefix and listed:
-        return f"unknown key {shown}: {listed[0]} is a list, whose items are set in the config file"
+        return f"unknown key {shown}: {listed} is a list, whose items are set in the config file"
     suggestion = _nearest(key, [k for k in keys if k not in ancestors])
     if suggestion:
         return f"unknown key {shown}; did you mean {prefix}{suggestion}?"
-    known = max((a for a in ancestors if a in keys), key=len, default=None)
-    return f"unknown key {shown} (--help {known or ''} lists the keys)".replace("  ", " ")
+    section = max((a for a in ancestors if a in keys), key=len, default=None)
+    return f"unknown key {shown} ({'--help ' + section if section else '--help'} lists the keys)"
 
 
 def _is_list(config_class: type, key: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from dataclasses import dataclass, field
@@ -358,11 +359,16 @@ class RunConfig:
         return {**fixed, **{n: rest / len(free) for n in free}}
 
 
-def make_environment(env_config: EnvConfig, tokenizer, seed: int) -> Environment:
-    """Instantiate an environment from its config."""
+def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: int | None = None) -> Environment:
+    """Instantiate an environment from its config. An environment class whose constructor takes a `max_seq_len`
+    keyword gets `max_seq_len` (a run passes its `batcher.max_seq_len`: the longest episode a batch row holds)
+    unless the env's `args` set it."""
     cls = load_environment_class(env_config.env_class)
+    args = dict(env_config.args)
+    if max_seq_len is not None and "max_seq_len" not in args and "max_seq_len" in inspect.signature(cls).parameters:
+        args["max_seq_len"] = max_seq_len
     try:
-        return cls(tokenizer, name=env_config.name, seed=seed, **env_config.args)
+        return cls(tokenizer, name=env_config.name, seed=seed, **args)
     except TypeError as e:
         raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
 

@@ -44,7 +44,7 @@ def _print_group(console: Console, tokenizer, group: RolloutGroup) -> None:
 async def _run(config: RunConfig, env_name: str, server: str, problems: int, group_size: int, held_out: bool):
     env_config = next(e for e in config.envs if e.name == env_name)
     tokenizer = load_tokenizer(config.tokenizer)
-    env = make_environment(env_config, tokenizer, seed=config.orchestrator.seed)
+    env = make_environment(env_config, tokenizer, seed=config.orchestrator.seed, max_seq_len=config.batcher.max_seq_len)
     chosen = (env.eval_problems() if held_out else env.train_problems())[:problems]
     worker = RolloutWorker([server], timeout_s=config.inference.request_timeout_s)
     try:

@@ -11,6 +11,7 @@ from typing import Any
 
 from marin_rl.config import RunConfig, parse_config
 from marin_rl.orchestrator.orchestrator import run as run_rl
+from marin_rl.orchestrator.preflight import RunRefused
 from marin_rl.sft import run_sft
 
 __all__ = ["RunConfig", "main", "parse_config", "run"]
@@ -25,10 +26,13 @@ def run(config: RunConfig) -> dict[str, Any]:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Command-line entry point: parse the config and run; exits with 130 when interrupted."""
+    """Command-line entry point: parse the config and run; exits with 130 when interrupted, and with the reason (no
+    traceback) when the run is refused before it starts (bad data, a run directory holding another config's run)."""
     config = parse_config(args)
     try:
         run(config)
+    except RunRefused as e:
+        raise SystemExit(f"marin_rl: {e}") from None
     except KeyboardInterrupt:
         print(
             "marin_rl: interrupted; all actors were stopped (rerun the same command to resume from the latest "

@@ -70,6 +70,10 @@ class Environment(abc.ABC):
 
     name: str = "env"
     reward_weights: dict[str, float] = {"correct": 1.0}
+    driver_check: bool = False
+    """Whether the run's driver builds this environment once before it starts anything, so that bad data stops the
+    run before Ray or any actor starts (`marin_rl.orchestrator.preflight`). For classes whose construction only
+    reads data; not for those that start processes or open connections."""
     added_rewards: dict[str, RewardFunction] = {}
     """Reward functions added with `add_reward_functions` (by name)."""
 

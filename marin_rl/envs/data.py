@@ -376,6 +376,8 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
     None: no length check.
     """
 
+    driver_check = True
+
     def __init__(
         self,
         tokenizer,
@@ -402,21 +404,28 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
         held_out = None if held_out is None else self.fitting(held_out)
         if self.bad_rows.skipped and (not train or held_out == []):
             raise DataFormatError(
-                f"{self.name}: no problems left after skipping {self.bad_rows.skipped} bad row(s) of {source}; first: "
-                f"{next(iter(self.bad_rows.first.values()))}"
+                f"{self.name}: no problems left after skipping {self.bad_rows.skipped} bad row(s) of {source}; "
+                f"the first: {next(iter(self.bad_rows.first.values()))}"
             )
         self._train, self._eval = train_eval_split(train, held_out, eval_fraction, self.seed, self.name, source)
-        if self.bad_rows.skipped:
-            counts, first = self.bad_rows.counts, self.bad_rows.first
+        counts, first = self.bad_rows.counts, self.bad_rows.first
+        if counts[RowError.kind]:
             logger.warning(
-                "%s: skip_bad_rows left out %d malformed row(s) and %d problem(s) whose prompt does not fit "
-                "max_seq_len=%s of %s; first: %s",
+                "%s: skip_bad_rows left out %d malformed row(s) of %s; the first: %s",
                 self.name,
                 counts[RowError.kind],
-                counts[PromptTooLong.kind],
-                self.max_seq_len,
                 source,
-                " / ".join(first.values()),
+                first[RowError.kind],
+            )
+        if counts[PromptTooLong.kind]:
+            logger.warning(
+                "%s: skip_bad_rows left out %d problem(s) of %s whose prompt does not fit max_seq_len=%d; "
+                "the first: %s",
+                self.name,
+                counts[PromptTooLong.kind],
+                source,
+                self.max_seq_len,
+                first[PromptTooLong.kind],
             )
 
     def fitting(self, problems: list[Problem]) -> list[Problem]:

@@ -233,7 +233,7 @@ class MathEnvironment(ProblemSetEnvironment):
             load(train_path),
             None if eval_path is None else load(eval_path),
             eval_fraction,
-            f"{train_path} + {eval_path}",
+            train_path if eval_path is None else f"{train_path} and {eval_path}",
         )
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import RunConfig, make_environment, parse_config
+from marin_rl.envs.data import DataFormatError
 from marin_rl.logs import configure_logging
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         server = embedded.start()
     try:
         asyncio.run(_run(config, args.env, server, args.problems, group_size, args.held_out))
+    except DataFormatError as e:  # a malformed row or a prompt too long: one line, as `marin_rl.run` says it
+        raise SystemExit(f"marin_rl: invalid data: {e}") from None
     finally:
         if embedded is not None:
             embedded.stop()

@@ -20,6 +20,10 @@ problems whose groups were in flight are handed out again first, the warm start 
 appended to. `orchestrator.deterministic` makes the loop a deterministic function of the config (see its docstring),
 so a resumed run ends exactly where an uninterrupted one does.
 
+Before anything starts (`marin_rl.orchestrator.preflight`): a resume under a config that differs from the one the
+run directory remembers (`output_dir/config.yaml`) in a field that changes results is refused, and the environments
+that read data load it once in the driver, so a malformed row stops the run with one line before Ray starts.
+
 Supervision: dead env actors and servers are replaced (`EnvPool`, `ServerPool`); a dead learner process is replaced
 with its peers and the run rolled back in-run to the latest checkpoint (`Orchestrator._replace_learner`); each role
 at most `orchestrator.max_restarts_per_role` times.

@@ -7,7 +7,8 @@ before anything starts, listing each differing field with its old and new value 
 `output_dir`, or `checkpoint.resume: force`. The fields in `HARMLESS_FIELDS` may differ: where metrics go and how
 often (`tracking.*`), the checkpoint cadence and retention, the evaluation cadence, `orchestrator.num_steps` (raising
 it extends a finished run; lowering it ends the run at the checkpoint), where processes run (`placement.*`, Ray's
-address and CPUs, the compilation cache), restart limits and timeouts.
+address and CPUs, the learner's hosts and mesh, gradient accumulation, the number of inference servers, the
+compilation cache), restart limits and timeouts.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ HARMLESS_FIELDS = (
     "orchestrator.max_restarts_per_role",
     "orchestrator.local_http",
     "placement.",
+    "learner.hosts",
+    "learner.mesh.",
+    "learner.microbatches",
+    "learner.offload_optimizer",
+    "inference.num_servers",
     "model.export_every",
     "inference.control_secret",
     "inference.request_timeout_s",

@@ -69,8 +69,9 @@ class RunDirConflict(ValueError):
 
 
 def config_dict(config: RunConfig) -> dict[str, Any]:
-    """The config as its YAML file holds it (draccus's encoding, in plain JSON types), without the control secret."""
-    data = json.loads(json.dumps(draccus.encode(config)))
+    """The config as its YAML file holds it (draccus's encoding, in plain JSON types; a value that has none, such as
+    an object in an env's `args` given from Python, as its text), without the control secret."""
+    data = json.loads(json.dumps(draccus.encode(config), default=str))
     if data.get("inference", {}).get("control_secret") is not None:
         data["inference"]["control_secret"] = None
     return data

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import draccus
 
@@ -116,9 +117,12 @@ class CheckpointConfig:
 
     every: int = 100
     """Save every this many learner steps (0: only at the end of the run and when it is interrupted)."""
-    resume: bool = True
-    """Resume from the latest complete checkpoint, if there is one. With False, a run whose checkpoint directory
-    already holds checkpoints refuses to start rather than mix runs."""
+    resume: bool | Literal["force"] = True
+    """Resume from the latest complete checkpoint, if there is one, provided the configuration `output_dir`
+    remembers (its config.yaml) differs from this one only in fields that do not change results (tracking, the
+    checkpoint and evaluation cadence, orchestrator.num_steps, placement: `marin_rl.orchestrator.run_dir`); any other
+    difference stops the run before it starts, listing the fields. 'force': resume even so. false: a run whose
+    checkpoint directory already holds checkpoints refuses to start rather than mix runs."""
     keep: int | None = 2
     """How many of the newest complete checkpoints to keep; older ones are deleted after each save (None: all)."""
     path: str | None = None
@@ -127,6 +131,8 @@ class CheckpointConfig:
     """Also save when the run ends or is interrupted (Ctrl-C, SIGTERM), unless that step is already saved."""
 
     def __post_init__(self):
+        if not isinstance(self.resume, bool) and self.resume != "force":
+            raise ValueError(f"checkpoint.resume must be true, false or 'force', got {self.resume!r}")
         if not isinstance(self.every, int) or self.every < 0:
             raise ValueError(f"checkpoint.every must be an integer >= 0, got {self.every!r}")
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
@@ -359,11 +365,16 @@ class RunConfig:
         return {**fixed, **{n: rest / len(free) for n in free}}
 
 
-def make_environment(env_config: EnvConfig, tokenizer, seed: int) -> Environment:
-    """Instantiate an environment from its config."""
+def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: int | None = None) -> Environment:
+    """Instantiate an environment from its config. An environment class whose constructor takes a `max_seq_len`
+    keyword gets `max_seq_len` (a run passes its `batcher.max_seq_len`: the longest episode a batch row holds)
+    unless the env's `args` set it."""
     cls = load_environment_class(env_config.env_class)
+    args = dict(env_config.args)
+    if max_seq_len is not None and "max_seq_len" not in args and "max_seq_len" in inspect.signature(cls).parameters:
+        args["max_seq_len"] = max_seq_len
     try:
-        return cls(tokenizer, name=env_config.name, seed=seed, **env_config.args)
+        return cls(tokenizer, name=env_config.name, seed=seed, **args)
     except TypeError as e:
         raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
 

@@ -12,6 +12,7 @@ from typing import Any
 from marin_rl.cli_help import PLACEHOLDER, placeholder_fields
 from marin_rl.config import RunConfig, parse_config
 from marin_rl.orchestrator.orchestrator import run as run_rl
+from marin_rl.orchestrator.preflight import RunRefused
 from marin_rl.placement import PlacementError
 from marin_rl.sft import run_sft
 
@@ -41,12 +42,13 @@ def refuse_placeholders(config: RunConfig) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Command-line entry point: parse the config and run; exits with 130 when interrupted, and with one line (no
-    traceback) when the cluster cannot hold the run (`PlacementError`)."""
+    traceback) when the run is refused before it starts (bad data, a run directory holding another config's run) or
+    the cluster cannot hold it (`PlacementError`)."""
     config = parse_config(args)
     refuse_placeholders(config)
     try:
         run(config)
-    except PlacementError as e:
+    except (RunRefused, PlacementError) as e:
         raise SystemExit(f"marin_rl: {e}") from None
     except KeyboardInterrupt:
         print(

@@ -26,7 +26,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from marin_rl.config import RunConfig
-from marin_rl.envs.data import DataFormatError, read_rows, require_field
+from marin_rl.envs.data import DataFormatError, read_rows, text_field
 from marin_rl.learner.learner import Learner, SftConfig
 from marin_rl.logs import configure_logging
 from marin_rl.model.build import with_seq_len
@@ -53,12 +53,7 @@ def load_records(files: list[str], prompt_field: str, completion_field: str) -> 
     records = []
     for path in files:
         for where, row in read_rows(path):
-            texts = []
-            for name in (prompt_field, completion_field):
-                value = require_field(row, name, where)
-                if not isinstance(value, str):
-                    raise DataFormatError(f"{where}: field {name!r} must be text, got {type(value).__name__}")
-                texts.append(value)
+            texts = [text_field(row, name, where, allow_empty=True) for name in (prompt_field, completion_field)]
             records.append((where, texts[0], texts[1]))
     return records
 

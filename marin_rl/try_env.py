@@ -20,6 +20,7 @@ from rich.text import Text
 
 from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import RunConfig, make_environment, parse_config
+from marin_rl.envs.data import DataFormatError
 from marin_rl.logs import configure_logging
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
@@ -44,7 +45,7 @@ def _print_group(console: Console, tokenizer, group: RolloutGroup) -> None:
 async def _run(config: RunConfig, env_name: str, server: str, problems: int, group_size: int, held_out: bool):
     env_config = next(e for e in config.envs if e.name == env_name)
     tokenizer = load_tokenizer(config.tokenizer)
-    env = make_environment(env_config, tokenizer, seed=config.orchestrator.seed)
+    env = make_environment(env_config, tokenizer, seed=config.orchestrator.seed, max_seq_len=config.batcher.max_seq_len)
     chosen = (env.eval_problems() if held_out else env.train_problems())[:problems]
     worker = RolloutWorker([server], timeout_s=config.inference.request_timeout_s)
     try:
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         server = embedded.start()
     try:
         asyncio.run(_run(config, args.env, server, args.problems, group_size, args.held_out))
+    except DataFormatError as e:  # a malformed row or a prompt too long: one line, as `marin_rl.run` says it
+        raise SystemExit(f"marin_rl: invalid data: {e}") from None
     finally:
         if embedded is not None:
             embedded.stop()

@@ -71,18 +71,18 @@ def test_generic_qa_loader_with_custom_fields(tmp_path):
 
 def test_loader_errors_name_file_and_field(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [GSM8K_ROWS[0], {"question": "no answer here"}])
-    with pytest.raises(DataFormatError, match=r"bad\.jsonl line 2: missing field 'answer'"):
+    with pytest.raises(DataFormatError, match=r"bad\.jsonl:2: field 'answer': missing"):
         load_gsm8k(path)
-    with pytest.raises(DataFormatError, match=r"bad\.jsonl line 1: missing field 'problem'"):
+    with pytest.raises(DataFormatError, match=r"bad\.jsonl:1: field 'problem': missing"):
         load_qa(path, question_field="problem")
     pq.write_table(pa.Table.from_pylist([{"q": "x", "answer": "#### 1"}]), tmp_path / "bad.parquet")
-    with pytest.raises(DataFormatError, match=r"bad\.parquet row 0: missing field 'question'"):
+    with pytest.raises(DataFormatError, match=r"bad\.parquet:row 0: field 'question': missing"):
         load_gsm8k(str(tmp_path / "bad.parquet"))
     no_sep = write_jsonl(tmp_path / "nosep.jsonl", [{"question": "q", "answer": "42"}])
-    with pytest.raises(DataFormatError, match=r"nosep\.jsonl line 1: GSM8K answer has no '####'"):
+    with pytest.raises(DataFormatError, match=r"nosep\.jsonl:1: field 'answer': GSM8K answer has no '####'"):
         load_gsm8k(no_sep)
     (tmp_path / "broken.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
-    with pytest.raises(DataFormatError, match=r"broken\.jsonl line 2: invalid JSON"):
+    with pytest.raises(DataFormatError, match=r"broken\.jsonl:2: invalid JSON"):
         read_rows(str(tmp_path / "broken.jsonl"))
     with pytest.raises(DataFormatError, match=r"missing\.jsonl: no such file"):
         read_rows(str(tmp_path / "missing.jsonl"))
@@ -201,11 +201,11 @@ def test_multiple_choice_prompt_answers_and_errors(tok, tmp_path):
     assert {p.id for p in env.train_problems()}.isdisjoint(p.id for p in env.eval_problems())
 
     bad = write_jsonl(tmp_path / "mcbad.jsonl", [{"question": "q", "answer": 0}])
-    with pytest.raises(DataFormatError, match=r"mcbad\.jsonl line 1: missing field 'choices'"):
+    with pytest.raises(DataFormatError, match=r"mcbad\.jsonl:1: field 'choices': missing"):
         MultipleChoiceEnvironment(tok, path=bad)
-    with pytest.raises(DataFormatError, match=r"problems\[0\]: answer 3 is not one of the 2 options"):
+    with pytest.raises(DataFormatError, match=r"problems\[0\]: field 'answer': 3 is not one of the 2 options"):
         MultipleChoiceEnvironment(tok, problems=[{"question": "q", "choices": ["x", "y"], "answer": 3}] * 2)
-    with pytest.raises(DataFormatError, match="must be a list of 2 to 26 options"):
+    with pytest.raises(DataFormatError, match="expected a list of 2 to 26 options"):
         MultipleChoiceEnvironment(tok, problems=[{"question": "q", "choices": "xy", "answer": 0}] * 2)
     with pytest.raises(ValueError, match="exactly one of `path` and `problems`"):
         MultipleChoiceEnvironment(tok)

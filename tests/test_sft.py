@@ -75,10 +75,10 @@ def test_records_are_read_and_encoded_with_the_loss_on_the_completion(tmp_path, 
 
 def test_bad_records_name_the_file_line_and_field(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2="}])
-    with pytest.raises(DataFormatError, match=r"bad.jsonl line 2: missing field 'completion'"):
+    with pytest.raises(DataFormatError, match=r"bad.jsonl:2: field 'completion': missing"):
         load_records([path], "prompt", "completion")
     path = _write_jsonl(tmp_path / "num.jsonl", [{"prompt": "1+1=", "completion": 2}])
-    with pytest.raises(DataFormatError, match=r"num.jsonl line 1: field 'completion' must be text"):
+    with pytest.raises(DataFormatError, match=r"num.jsonl:1: field 'completion': expected a string, got int 2"):
         load_records([path], "prompt", "completion")
     with pytest.raises(DataFormatError, match="no such file"):
         load_records([str(tmp_path / "missing.jsonl")], "prompt", "completion")

@@ -32,6 +32,9 @@ class Problem:
     """Reference answer used by the verifier (and as the warm-start completion)."""
     fields: dict[str, Any] = field(default_factory=dict)
     """Extra, environment-specific data."""
+    source: str = ""
+    """Where the problem was read ('train.jsonl:17', 'train.parquet:row 3', 'problems[2]'), for messages; empty for
+    generated problems."""
 
 
 @dataclass
@@ -58,10 +61,19 @@ class Environment(abc.ABC):
     `add_reward_functions` adds named reward functions from outside the environment (e.g. a reward model's,
     `marin_rl.envs.model_rewards`): they are evaluated beside the environment's own rewards (single-turn: on each
     completion; multi-turn: on the whole episode at its end) and weighted by `reward_weights` like them.
+
+    A subclass whose constructor takes a `max_seq_len` keyword gets the run's `batcher.max_seq_len` there (unless
+    its `args` set one; `marin_rl.config.make_environment`), to refuse problems that cannot fit when it loads them.
+    `data_report` tells the run what was loaded (and skipped): the driver records it as `data/<env>/<key>` in the
+    metrics at step 0 and in the summary.
     """
 
     name: str = "env"
     reward_weights: dict[str, float] = {"correct": 1.0}
+    driver_check: bool = False
+    """Whether the run's driver builds this environment once before it starts anything, so that bad data stops the
+    run before Ray or any actor starts (`marin_rl.orchestrator.preflight`). For classes whose construction only
+    reads data; not for those that start processes or open connections."""
     added_rewards: dict[str, RewardFunction] = {}
     """Reward functions added with `add_reward_functions` (by name)."""
 
@@ -109,6 +121,11 @@ class Environment(abc.ABC):
     def reference_completion(self, problem: Problem) -> str | None:
         """A correct completion for supervised warm start, or None if the env has none."""
         return None
+
+    def data_report(self) -> dict[str, int]:
+        """Counts about the loaded problems (`train_problems`, `eval_problems`; environments that read data files
+        add the rows they skipped), as the run records them."""
+        return {"train_problems": len(self.train_problems()), "eval_problems": len(self.eval_problems())}
 
     async def run_group(
         self, policy: PolicyClient, problem: Problem, group_size: int, sampling: SamplingParams

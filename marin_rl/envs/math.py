@@ -177,6 +177,9 @@ class MathEnvironment(ProblemSetEnvironment):
       question_field / answer_field: column names for format 'jsonl'.
       prompt_template: filled with `{question}` (and any other field of the row).
       storage_options: passed to fsspec (e.g. credentials for `gs://`).
+      skip_bad_rows: leave out (and count) malformed rows and problems whose prompt does not fit `max_seq_len`,
+        instead of refusing the data (`ProblemSetEnvironment`).
+      max_seq_len: given by the run (its `batcher.max_seq_len`): longer prompts are refused (or skipped).
     """
 
     name = "math"
@@ -196,8 +199,17 @@ class MathEnvironment(ProblemSetEnvironment):
         answer_field: str = "answer",
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
         storage_options: dict[str, Any] | None = None,
+        skip_bad_rows: bool = False,
+        max_seq_len: int | None = None,
     ):
-        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
+        super().__init__(
+            tokenizer,
+            name=name,
+            seed=seed,
+            reward_weights=reward_weights,
+            skip_bad_rows=skip_bad_rows,
+            max_seq_len=max_seq_len,
+        )
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         if format == "gsm8k" and (question_field, answer_field) != ("question", "answer"):
@@ -205,20 +217,23 @@ class MathEnvironment(ProblemSetEnvironment):
 
         def load(path: str) -> list[Problem]:
             if format == "gsm8k":
-                return load_gsm8k(path, prompt_template=prompt_template, storage_options=storage_options)
+                return load_gsm8k(
+                    path, prompt_template=prompt_template, storage_options=storage_options, bad_rows=self.bad_rows
+                )
             return load_qa(
                 path,
                 question_field=question_field,
                 answer_field=answer_field,
                 prompt_template=prompt_template,
                 storage_options=storage_options,
+                bad_rows=self.bad_rows,
             )
 
         self.set_problems(
             load(train_path),
             None if eval_path is None else load(eval_path),
             eval_fraction,
-            f"{train_path} + {eval_path}",
+            train_path if eval_path is None else f"{train_path} and {eval_path}",
         )
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:

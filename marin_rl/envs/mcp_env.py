@@ -24,7 +24,7 @@ from typing import Any
 from mcp import Client, StdioServerParameters
 
 from marin_rl.envs.base import Problem
-from marin_rl.envs.data import qa_problems, source_rows, train_eval_split
+from marin_rl.envs.data import BadRows, RowError, qa_problems, source_rows, train_eval_split
 from marin_rl.envs.math import verify
 from marin_rl.envs.multi_turn import Conversation
 from marin_rl.envs.tools import Tool, ToolEnvironment
@@ -155,6 +155,7 @@ class McpToolEnvironment(ToolEnvironment):
       problems / path: inline `[{question, answer}, ...]` or a JSONL/Parquet file (local or `gs://`).
       eval_problems / eval_path / eval_fraction: held-out problems, else a seeded `eval_fraction` split.
       question_field / answer_field / prompt_template: as in the math env.
+      skip_bad_rows: leave out (and count, `data_report`) malformed rows instead of refusing the data.
     """
 
     name = "mcp"
@@ -177,16 +178,20 @@ class McpToolEnvironment(ToolEnvironment):
         answer_field: str = "answer",
         prompt_template: str = "{question}",
         connect_timeout_s: float = 60.0,
+        skip_bad_rows: bool = False,
         **options,
     ):
         super().__init__(tokenizer, seed=seed, **options)
+        self.bad_rows = BadRows(skip=bool(skip_bad_rows))
         if eval_problems is not None and eval_path is not None:
             raise ValueError(f"{self.name}: give at most one of `eval_problems` and `eval_path`")
         fields = dict(question_field=question_field, answer_field=answer_field, prompt_template=prompt_template)
 
         def load(source_path: str | None, inline: list[dict] | None, what: str) -> list[Problem]:
-            rows = source_rows(source_path, inline, what, path_arg=what.replace("problems", "path"))
-            return qa_problems(rows, source_path or what, **fields)
+            rows = source_rows(
+                source_path, inline, what, path_arg=what.replace("problems", "path"), bad_rows=self.bad_rows
+            )
+            return qa_problems(rows, source_path or what, bad_rows=self.bad_rows, **fields)
 
         held_out = (
             None if eval_problems is None and eval_path is None else load(eval_path, eval_problems, "eval_problems")
@@ -219,6 +224,10 @@ class McpToolEnvironment(ToolEnvironment):
 
     def train_problems(self) -> list[Problem]:
         return self._train
+
+    def data_report(self) -> dict[str, int]:
+        """The problem counts and the malformed rows `skip_bad_rows` left out."""
+        return {**super().data_report(), "skipped_malformed_rows": self.bad_rows.counts[RowError.kind]}
 
     def eval_problems(self) -> list[Problem]:
         return self._eval

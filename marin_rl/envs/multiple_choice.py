@@ -7,7 +7,16 @@ import string
 from typing import Any
 
 from marin_rl.envs.base import Problem
-from marin_rl.envs.data import DataFormatError, ProblemSetEnvironment, require_field, source_rows
+from marin_rl.envs.data import (
+    BadRows,
+    ProblemSetEnvironment,
+    RowError,
+    describe,
+    problem_id,
+    require_field,
+    source_rows,
+    text_field,
+)
 
 LETTERS = string.ascii_uppercase
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\n{options}\nAnswer:"
@@ -16,7 +25,7 @@ DEFAULT_PROMPT_TEMPLATE = "Question: {question}\n{options}\nAnswer:"
 def answer_letter(answer: Any, num_choices: int, where: str) -> str:
     """The answer as a letter: an index (0 → 'A', also as a string '0') or a letter ('b', '(B)')."""
     if isinstance(answer, bool):
-        raise DataFormatError(f"{where}: answer must be an option index or letter, got {answer!r}")
+        raise RowError(f"{where}: expected an option index or letter, got {describe(answer)}")
     if isinstance(answer, int):
         index = answer
     elif isinstance(answer, str) and answer.strip().isdigit():
@@ -24,9 +33,9 @@ def answer_letter(answer: Any, num_choices: int, where: str) -> str:
     elif isinstance(answer, str) and len(answer.strip("() .").strip()) == 1 and answer.strip("() .").isalpha():
         index = LETTERS.index(answer.strip("() .").upper())
     else:
-        raise DataFormatError(f"{where}: answer must be an option index or letter, got {answer!r}")
+        raise RowError(f"{where}: expected an option index or letter, got {describe(answer)}")
     if not 0 <= index < num_choices:
-        raise DataFormatError(f"{where}: answer {answer!r} is not one of the {num_choices} options")
+        raise RowError(f"{where}: {answer!r} is not one of the {num_choices} options")
     return LETTERS[index]
 
 
@@ -41,24 +50,40 @@ def make_problem(
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
     id_prefix: str = "mc",
 ) -> Problem:
-    """A `Problem` from one row `{question, choices: [...], answer: index or letter}`; `where` locates errors."""
-    question = str(require_field(row, question_field, where))
+    """A `Problem` from one row `{question, choices: [...], answer: index or letter}`; `where` locates errors (a
+    `RowError` naming the field: the question must be a non-empty string, the choices 2 to 26 non-empty strings or
+    numbers)."""
+    question = text_field(row, question_field, where)
     choices = require_field(row, choices_field, where)
     if not isinstance(choices, list | tuple) or not 2 <= len(choices) <= len(LETTERS):
-        raise DataFormatError(f"{where}: field {choices_field!r} must be a list of 2 to 26 options, got {choices!r}")
+        raise RowError(f"{where}: field {choices_field!r}: expected a list of 2 to 26 options, got {describe(choices)}")
+    for i, c in enumerate(choices):
+        number = isinstance(c, int | float) and not isinstance(c, bool)
+        if not (number or (isinstance(c, str) and c.strip())):
+            raise RowError(f"{where}: field {choices_field!r}[{i}]: expected a non-empty string, got {describe(c)}")
     choices = [str(c) for c in choices]
-    letter = answer_letter(require_field(row, answer_field, where), len(choices), where)
+    letter = answer_letter(require_field(row, answer_field, where), len(choices), f"{where}: field {answer_field!r}")
     options = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))
     try:
         prompt = prompt_template.format(question=question, options=options)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"prompt_template {prompt_template!r} may use only {{question}} and {{options}}: {e}") from e
     return Problem(
-        id=str(row["id"]) if row.get("id") is not None else f"{id_prefix}-{index}",
+        id=problem_id(row, where, f"{id_prefix}-{index}"),
         prompt=prompt,
         answer=letter,
         fields={"question": question, "choices": choices},
+        source=where,
     )
+
+
+def make_problems(rows: list[tuple[str, dict[str, Any]]], bad_rows: BadRows, **options) -> list[Problem]:
+    """`make_problem` of each `(location, row)`; a malformed row is refused or, when `bad_rows` skips, counted."""
+    problems = []
+    for i, (where, row) in enumerate(rows):
+        with bad_rows.check():
+            problems.append(make_problem(row, where, i, **options))
+    return problems
 
 
 def extract_choice(completion: str, num_choices: int = len(LETTERS)) -> str | None:
@@ -80,7 +105,8 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
     Problems come from `path` (JSONL or Parquet, local or `gs://`, rows `{"question", "choices": [...],
     "answer": index or letter}`; field names configurable) or inline as `problems` (a list of such dicts).
     Held out: `eval_path` / `eval_problems`, else `eval_fraction` of the problems after a shuffle seeded with `seed`.
-    The prompt is `prompt_template` with `{question}` and `{options}` ('A. ...' lines).
+    The prompt is `prompt_template` with `{question}` and `{options}` ('A. ...' lines). `skip_bad_rows` and
+    `max_seq_len` (given by the run) as in `ProblemSetEnvironment`.
     """
 
     name = "multiple_choice"
@@ -102,8 +128,17 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
         answer_field: str = "answer",
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
         storage_options: dict[str, Any] | None = None,
+        skip_bad_rows: bool = False,
+        max_seq_len: int | None = None,
     ):
-        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
+        super().__init__(
+            tokenizer,
+            name=name,
+            seed=seed,
+            reward_weights=reward_weights,
+            skip_bad_rows=skip_bad_rows,
+            max_seq_len=max_seq_len,
+        )
         if eval_path is not None and eval_problems is not None:
             raise ValueError("give at most one of `eval_path` and `eval_problems`")
         fields = dict(
@@ -115,9 +150,14 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
 
         def load(source_path: str | None, inline: list[dict] | None, prefix: str) -> list[Problem]:
             rows = source_rows(
-                source_path, inline, prefix, storage_options, path_arg=prefix.replace("problems", "path")
+                source_path,
+                inline,
+                prefix,
+                storage_options,
+                path_arg=prefix.replace("problems", "path"),
+                bad_rows=self.bad_rows,
             )
-            return [make_problem(r, where, i, id_prefix=prefix, **fields) for i, (where, r) in enumerate(rows)]
+            return make_problems(rows, self.bad_rows, id_prefix=prefix, **fields)
 
         held_out = (
             None if eval_path is None and eval_problems is None else load(eval_path, eval_problems, "eval_problems")

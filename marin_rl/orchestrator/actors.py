@@ -181,7 +181,9 @@ class EnvActor:
         configure_logging()
         self.env_config = config.envs[env_index]
         self.tokenizer = load_tokenizer(config.tokenizer)
-        self.env = make_environment(self.env_config, self.tokenizer, seed=config.orchestrator.seed)
+        self.env = make_environment(
+            self.env_config, self.tokenizer, seed=config.orchestrator.seed, max_seq_len=config.batcher.max_seq_len
+        )
         clients = {}
         for name in self.env_config.reward_models:  # reward models as named rewards (`reward_servers`: addresses)
             model = config.reward_model(name)

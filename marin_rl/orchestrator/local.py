@@ -144,7 +144,7 @@ class LocalComponents:
         fractions = cfg.env_fractions()
         greedy = cfg.algorithm().greedy_baseline
         for e in cfg.envs:
-            env = make_environment(e, self.tokenizer, seed=cfg.orchestrator.seed)
+            env = make_environment(e, self.tokenizer, seed=cfg.orchestrator.seed, max_seq_len=cfg.batcher.max_seq_len)
             worker = RolloutWorker(client_factory=lambda: InProcessPolicyClient(self.server))
             self.workers[e.name] = worker
             self.pools[e.name] = LocalWorkerPool(

@@ -20,6 +20,10 @@ problems whose groups were in flight are handed out again first, the warm start 
 appended to. `orchestrator.deterministic` makes the loop a deterministic function of the config (see its docstring),
 so a resumed run ends exactly where an uninterrupted one does.
 
+Before anything starts (`marin_rl.orchestrator.preflight`): a resume under a config that differs from the one the
+run directory remembers (`output_dir/config.yaml`) in a field that changes results is refused, and the environments
+that read data load it once in the driver, so a malformed row stops the run with one line before Ray starts.
+
 Supervision: dead env actors and servers are replaced (`EnvPool`, `ServerPool`); a dead learner process is replaced
 with its peers and the run rolled back in-run to the latest checkpoint (`Orchestrator._replace_learner`); each role
 at most `orchestrator.max_restarts_per_role` times.
@@ -45,6 +49,7 @@ from marin_rl.learner.checkpoint import (
 )
 from marin_rl.logs import configure_logging
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
+from marin_rl.orchestrator.preflight import RunRefused, preflight
 from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.orchestrator.stop import StopRequest
@@ -110,6 +115,8 @@ class Orchestrator:
         self.jsonl = None  # the metrics log (a rollback marks it like a resume)
         self._initial_state: dict[str, Any] | None = None  # pools and buffers before step 1: a rollback target
         self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
+        self.data_report: dict[str, float] = {}
+        """What the environments loaded and skipped (`data/<env>/<key>`), from the check before the start."""
 
     @property
     def learner(self):
@@ -340,7 +347,7 @@ class Orchestrator:
         ckpt = self.config.checkpoint
         latest = latest_checkpoint(self.config.checkpoint_dir)
         if latest is not None and not ckpt.resume:
-            raise ValueError(
+            raise RunRefused(
                 f"checkpoint.resume is false but {self.config.checkpoint_dir} already holds checkpoints (latest: "
                 f"{latest}); set checkpoint.resume: true to continue that run, or choose another output_dir or "
                 "checkpoint.path"
@@ -410,6 +417,7 @@ class Orchestrator:
         cfg = self.config
         start_time = time.time()
         resume_path = self._find_resume()
+        self.data_report = preflight(cfg, resume_path)  # before anything starts: the run dir's config, the data
         self.parts.start_backend()
         # After ray.init: Ray's driver installs its own SIGTERM handler (which aborts); ours must replace it.
         previous = self.stop.install()
@@ -436,7 +444,13 @@ class Orchestrator:
                 self.eval_start = self.last_eval = self.parts.evaluate()
                 self._initial_state = self._run_state()  # where a learner that dies before a checkpoint returns
                 logger.info("eval at start: %s", _fmt(self.eval_start))
-                start = {**self.eval_start, **bmetrics, "learner/version": 0, "time/elapsed_s": time.time()}
+                start = {
+                    **self.eval_start,
+                    **bmetrics,
+                    **self.data_report,
+                    "learner/version": 0,
+                    "time/elapsed_s": time.time(),
+                }
                 tracker.log(start, step=0)
             else:
                 self.parts.broadcast()  # the restored weights reach every server before any new generation
@@ -491,6 +505,7 @@ class Orchestrator:
             "output_dir": self.output_dir,
             "resumed_from": resume_path,
             "profile": self.profile.summary(),
+            **self.data_report,
         }
         for n in self.env_names:
             summary[f"eval_reward_start/{n}"] = self.eval_start[f"eval/{n}/reward"]

@@ -502,8 +502,9 @@ class Orchestrator:
 
 def _redacted(hparams: dict[str, Any]) -> dict[str, Any]:
     """The config as logged: secrets replaced."""
-    if hparams.get("inference", {}).get("control_secret"):
-        hparams["inference"]["control_secret"] = "<redacted>"
+    for section, key in (("inference", "control_secret"), ("broadcast", "secret")):
+        if hparams.get(section, {}).get(key):
+            hparams[section][key] = "<redacted>"
     return hparams
 
 

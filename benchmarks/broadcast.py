@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import shutil
 import tempfile
 import time
@@ -150,11 +151,12 @@ def main(argv: list[str] | None = None) -> None:
                 cast = None if dtype == "float32" else dtype
                 # Slots belong on a memory filesystem; the others write files to the temporary directory.
                 root = tempfile.mkdtemp(dir="/dev/shm") if name == "shared_memory" else tmp
-                cfg = BroadcastConfig(transport=name, dtype=cast, path=f"{root}/{name}-{dtype}")
+                secret = secrets.token_hex(16)  # the run's secret, known to the learner and the servers
+                cfg = BroadcastConfig(transport=name, dtype=cast, path=f"{root}/{name}-{dtype}", secret=secret)
                 learner = make_transport(cfg)
-                if name == "arrow_flight":  # the server side knows only the learner's address
+                if name == "arrow_flight":  # the server side knows only the learner's address and the secret
                     port = int(learner.location.rsplit(":", 1)[1])
-                    receiver = make_transport(BroadcastConfig(transport=name, flight_port=port))
+                    receiver = make_transport(BroadcastConfig(transport=name, flight_port=port, secret=secret))
                 elif name in ("fsspec", "shared_memory"):
                     receiver = make_transport(cfg)
                 else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="broadcast-nodes-") as tmp:
             for name in args.transports.split(","):
-                cfg = BroadcastConfig(transport=name, path=f"{tmp}/{name}", keep=2)
+                cfg = BroadcastConfig(transport=name, path=f"{tmp}/{name}", keep=2, secret=secrets.token_hex(16))
                 learner, server = Publisher.remote(cfg, total_bytes), Receiver.remote(cfg)
                 nodes = ray.get([learner.node.remote(), server.node.remote()])
                 assert nodes[0] != nodes[1], f"learner and server on one node: {nodes}"

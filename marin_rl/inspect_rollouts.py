@@ -1,19 +1,25 @@
-"""Summarise stored rollouts: `python -m marin_rl.inspect_rollouts PATH [--samples N] [--tokenizer DIR]`.
+"""Summarise stored rollouts: `python -m marin_rl.inspect_rollouts PATH [--samples N] [--tokenizer DIR]
+[--all-timelines]`.
 
 PATH is a Parquet file or a directory (e.g. `runs/NAME/rollouts` or `gs://bucket/run/rollouts/addition`). Prints
 per-environment counts, token and reward statistics (named rewards too), a few samples (stored text, or token ids
 decoded with `--tokenizer`), and any file that could not be read. Exit status 1 if a file was unreadable.
+
+Counts and statistics cover the run's surviving timeline: groups accepted by steps that a resume or a rollback
+discarded (and that were sampled again) are counted apart as superseded. `--all-timelines` includes them and lists
+each directory's run segments (`marin_rl.replay.store`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 
 import numpy as np
 
-from marin_rl.replay.store import StoredRollout, read_rollouts
+from marin_rl.replay.store import ReadResult, StoredRollout, read_rollouts
 
 
 def _stats(values: list[float]) -> str:
@@ -21,20 +27,50 @@ def _stats(values: list[float]) -> str:
     return f"mean {v.mean():.4f}  std {v.std():.4f}  min {v.min():.4f}  max {v.max():.4f}"
 
 
-def summarize(path: str, samples: int = 3, tokenizer=None, out=None) -> int:
-    """Print the summary of the rollouts at `path` to `out` (stdout); returns the number of unreadable files."""
+def _segments(result: ReadResult, out) -> None:
+    """Each directory's run segments: where each started and how many of its groups survive."""
+    groups: dict[tuple[str, int], set[str]] = defaultdict(set)
+    superseded: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for s in result.rollouts:
+        key = (os.path.dirname(s.file), s.segment)
+        groups[key].add(s.group_id)
+        if s.superseded:
+            superseded[key].add(s.group_id)
+    for directory, segments in sorted(result.timelines.items()):
+        print(f"\ntimeline of {directory}:", file=out)
+        for seg in segments:
+            key = (directory, seg["segment"])
+            origin = "from the start" if seg["parent"] is None else f"from segment {seg['parent']}"
+            after = "" if seg["parent"] is None else f" (after {seg['start_group']} groups)"
+            print(
+                f"  segment {seg['segment']}: {origin} at step {seg['start_step']}{after}, {len(groups[key])} groups, "
+                f"{len(superseded[key])} superseded",
+                file=out,
+            )
+
+
+def summarize(path: str, samples: int = 3, tokenizer=None, out=None, all_timelines: bool = False) -> int:
+    """Print the summary of the rollouts at `path` to `out` (stdout): of the surviving timeline, or with
+    `all_timelines` of every segment (and the segments); returns the number of unreadable files."""
     out = sys.stdout if out is None else out
-    result = read_rollouts(path)
+    result = read_rollouts(path, timeline="all" if all_timelines else "surviving")
     by_env: dict[str, list[StoredRollout]] = defaultdict(list)
     for s in result.rollouts:
         by_env[s.rollout.environment].append(s)
-    print(
-        f"{path}: {len(result.files)} files, {len(result.rollouts)} rollouts, {len(result.errors)} unreadable", file=out
-    )
+    counted = f"{len(result.rollouts)} rollouts"
+    if result.superseded and all_timelines:
+        counted += f" ({result.superseded} of them superseded by resumes or rollbacks)"
+    elif result.superseded:
+        counted += f" ({result.superseded} superseded by resumes or rollbacks; --all-timelines shows them)"
+    print(f"{path}: {len(result.files)} files, {counted}, {len(result.errors)} unreadable", file=out)
+    if all_timelines:
+        _segments(result, out)
     for env in sorted(by_env):
         rows = by_env[env]
         rs = [s.rollout for s in rows]
-        print(f"\n== {env}: {len(rs)} rollouts in {len({s.group_id for s in rows})} groups", file=out)
+        gone = len({s.group_id for s in rows if s.superseded})
+        note = f" ({gone} groups superseded)" if gone else ""
+        print(f"\n== {env}: {len(rs)} rollouts in {len({s.group_id for s in rows})} groups{note}", file=out)
         print(f"  tokens/rollout     {_stats([r.num_tokens for r in rs])}", file=out)
         print(f"  generated/rollout  {_stats([r.num_sampled_tokens for r in rs])}", file=out)
         print(f"  reward             {_stats([r.reward for r in rs])}", file=out)
@@ -65,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", help="Parquet file or directory (local or fsspec URL)")
     parser.add_argument("--samples", type=int, default=3, help="samples shown per environment")
     parser.add_argument("--tokenizer", default=None, help="decode token ids with this HF tokenizer directory")
+    parser.add_argument(
+        "--all-timelines",
+        action="store_true",
+        help="also count the groups that resumes and rollbacks superseded, and list the run segments",
+    )
     args = parser.parse_args(argv)
     tokenizer = None
     if args.tokenizer:
@@ -72,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = load_tokenizer(TokenizerConfig(path=args.tokenizer))
     try:
-        bad = summarize(args.path, args.samples, tokenizer)
+        bad = summarize(args.path, args.samples, tokenizer, all_timelines=args.all_timelines)
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
 """The deterministic, shortened quickstart that the resume and fault tests run, and the learner state it ends with:
 one-digit addition, so that a short warm start earns rewards."""
 
+import json
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -62,3 +64,19 @@ def final_learner_arrays(config: Path, output: Path, step: int) -> list[np.ndarr
     if learner.critic is not None:
         state += (learner.critic.model, learner.critic.opt_state)
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+
+
+def stored_timeline(output: Path, env: str = "addition") -> tuple[int, int, Counter]:
+    """Check that the surviving timeline of a finished run's rollout store holds exactly the groups the run accepted
+    (`accepted_groups` in its summary), numbered 1..accepted once each, with nothing unreadable. Returns the number
+    of stored groups in all timelines, the number on the surviving one, and its problems (problem id -> groups)."""
+    from marin_rl.replay.store import read_rollouts
+
+    summary = json.loads((output / "summary.json").read_text())
+    surviving = read_rollouts(str(output / "rollouts" / env))
+    everything = read_rollouts(str(output / "rollouts" / env), timeline="all")
+    assert surviving.errors == [] and everything.errors == []
+    groups = {s.group_id: (s.group_index, s.rollout.problem_id) for s in surviving.rollouts}
+    assert sorted(index for index, _ in groups.values()) == list(range(1, summary["accepted_groups"] + 1))
+    assert surviving.num_groups == summary["accepted_groups"]
+    return everything.num_groups, surviving.num_groups, Counter(problem for _, problem in groups.values())

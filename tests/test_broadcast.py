@@ -127,14 +127,19 @@ def test_flight_fetches_tickets_in_parallel_and_polls_across_processes(tmp_path,
                 active[0] -= 1
 
     monkeypatch.setattr(_WeightFlightServer, "do_get", slow_do_get)
-    learner = ArrowFlightTransport(BroadcastConfig(transport="arrow_flight", chunk_mb=1, fetch_threads=8))
+    secret = "run-secret"  # what the run's driver hands to the learner and every server
+    learner = ArrowFlightTransport(
+        BroadcastConfig(transport="arrow_flight", chunk_mb=1, fetch_threads=8, secret=secret)
+    )
     try:
         leaves = [np.random.default_rng(3).normal(size=(8, 1 << 18)).astype(np.float32)]  # 8 MiB: 8 tickets
         update = learner.publish(2, leaves)
         assert len(plan_tickets(update.payload["manifest"])) == 8
         port = int(learner.location.rsplit(":", 1)[1])
         # A server knows only the learner's address: it polls the latest manifest, then fetches.
-        server = ArrowFlightTransport(BroadcastConfig(transport="arrow_flight", flight_port=port, fetch_threads=8))
+        server = ArrowFlightTransport(
+            BroadcastConfig(transport="arrow_flight", flight_port=port, fetch_threads=8, secret=secret)
+        )
         latest = server.latest()
         assert latest.publish_id == update.publish_id and latest.version == 2
         start = time.perf_counter()
@@ -283,10 +288,10 @@ def _served_matches(address, model, prompt, seed):
 def test_server_follows_the_learner_back_to_a_lower_version(server, name, tmp_path):
     srv, address, model, tok = server
     prompt = tok("12+30=", add_special_tokens=False)["input_ids"]
-    cfg = BroadcastConfig(transport=name, path=str(tmp_path / "w"))
+    cfg = BroadcastConfig(transport=name, path=str(tmp_path / "w"), secret="run-secret")
     learner = make_transport(cfg)
-    if name == "arrow_flight":  # the server side knows only the learner's address
-        cfg = BroadcastConfig(transport=name, flight_port=int(learner.location.rsplit(":", 1)[1]))
+    if name == "arrow_flight":  # the server side knows only the learner's address (and the run's secret)
+        cfg = BroadcastConfig(transport=name, flight_port=int(learner.location.rsplit(":", 1)[1]), secret="run-secret")
     subscriber = WeightSubscriber(make_transport(cfg), srv.apply_weights)
     try:
         a, b = _weights(model, 10), _weights(model, 11)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from deterministic_run import deterministic_config, final_learner_arrays
+from deterministic_run import deterministic_config, final_learner_arrays, stored_timeline
 
 from marin_rl.config import parse_config
 from marin_rl.orchestrator.hooks import StepHook
@@ -142,6 +142,13 @@ def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupt
     assert summary["eval_reward_end"] == pytest.approx(ref_summary["eval_reward_end"], abs=1e-6)
     for a, b in zip(_final_params(out), _final_params(ref_out), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the rollout store's surviving timeline holds exactly the accepted groups, the reference run's problems; the
+    # groups of steps that a rollback discarded stay on disk, superseded
+    stored, surviving, problems = stored_timeline(out)
+    ref_stored, ref_surviving, ref_problems = stored_timeline(ref_out)
+    assert ref_stored == ref_surviving and surviving == ref_surviving and problems == ref_problems
+    print(f"rollout store: {stored} groups stored, {surviving} on the surviving timeline")
+    assert (stored > surviving) == ("learner" in roles), (stored, surviving)
 
 
 _COUNTS = (

@@ -1,5 +1,6 @@
 """Rollout persistence: Parquet round trip through fsspec, corrupt files reported, the inspect CLI."""
 
+import copy
 import io
 import os
 
@@ -9,7 +10,7 @@ import pyarrow.parquet as pq
 
 from marin_rl import inspect_rollouts as inspect_cli
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
-from marin_rl.replay.store import ROLLOUT_SCHEMA, RolloutWriter, read_rollouts, rollout_to_row
+from marin_rl.replay.store import ROLLOUT_SCHEMA, RolloutWriter, read_rollouts, read_timeline, rollout_to_row
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
 
@@ -151,3 +152,152 @@ def test_files_of_schema_version_1_are_still_read(tmp_path):
     result = read_rollouts(str(path))
     assert not result.errors
     assert [s.rollout.to_dict() for s in result.rollouts] == [r.to_dict() for r in group.rollouts]
+
+
+# ---- timelines: resumes and rollbacks ------------------------------------------------------------------------------
+def _accept(buf: ReplayBuffer, rng, n: int) -> list[str]:
+    """Admit `n` groups into `buf`; their ids."""
+    ids = []
+    for _ in range(n):
+        g = _group(buf.env_name, rng)
+        assert buf.admit(g).accepted
+        ids.append(g.group_id)
+    return ids
+
+
+def _checkpoint(buf: ReplayBuffer) -> dict:
+    """What a checkpoint saves of the buffer (the driver flushes the rollout files first)."""
+    buf.flush()
+    return copy.deepcopy(buf.state_dict())
+
+
+def test_two_rollbacks_leave_exactly_the_kept_groups_on_the_surviving_timeline(tmp_path):
+    """A driver's segments, as the orchestrator makes them: segment 0 checkpoints after 5 groups, accepts 4 more and
+    is rolled back (its learner replaced) to that checkpoint; segment 1 accepts 6 (checkpoint after 3 of them) and
+    dies; segment 2 resumes from segment 1's checkpoint and accepts 2. Survivors: segment 0's first 5, segment 1's
+    first 3, segment 2's 2 = 10 groups, the final buffer's `accepted_groups`."""
+    rng = np.random.default_rng(5)
+    root = str(tmp_path / "rollouts" / "e")
+    buf = ReplayBuffer("e", ReplayConfig(), vocab_size=100, rollout_dir=root)
+    buf.begin_segment(0, step=0)
+    kept = _accept(buf, rng, 5)
+    ckpt_a = _checkpoint(buf)  # step 3, say
+    lost = _accept(buf, rng, 4)
+    buf.flush()
+    # learner replaced: the driver restores the checkpoint into the same buffer and begins segment 1
+    buf.load_state_dict(ckpt_a)
+    assert buf.recorded_segments() == [0]
+    buf.begin_segment(1, step=3)
+    kept += _accept(buf, rng, 3)
+    ckpt_b = _checkpoint(buf)  # step 6
+    lost += _accept(buf, rng, 3)
+    buf.flush()
+    # the driver is SIGKILLed; a new driver's fresh buffer resumes from the latest checkpoint (segment 1's)
+    buf = ReplayBuffer("e", ReplayConfig(), vocab_size=100, rollout_dir=root)
+    buf.load_state_dict(ckpt_b)
+    buf.begin_segment(2, step=6)
+    kept += _accept(buf, rng, 2)
+    buf.flush()
+
+    assert buf.accepted_groups == 10
+    surviving = read_rollouts(str(tmp_path / "rollouts"))
+    assert surviving.errors == [] and surviving.superseded == 7 * 4
+    assert surviving.num_groups == buf.accepted_groups == len(kept)
+    assert {s.group_id for s in surviving.rollouts} == set(kept)
+    assert sorted({(s.segment, s.group_index) for s in surviving.rollouts}) == [
+        *[(0, i) for i in range(1, 6)],
+        *[(1, i) for i in range(6, 9)],
+        (2, 9),
+        (2, 10),
+    ]
+    everything = read_rollouts(root, timeline="all")
+    assert everything.num_groups == 17 and everything.superseded == 28
+    assert {s.group_id for s in everything.rollouts if s.superseded} == set(lost)
+    segments = everything.timelines[root]
+    assert [(s["segment"], s["parent"], s["start_step"], s["start_group"]) for s in segments] == [
+        (0, None, 0, 0),
+        (1, 0, 3, 5),
+        (2, 1, 6, 8),
+    ]
+
+
+def test_a_rollback_to_the_start_and_a_fresh_rerun_supersede_every_earlier_group(tmp_path):
+    """A learner that dies before the first checkpoint returns to the run's initial state: everything its segment
+    accepted is superseded. A run started afresh in a directory whose earlier run never checkpointed (the timeline's
+    newest segment has no parent) supersedes that earlier run's groups too."""
+    rng = np.random.default_rng(6)
+    root = str(tmp_path / "e")
+    buf = ReplayBuffer("e", ReplayConfig(), rollout_dir=root)
+    buf.begin_segment(0, step=0)
+    initial = _checkpoint(buf)
+    _accept(buf, rng, 3)
+    buf.load_state_dict(initial)
+    buf.begin_segment(1, step=0)
+    kept = _accept(buf, rng, 2)
+    buf.flush()
+    result = read_rollouts(root)
+    assert {s.group_id for s in result.rollouts} == set(kept) and result.superseded == 3 * 4
+
+    fresh = ReplayBuffer("e", ReplayConfig(), rollout_dir=root)  # the same command, no checkpoint to resume
+    fresh.begin_segment(max(fresh.recorded_segments()) + 1, step=0)
+    again = _accept(fresh, rng, 1)
+    fresh.flush()
+    result = read_rollouts(root)
+    assert {s.group_id for s in result.rollouts} == set(again) and result.superseded == 5 * 4
+
+
+def test_rows_without_segments_and_directories_without_a_timeline_count(tmp_path):
+    rng = np.random.default_rng(7)
+    buf = ReplayBuffer("e", ReplayConfig(), rollout_dir=str(tmp_path / "e"))  # no segment begun (e.g. the API)
+    _accept(buf, rng, 2)
+    buf.flush()
+    result = read_rollouts(str(tmp_path))
+    assert result.num_groups == 2 and result.superseded == 0 and result.timelines == {}
+    assert all(s.segment is None and s.group_index in (1, 2) for s in result.rollouts)
+    (tmp_path / "e" / "timeline.json").write_text("{not json")
+    result = read_rollouts(str(tmp_path))
+    assert result.num_groups == 2 and len(result.errors) == 1 and "malformed timeline" in result.errors[0][1]
+    try:
+        read_rollouts(str(tmp_path), timeline="latest")
+    except ValueError as e:
+        assert "timeline must be one of ['surviving', 'all']" in str(e)
+    else:
+        raise AssertionError("an unknown timeline was accepted")
+
+
+def test_the_timeline_is_written_through_fsspec_urls():
+    rng = np.random.default_rng(8)
+    root = "memory://timeline-test/rollouts/e"
+    buf = ReplayBuffer("e", ReplayConfig(), rollout_dir=root)
+    buf.begin_segment(0, step=0)
+    state = _checkpoint(buf)
+    _accept(buf, rng, 2)
+    buf.load_state_dict(state)
+    buf.begin_segment(1, step=0)
+    kept = _accept(buf, rng, 1)
+    buf.flush()
+    assert [s["segment"] for s in read_timeline(root)] == [0, 1]
+    result = read_rollouts("memory://timeline-test/rollouts")
+    assert {s.group_id for s in result.rollouts} == set(kept) and result.superseded == 8
+
+
+def test_inspect_counts_the_surviving_timeline_and_shows_the_rest_on_request(tmp_path, capsys):
+    rng = np.random.default_rng(9)
+    buf = ReplayBuffer("e", ReplayConfig(), rollout_dir=str(tmp_path / "e"))
+    buf.begin_segment(0, step=0)
+    state = _checkpoint(buf)
+    _accept(buf, rng, 3)
+    buf.load_state_dict(state)
+    buf.begin_segment(1, step=0)
+    _accept(buf, rng, 2)
+    buf.flush()
+    assert inspect_cli.main([str(tmp_path), "--samples", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "8 rollouts (12 superseded by resumes or rollbacks; --all-timelines shows them)" in text
+    assert "== e: 8 rollouts in 2 groups" in text
+    assert inspect_cli.main([str(tmp_path), "--samples", "0", "--all-timelines"]) == 0
+    text = capsys.readouterr().out
+    assert "20 rollouts (12 of them superseded by resumes or rollbacks)" in text
+    assert "== e: 20 rollouts in 5 groups" in text
+    assert "segment 0: from the start at step 0, 3 groups, 3 superseded" in text
+    assert "segment 1: from segment 0 at step 0 (after 0 groups), 2 groups, 0 superseded" in text

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from deterministic_run import deterministic_config, final_learner_arrays
+from deterministic_run import deterministic_config, final_learner_arrays, stored_timeline
 from marked_processes import dead_weight_slot_dirs, describe, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
@@ -420,6 +420,13 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
     assert summary["steps"] == steps and summary["resumed_from"] == str(ckpts / f"step-{stopped_at}")
     ref_summary = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert summary["generated_tokens"] == ref_summary["generated_tokens"], "nothing generated twice or lost"
+    # the rollout store's surviving timeline holds exactly the accepted groups, the reference run's problems; the
+    # groups of the steps lost to the SIGKILL stay on disk, superseded
+    stored, surviving, problems = stored_timeline(out)
+    ref_stored, ref_surviving, ref_problems = stored_timeline(tmp_path / "reference")
+    assert ref_stored == ref_surviving and surviving == ref_surviving and problems == ref_problems
+    print(f"rollout store: {stored} groups stored, {surviving} on the surviving timeline")
+    assert stored > surviving, (stored, surviving)
 
 
 def test_ppo_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_path):

@@ -213,9 +213,11 @@ class RolloutController:
         return metrics
 
     def totals(self) -> dict[str, int]:
-        """Counters over every environment: `env_restarts`, `failed_groups`, `retried_requests`."""
+        """Counters over every environment: `env_restarts`, `failed_groups`, `retried_requests`, and
+        `accepted_groups` (along the run's surviving timeline: a rollback restores the checkpoint's count)."""
         pools = self.pools.values()
         return {
+            "accepted_groups": sum(b.accepted_groups for b in self.buffers.values()),
             "env_restarts": sum(p.restarts for p in pools),
             "failed_groups": sum(p.failed_groups for p in pools),
             "retried_requests": sum(p.retried_requests for p in pools),
@@ -231,6 +233,22 @@ class RolloutController:
         again) and forget what the batcher waited for; returns how many groups were dropped."""
         self.waiting_for = {}
         return sum(pool.drop_in_flight() for pool in self.pools.values())
+
+    def begin_segment(self, step: int) -> int:
+        """Start a new run segment at learner step `step`, after a fresh start, a resume or a rollback has set the
+        buffers' state: the groups accepted from now on belong to it, and each buffer's rollout timeline records
+        which segment's state it continues (`ReplayBuffer.begin_segment`). Returns the new segment, one past every
+        segment recorded or begun so far."""
+        known = [s for b in self.buffers.values() for s in [*b.recorded_segments(), b.segment] if s is not None]
+        segment = max(known, default=-1) + 1
+        for buffer in self.buffers.values():
+            buffer.begin_segment(segment, step)
+        return segment
+
+    def flush(self) -> None:
+        """Write the rollouts the buffers queued for their files."""
+        for buffer in self.buffers.values():
+            buffer.flush()
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint state: each environment's problem order and batch-size estimate (`pools`) and replay buffer

@@ -7,11 +7,19 @@ parallel threads and copy each piece into its place in preallocated arrays.
 
 Flight actions: `latest` returns the manifest (JSON) of the last publish, so servers in other processes or on
 other machines can poll for new weights when `broadcast.flight_port` is fixed.
+
+Authentication: the server refuses every call (`do_get`, `do_action`, `list_flights`, `get_flight_info`, ...) that
+does not carry the run's secret (`broadcast.secret`) as `authorization: Bearer <secret>`, with an Unauthenticated
+error, before any handler runs (`_SecretAuthFactory`, a Flight server middleware); clients add the header to every
+call (`_BearerFactory`, a client middleware). A learner-side transport with no configured secret makes a random one,
+which only clients in its own process know.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import secrets
 import socket
 import threading
 from collections import OrderedDict
@@ -68,11 +76,48 @@ def plan_tickets(manifest: dict[str, Any]) -> list[list[tuple[int, int, int]]]:
     return tickets
 
 
-class _WeightFlightServer(flight.FlightServerBase):
-    """Serves the pieces of the last `keep` publishes; `latest` action returns the newest manifest."""
+class _SecretAuthFactory(flight.ServerMiddlewareFactory):
+    """Server middleware: rejects every call whose `authorization` header is not `Bearer <secret>`."""
 
-    def __init__(self, location: str, keep: int):
-        super().__init__(location)
+    def __init__(self, secret: str):
+        super().__init__()
+        self._expected = f"Bearer {secret}".encode()
+
+    def start_call(self, info, headers):
+        values = headers.get("authorization", [])
+        given = values[0] if len(values) == 1 else ""
+        given = given.encode() if isinstance(given, str) else bytes(given)
+        if not hmac.compare_digest(given, self._expected):
+            raise flight.FlightUnauthenticatedError("the weight server needs the run's secret (broadcast.secret)")
+        return None
+
+
+class _Bearer(flight.ClientMiddleware):
+    def __init__(self, header: str):
+        super().__init__()
+        self._header = header
+
+    def sending_headers(self):
+        return {"authorization": self._header}
+
+
+class _BearerFactory(flight.ClientMiddlewareFactory):
+    """Client middleware: every call carries `authorization: Bearer <secret>`."""
+
+    def __init__(self, secret: str):
+        super().__init__()
+        self._header = f"Bearer {secret}"
+
+    def start_call(self, info):
+        return _Bearer(self._header)
+
+
+class _WeightFlightServer(flight.FlightServerBase):
+    """Serves the pieces of the last `keep` publishes to callers that carry `secret`; `latest` action returns the
+    newest manifest."""
+
+    def __init__(self, location: str, keep: int, secret: str):
+        super().__init__(location, middleware={"auth": _SecretAuthFactory(secret)})
         self.keep = keep
         self._lock = threading.Lock()
         self._published: OrderedDict[str, tuple[dict, list[np.ndarray], list]] = OrderedDict()
@@ -127,6 +172,7 @@ class ArrowFlightTransport(WeightTransport):
         super().__init__(config)
         self._server: _WeightFlightServer | None = None
         self._location: str | None = None
+        self._secret = self.config.secret
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="flight-fetch")
 
@@ -136,7 +182,9 @@ class ArrowFlightTransport(WeightTransport):
         """grpc:// address of this process's Flight server (started if needed)."""
         if self._server is None:
             cfg = self.config
-            self._server = _WeightFlightServer(f"grpc://{cfg.flight_host}:{cfg.flight_port}", cfg.keep)
+            if self._secret is None:  # only this process's clients can fetch
+                self._secret = secrets.token_hex(32)
+            self._server = _WeightFlightServer(f"grpc://{cfg.flight_host}:{cfg.flight_port}", cfg.keep, self._secret)
             host = socket.gethostname() if cfg.flight_host == "0.0.0.0" else cfg.flight_host
             self._location = f"grpc://{host}:{self._server.port}"
         assert self._location is not None
@@ -159,7 +207,12 @@ class ArrowFlightTransport(WeightTransport):
         if clients is None:
             clients = self._local.clients = {}
         if location not in clients:
-            clients[location] = flight.FlightClient(location)
+            if self._secret is None:
+                raise ValueError(
+                    "broadcast.secret is not set, so this process cannot authenticate to the learner's Flight server; "
+                    "set it to the secret the learner's run uses"
+                )
+            clients[location] = flight.FlightClient(location, middleware=[_BearerFactory(self._secret)])
         return clients[location]
 
     def latest(self) -> WeightUpdate | None:

@@ -89,6 +89,10 @@ class BroadcastConfig:
     """'arrow_flight' and 'fsspec': tensors travel in chunks of at most this many MiB, fetched in parallel."""
     fetch_threads: int = 8
     """'arrow_flight' and 'fsspec': parallel threads a server fetches (and the learner writes) chunks with."""
+    secret: str | None = None
+    """'arrow_flight': secret that every call to the learner's Flight server must carry (`authorization: Bearer
+    <secret>`); calls without it are refused. None: the run's driver makes a new random secret per run and hands
+    it to the learner and the servers; set it for servers outside the run that poll the learner."""
 
     def __post_init__(self):
         if self.transport not in known_transports():
@@ -107,6 +111,8 @@ class BroadcastConfig:
             raise ValueError(f"broadcast.fetch_threads must be >= 1, got {self.fetch_threads}")
         if not 0 <= self.flight_port < 65536:
             raise ValueError(f"broadcast.flight_port must be in [0, 65535], got {self.flight_port}")
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret.strip()):
+            raise ValueError("broadcast.secret must be a non-empty string or null")
 
 
 @dataclass

@@ -8,6 +8,7 @@ updates (publish, then every server applies) and the held-out evaluation they ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -44,7 +45,12 @@ class RunComponents:
         section: Callable[[str], contextlib.AbstractContextManager],
         count: Callable[..., None],
     ):
+        if config.broadcast.secret is None:  # the learner's weight server (arrow_flight) admits this run only
+            config = dataclasses.replace(
+                config, broadcast=dataclasses.replace(config.broadcast, secret=secrets.token_hex(32))
+            )
         self.config = config
+        """The run's config, as its actors get it (with the run's `broadcast.secret`)."""
         self.env_names = [e.name for e in config.envs]
         self.control_secret = config.inference.control_secret or secrets.token_urlsafe(24)
         self._section, self._count = section, count

@@ -17,8 +17,10 @@ ends or is interrupted, the driver writes its state (replay buffers, problem ite
 writes its arrays, the completion marker last (`marin_rl.learner.checkpoint`). Rerunning the same command resumes
 from the latest complete checkpoint: the learner is restored, the servers get its weights before any generation,
 problems whose groups were in flight are handed out again first, the warm start is not rerun and metrics.jsonl is
-appended to. `orchestrator.deterministic` makes the loop a deterministic function of the config (see its docstring),
-so a resumed run ends exactly where an uninterrupted one does.
+appended to. Each start, resume and rollback begins a run segment that the rollout files record
+(`RolloutController.begin_segment`), so readers count the groups of the surviving timeline only
+(`marin_rl.replay.store`). `orchestrator.deterministic` makes the loop a deterministic function of the config (see
+its docstring), so a resumed run ends exactly where an uninterrupted one does.
 
 Before anything starts (`marin_rl.orchestrator.preflight`): a resume under a config that differs from the one the
 run directory remembers (`output_dir/config.yaml`) in a field that changes results is refused, and the environments
@@ -274,6 +276,7 @@ class Orchestrator:
             break
         for n, pool in self.pools.items():  # counted over the whole run, not only up to the checkpoint
             pool.restarts = max(pool.restarts, restarts[n])
+        self._begin_segment()  # the groups the lost steps accepted stay on disk, superseded
         self.served_version = self.step
         self.rolled_back_steps += before - self.step
         if self.jsonl is not None:
@@ -325,6 +328,12 @@ class Orchestrator:
             ]
         )
 
+    def _begin_segment(self) -> None:
+        """Groups accepted from now on belong to a new run segment, continuing the state just set up (fresh, or
+        restored)."""
+        segment = self.rollouts.begin_segment(self.step)
+        logger.info("rollouts: run segment %d begins at step %d", segment, self.step)
+
     def _warm_start(self) -> dict[str, Any]:
         """Supervised warm start on the environments' demonstrations (the same ones again when a learner that died
         before the first checkpoint is replaced: an environment may draw them at random)."""
@@ -375,6 +384,7 @@ class Orchestrator:
         start = time.time()
         root = self.config.checkpoint_dir
         path = self.parts.begin_checkpoint(root, self.step)
+        self.rollouts.flush()  # every group the checkpoint counts as accepted is in the rollout files first
         write_json(path, RUN_STATE_FILE, self._run_state())
         self.learner.run("save_checkpoint", path, self.step)
         prune_checkpoints(root, self.config.checkpoint.keep)
@@ -427,6 +437,7 @@ class Orchestrator:
             if resume_path is not None:
                 self._restore(resume_path)
                 logger.info("resumed from step %d at %s", self.step, resume_path)
+            self._begin_segment()
             run_name = cfg.tracking.run_name or os.path.basename(os.path.normpath(self.output_dir))
             tracker, self.jsonl = make_tracker(
                 self.output_dir,
@@ -517,8 +528,9 @@ class Orchestrator:
 
 def _redacted(hparams: dict[str, Any]) -> dict[str, Any]:
     """The config as logged: secrets replaced."""
-    if hparams.get("inference", {}).get("control_secret"):
-        hparams["inference"]["control_secret"] = "<redacted>"
+    for section, key in (("inference", "control_secret"), ("broadcast", "secret")):
+        if hparams.get(section, {}).get(key):
+            hparams[section][key] = "<redacted>"
     return hparams
 
 

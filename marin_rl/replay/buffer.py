@@ -5,7 +5,9 @@ runs every rollout's `validate` with the vocabulary; the API's `InferenceEngine`
 then the future-version check and the group filters (`min_group_size`, optional zero-variance filter). `score`
 computes advantages with the configured estimator (`replay.advantage_estimator`, a name in the registry of
 `marin_rl.replay.advantages`; an estimator may reject a group too). `persist` appends the rollouts to Parquet (when
-the buffer has a `rollout_dir`). `enqueue` discards rollouts already older than `max_age`, handles rollouts longer
+the buffer has a `rollout_dir`; each row names the run segment and the group's place in the accepted groups, so a
+reader can tell the timeline a resume or rollback kept from the one it discarded: `begin_segment`,
+`marin_rl.replay.store`). `enqueue` discards rollouts already older than `max_age`, handles rollouts longer
 than a batch row (`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut), queues
 the rest and evicts past `capacity`. It returns an `Admission`: accepted, or rejected with a reason code (counted
 under `replays/{env}/rejected/{reason}`), with what it queued and discarded. Rollouts leave the buffer by being used
@@ -34,7 +36,7 @@ import numpy as np
 
 from marin_rl.replay.advantages import GroupAdvantages, GroupScores, get_estimator
 from marin_rl.replay.packing import Sequence
-from marin_rl.replay.store import RolloutWriter, rollout_to_row
+from marin_rl.replay.store import RolloutWriter, read_timeline, record_segment, rollout_to_row
 from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.types import Rollout, RolloutFormatError, RolloutGroup
 
@@ -226,6 +228,9 @@ class ReplayBuffer:
         self.evicted = 0
         self.dropped: Counter[str] = Counter()  # rollouts removed unused, by reason (e.g. too_long)
         self.truncated_too_long = 0
+        self.segment: int | None = None
+        """The run segment whose groups this buffer accepts (`begin_segment`; saved in checkpoints); None: none was
+        begun (rows then carry no segment)."""
         self.writer: RolloutWriter | None = None
         if rollout_dir is not None:
             self.writer = RolloutWriter(
@@ -302,16 +307,33 @@ class ReplayBuffer:
         return self.advantages.score(group)
 
     def persist(self, group: RolloutGroup, scores: GroupScores, now: float) -> None:
-        """Step 3: append the scored rollouts to Parquet (when the buffer has a `rollout_dir`)."""
+        """Step 3: append the scored rollouts to Parquet (when the buffer has a `rollout_dir`), with the segment and
+        the group's place among the accepted groups (`accepted_groups`, which already counts it)."""
         if self.writer is None:
             return
         token_advantages = _token_advantages(group, scores)
         self.writer.append(
             [
-                rollout_to_row(r, group.group_id, float(a), now, ta)
+                rollout_to_row(r, group.group_id, float(a), now, ta, self.segment, self.accepted_groups)
                 for r, a, ta in zip(group.rollouts, scores.advantages, token_advantages, strict=True)
             ]
         )
+
+    # ---- run segments ---------------------------------------------------------------------------------
+    def recorded_segments(self) -> list[int]:
+        """The segments recorded in the rollout directory's timeline (empty without one, or without a directory)."""
+        if self.writer is None:
+            return []
+        return [s["segment"] for s in read_timeline(self.writer.directory)]
+
+    def begin_segment(self, segment: int, step: int) -> None:
+        """From now on, accepted groups belong to run segment `segment`, which starts at learner step `step` from this
+        buffer's current state (fresh, or loaded from a checkpoint or the start of the run): its parent is the
+        segment that state belongs to, and its groups are numbered after the `accepted_groups` of that state.
+        Recorded in the rollout directory's timeline before any of its rows is written."""
+        if self.writer is not None:
+            record_segment(self.writer.directory, segment, self.segment, step, self.accepted_groups)
+        self.segment = segment
 
     def enqueue(self, group: RolloutGroup, scores: GroupScores, now: float) -> Admission:
         """Step 4: queue the scored rollouts for batches, except those already older than `max_age` (discarded)
@@ -460,6 +482,7 @@ class ReplayBuffer:
             "evicted": self.evicted,
             "dropped": dict(self.dropped),
             "truncated_too_long": self.truncated_too_long,
+            "segment": self.segment,
         }
         estimator_state = self.advantages.state_dict()  # e.g. 'reinforce_baseline'
         clash = sorted(estimator_state.keys() & state.keys())
@@ -498,6 +521,7 @@ class ReplayBuffer:
         self.evicted = int(state["evicted"])
         self.dropped = Counter({str(k): int(v) for k, v in state["dropped"].items()})
         self.truncated_too_long = int(state.get("truncated_too_long", 0))
+        self.segment = None if state.get("segment") is None else int(state["segment"])
         self.advantages.load_state_dict(state)
         self.start_window()
 

@@ -502,8 +502,9 @@ class Orchestrator:
 
 def _redacted(hparams: dict[str, Any]) -> dict[str, Any]:
     """The config as logged: secrets replaced."""
-    if hparams.get("inference", {}).get("control_secret"):
-        hparams["inference"]["control_secret"] = "<redacted>"
+    for secret in ("control_secret", "api_key"):
+        if hparams.get("inference", {}).get(secret):
+            hparams["inference"][secret] = "<redacted>"
     return hparams
 
 

@@ -47,7 +47,7 @@ async def _run(config: RunConfig, env_name: str, server: str, problems: int, gro
     tokenizer = load_tokenizer(config.tokenizer)
     env = make_environment(env_config, tokenizer, seed=config.orchestrator.seed, max_seq_len=config.batcher.max_seq_len)
     chosen = (env.eval_problems() if held_out else env.train_problems())[:problems]
-    worker = RolloutWorker([server], timeout_s=config.inference.request_timeout_s)
+    worker = RolloutWorker([server], timeout_s=config.inference.request_timeout_s, api_key=config.inference.api_key)
     try:
         groups = await worker.run_groups(env, chosen, group_size, env_config.sampling)
     finally:

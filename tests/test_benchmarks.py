@@ -20,6 +20,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "learner_mfu": "mfu",
     "loop": "loop_over_limit",
     "packing": "packing_efficiency",
+    "server_load": "recovery_over_initial",
     "staleness": "async_over_sync",
 }
 

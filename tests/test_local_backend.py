@@ -159,7 +159,9 @@ def test_local_run_killed_with_sigkill_resumes_exactly(tmp_path):
 def colocated():
     tok = build_char_tokenizer()
     env = AdditionEnvironment(tok, max_operand=49, num_eval=20)
-    learner = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(warm_start=WarmStartConfig(steps=20)), 80)
+    learner = Learner(
+        ModelConfig(architecture=tiny_llama()), LearnerConfig(warm_start=WarmStartConfig(steps=20)), len(tok)
+    )
     examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
     learner.warm_start(examples, 64)
     server = LevanterInferenceServer(
@@ -292,7 +294,7 @@ inference = InferenceConfig(max_seqs=16, max_seq_len=64, levanter=LevanterServer
 out = {}
 if mode == "sharded":  # a learner sharded over 4 devices; the colocated engine serves its arrays
     cfg = LearnerConfig(warm_start=WarmStartConfig(steps=20), mesh=MeshConfig(data=1, fsdp=4))
-    learner = Learner(ModelConfig(architecture=tiny_llama()), cfg, 80)
+    learner = Learner(ModelConfig(architecture=tiny_llama()), cfg, len(tok))
     pairs = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
     learner.warm_start(pairs, 64)
     server = LevanterInferenceServer(learner.model, tok, inference, name="colocated", share_weights=True)
@@ -300,7 +302,7 @@ if mode == "sharded":  # a learner sharded over 4 devices; the colocated engine 
     out["devices"] = len(jax.tree_util.tree_leaves(server.context.model)[0].sharding.device_set)
     np.savez(weights, *learner.weights())
 else:  # the same weights in a one-device process
-    learner = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(), 80)
+    learner = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(), len(tok))
     server = LevanterInferenceServer(learner.model, tok, inference, name="single")
     stored = np.load(weights)
     server.apply_weights(1, [stored[f"arr_{i}"] for i in range(len(stored.files))])

@@ -112,6 +112,7 @@ class InferenceEngine:
         reward_servers: list | None = None,
         env_reward_models: dict[str, list[str]] | None = None,
         vocab_size: int | None = None,
+        api_key: str | None = None,
     ):
         if not addresses:
             raise ValueError("InferenceEngine needs at least one server address")
@@ -151,7 +152,7 @@ class InferenceEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inference-engine", daemon=True)
         self._thread.start()
-        self.worker = RolloutWorker(self.addresses, timeout_s=self.config.request_timeout_s)
+        self.worker = RolloutWorker(self.addresses, timeout_s=self.config.request_timeout_s, api_key=api_key)
         """Runs the groups and evaluations (on the engine's loop): the same code as the orchestrator's env actors."""
         self.client: PolicyClient = self._call(self._make_clients())
         """The client of gated groups and `agenerate` (token ids in and out, per-token versions)."""
@@ -208,6 +209,7 @@ class InferenceEngine:
             reward_servers=reward_servers,
             env_reward_models={e.name: list(e.reward_models) for e in run_config.envs},
             vocab_size=len(tokenizer),
+            api_key=run_config.inference.api_key,
         )
 
     @classmethod
@@ -219,17 +221,20 @@ class InferenceEngine:
         control_secret: str | None = None,
         reward_addresses: dict[str, list[str]] | None = None,
         vocab_size: int | None = None,
+        api_key: str | None = None,
     ) -> InferenceEngine:
         """An engine over running servers at `addresses` ('host:port'). Pausing and weight updates use their
         control routes and need `control_secret` (the servers' `inference.control_secret`). `reward_addresses`:
         running reward servers by model name (for `attach_reward_models`). `vocab_size` (e.g. `len(tokenizer)`):
-        gated groups' token ids are checked against it (None: only for being non-negative integers)."""
+        gated groups' token ids are checked against it (None: only for being non-negative integers). `api_key`:
+        the servers' `inference.api_key`, sent with every completions request."""
         return cls(
             addresses,
             config,
             control_secret=control_secret,
             reward_addresses=reward_addresses,
             vocab_size=vocab_size,
+            api_key=api_key,
         )
 
     # ---- reward models ------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ class RolloutWorker:
     worker can be built outside it. Not thread-safe: use it from one event loop.
 
     `client_factory`: instead of server addresses, a function making each role's client (e.g. an
-    `InProcessPolicyClient` over a policy server of this process).
+    `InProcessPolicyClient` over a policy server of this process). `api_key`: what the servers'
+    `inference.api_key` asks clients to send (None: nothing).
     """
 
     def __init__(
@@ -55,12 +56,14 @@ class RolloutWorker:
         *,
         timeout_s: float = 600.0,
         client_factory: Callable[[], PolicyClient | InProcessPolicyClient] | None = None,
+        api_key: str | None = None,
     ):
         if not addresses and client_factory is None:
             raise ValueError("RolloutWorker needs at least one server address (or a client_factory)")
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
         self.client_factory = client_factory
+        self.api_key = api_key
         self._clients: dict[str, PolicyClient] = {}
         self._retired: list[PolicyClient] = []  # clients replaced by `set_servers`, closed by `aclose`
         self._old = dict.fromkeys(CLIENT_COUNTERS, 0.0)  # counted by replaced clients
@@ -74,7 +77,7 @@ class RolloutWorker:
             if self.client_factory is not None:
                 self._clients[role] = self.client_factory()
             else:
-                self._clients[role] = PolicyClient(self.addresses, timeout_s=self.timeout_s)
+                self._clients[role] = PolicyClient(self.addresses, timeout_s=self.timeout_s, api_key=self.api_key)
         return self._clients[role]
 
     def set_servers(self, addresses: Sequence[str]) -> None:

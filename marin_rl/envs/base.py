@@ -281,10 +281,16 @@ def reference_examples(env: Environment, tokenizer) -> list[tuple[list[int], lis
 
 
 async def run_groups(
-    env: Environment, servers: list[str], problems: list[Problem], group_size: int, sampling: SamplingParams
+    env: Environment,
+    servers: list[str],
+    problems: list[Problem],
+    group_size: int,
+    sampling: SamplingParams,
+    api_key: str | None = None,
 ) -> list[RolloutGroup]:
-    """One group per problem, all concurrently, through a client of their own (closed afterwards)."""
-    client = PolicyClient(servers)
+    """One group per problem, all concurrently, through a client of their own (closed afterwards; `api_key`: the
+    servers' `inference.api_key`)."""
+    client = PolicyClient(servers, api_key=api_key)
     try:
         return list(await asyncio.gather(*(env.run_group(client, p, group_size, sampling) for p in problems)))
     finally:

@@ -75,11 +75,27 @@ class ServerUnreachable(ConnectionError):
 
 class ServerError(RuntimeError):
     """A server answered a completion request with an error: `status` is the HTTP status, `detail` its message
-    (a 400 names what was wrong with the request, e.g. a prompt longer than the context)."""
+    (a 400 names what was wrong with the request, e.g. a prompt longer than the context) and `param` the request
+    field it names (None: none)."""
 
-    def __init__(self, server: str, status: int, detail: str):
+    def __init__(self, server: str, status: int, detail: str, param: str | None = None):
         super().__init__(f"server {server} answered {status}: {detail}")
-        self.server, self.status, self.detail = server, status, detail
+        self.server, self.status, self.detail, self.param = server, status, detail, param
+
+
+def error_of(response: httpx.Response) -> tuple[str, str | None]:
+    """(message, param) of an error answer: OpenAI's `{"error": {"message", "param"}}`, FastAPI's `{"detail"}`, or
+    the body's text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text, None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", response.text)), error.get("param")
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"]), None
+    return response.text, None
 
 
 @dataclass(eq=False)
@@ -118,6 +134,7 @@ class PolicyClient:
         timeout_s: float = 600.0,
         max_concurrent_requests: int = 32,
         max_prompts_per_request: int = 64,
+        api_key: str | None = None,
     ):
         if not servers:
             raise ValueError("PolicyClient needs at least one server address")
@@ -126,9 +143,11 @@ class PolicyClient:
         self.servers = list(servers)
         self.model = model
         self.max_prompts_per_request = max_prompts_per_request
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
         self._http = {
             s: httpx.AsyncClient(
                 base_url=f"http://{s}/v1",
+                headers=headers,
                 timeout=timeout_s,
                 limits=httpx.Limits(
                     max_connections=max_concurrent_requests, max_keepalive_connections=max_concurrent_requests
@@ -213,7 +232,8 @@ class PolicyClient:
         try:
             results = await self._request([c.prompt_ids for c in calls], params)
         except ServerError as e:
-            if len(calls) > 1 and e.status == 400:  # some prompt was bad: find out which, fail only that one
+            if len(calls) > 1 and e.status == 400 and e.param in ("prompt", None):
+                # some prompt was bad: find out which, fail only that one
                 await asyncio.gather(*(self._answer([c], params) for c in calls))
                 return
             for c in calls:
@@ -281,11 +301,7 @@ class PolicyClient:
                 break
             await asyncio.sleep(0.5 * 2**attempt)
         if response.status_code != 200:
-            try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
-            raise ServerError(server, response.status_code, str(detail))
+            raise ServerError(server, response.status_code, *error_of(response))
         return response.json()
 
     @staticmethod

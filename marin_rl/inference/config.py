@@ -136,6 +136,15 @@ class InferenceConfig:
     control_secret: str | None = None
     """Secret that routes changing the served model (weights, pause, resume) require as `Authorization: Bearer
     <secret>`; None: a new random secret per run, known to the driver."""
+    api_key: str | None = None
+    """Key the OpenAI routes (`/v1/completions`, `/v1/models`) require as `Authorization: Bearer <key>` (401
+    without it); the run's own clients send it. None: those routes are open, and a server that binds beyond
+    loopback (see `host`) logs a warning that anyone who reaches it can sample. `/health` and `/v1/version` are
+    always open; the control routes always need `control_secret`."""
+    max_n: int = 128
+    """Most choices per prompt (`n`) one request may ask for (OpenAI's bound); more is refused with a 400."""
+    max_prompts: int = 1024
+    """Most prompts in one completions request; more is refused with a 400. The run's clients send at most 64."""
     request_timeout_s: float = 600.0
     """Client-side timeout of one request."""
     startup_timeout_s: float = 900.0
@@ -153,6 +162,10 @@ class InferenceConfig:
             raise ValueError(f"inference.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_servers < 1 or self.max_seqs < 1 or self.max_seq_len < 2:
             raise ValueError("inference: num_servers and max_seqs must be >= 1 and max_seq_len >= 2")
+        if self.max_n < 1 or self.max_prompts < 1:
+            raise ValueError(f"inference: max_n and max_prompts must be >= 1, got {self.max_n} and {self.max_prompts}")
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("inference.api_key must be a non-empty string without surrounding whitespace, or null")
         if (
             self.backend == "levanter"
             and self.levanter.segment_tokens is not None

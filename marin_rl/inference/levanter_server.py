@@ -44,6 +44,7 @@ from levanter.models.lm_model import LmHeadModel
 from levanter.trainer import TrainerConfig
 
 from marin_rl.broadcast.base import cast_on_host
+from marin_rl.inference.completion_request import GREEDY_BELOW, RequestLimits, seed_key
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams, DenseEngine
 from marin_rl.inference.http_server import HttpServerThread, resolve_future, resolve_futures
@@ -53,6 +54,7 @@ from marin_rl.inference.openai_api import (
     CompletionRequest,
     FrontEndCounters,
     openai_app,
+    warn_if_unprotected,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,11 +84,12 @@ class _FullDistributionSampler(Sampler):
 
 
 class _Sequence:
-    """One completion in progress: its request, the tokens and logprobs sampled so far, and their versions."""
+    """One completion in progress: its request, its PRNG key data and stop array (built once, when it starts), the
+    tokens and logprobs sampled so far, and their versions."""
 
-    def __init__(self, req, seed: int, stop):
+    def __init__(self, req, key: np.ndarray, stop):
         self.req = req
-        self.seed = seed
+        self.key = key
         self.stop = stop
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -126,8 +129,6 @@ class _VersionedContext(InferenceContext):
     ):
         super().__init__(model, tokenizer, engine, config)
         self.version = -1
-        self.token_versions: dict[str, list[int]] = {}
-        """Per finished request id: the version that sampled each of its tokens (taken by the front end)."""
         self.max_stop_seqs = max_stop_seqs
         self.max_stop_tokens = max_stop_tokens
         self.segment_tokens = segment_tokens
@@ -265,15 +266,24 @@ class _VersionedContext(InferenceContext):
                 return requests
 
     def _start(self, requests) -> list[_Sequence]:
+        """The sequences of `requests`, each with what its engine calls need (its key, its stop array). A request
+        whose values the engine cannot take fails alone, here, rather than the engine call of every request beside
+        it; one whose caller has gone (its future cancelled) is dropped."""
         seqs = []
         for req in requests:
+            if req.future.done():
+                continue
             try:
                 stop = self._stop_array(req.stop_tokens)
-            except ValueError as e:
-                resolve_future(req.future, error=e)
+                # req.seed: the engine key data of a seeded request (`seed_key`), else None
+                key = req.seed if req.seed is not None else seed_key(int(self._rng.integers(0, 2**31 - 1)))
+                key = np.asarray(key, dtype=np.uint32).reshape(2)
+                if min(req.prompt_tokens) < 0 or max(req.prompt_tokens) > np.iinfo(np.int32).max:
+                    raise ValueError("prompt token ids must fit the engine's int32")
+            except (ValueError, TypeError, OverflowError) as e:
+                resolve_future(req.future, error=ValueError(str(e)))
                 continue
-            seed = req.seed if req.seed is not None else int(self._rng.integers(0, 2**31 - 1))
-            seqs.append(_Sequence(req, seed, stop))
+            seqs.append(_Sequence(req, key, stop))
         return seqs
 
     def _execute_batch(self, requests):  # runs under self.model_lock
@@ -303,8 +313,9 @@ class _VersionedContext(InferenceContext):
                     self._decode_segment(chunk)
                     self._apply_pending_weights()
                 self._respond([seq for seq in active if seq.done])
-                # Requests that arrived meanwhile join at the next segment.
-                active = [s for s in active if not s.done] + self._start(self._drain_batch_queue())
+                # Requests that arrived meanwhile join at the next segment; those whose caller has gone are dropped.
+                active = [s for s in active if not s.done and not s.req.future.done()]
+                active += self._start(self._drain_batch_queue())
         except Exception as e:
             logger.error("decoding failed: %s", e, exc_info=True)
             for seq in active:
@@ -331,7 +342,7 @@ class _VersionedContext(InferenceContext):
             allow = seq.remaining if self.segment_tokens is None else min(self.segment_tokens, seq.remaining)
             context = seq.context
             # Host arrays only: the engine reads these with np.asarray, and an eager JAX op per request costs
-            # more than the decoding itself for short completions. [0, seed] is jax.random.PRNGKey(seed).
+            # more than the decoding itself for short completions. seq.key is jax.random.PRNGKey(seed).
             # The dense engine reads the same fields from a plain record: an equinox module's construction cost ~70 µs
             # per sequence, most of this thread's time for short completions.
             params = (DenseDecodeParams if dense else SeqDecodingParams)(
@@ -339,7 +350,7 @@ class _VersionedContext(InferenceContext):
                 stop_tokens=seq.stop,
                 temperature=np.float32(seq.req.temperature),
                 top_p=np.float32(1.0),
-                key=np.array([0, seq.seed], dtype=np.uint32),
+                key=seq.key,
             )
             service_requests.append(
                 Request(
@@ -389,7 +400,6 @@ class _VersionedContext(InferenceContext):
         answers = []
         for seq, text in zip(seqs, self._decode([s.tokens for s in seqs]), strict=True):
             req = seq.req
-            self.token_versions[req.request_id] = list(seq.token_versions)
             out = InferenceResponse(
                 request_id=req.request_id,
                 text=text,
@@ -398,7 +408,9 @@ class _VersionedContext(InferenceContext):
                 completion_tokens=len(seq.tokens),
                 logprobs=seq.logprobs,
             )
-            answers.append((req.future, [out]))
+            # the versions travel with the answer (a side table keyed by request id would keep the entries of
+            # answers nobody takes: a request whose other choices failed, or whose caller went away)
+            answers.append((req.future, (out, list(seq.token_versions))))
         resolve_futures(answers)
 
     def _decode(self, token_lists: list[list[int]]) -> list[str]:
@@ -519,6 +531,16 @@ class LevanterInferenceServer(CompletionBackend):
             lev.segment_tokens,
         )
         self.context.start()
+        self.limits = RequestLimits(
+            vocab_size=model.Vocab.size,
+            max_seq_len=config.max_seq_len,
+            max_n=config.max_n,
+            max_prompts=config.max_prompts,
+            max_stop_sequences=engine_config.max_stop_seqs,
+            max_stop_tokens=engine_config.max_stop_tokens,
+            full_distribution_only=True,
+        )
+        self.api_key = config.api_key
         self._stop_cache: dict[tuple, tuple[tuple[int, ...], ...]] = {}
         self.counters = FrontEndCounters()
         self.app = openai_app(self, "marin_rl embedded inference server", self.counters)
@@ -527,7 +549,9 @@ class LevanterInferenceServer(CompletionBackend):
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self, port: int = 0) -> str:
         """Start serving in a background thread; returns 'host:port'."""
-        return self._http_server.start(self.app, port)  # `app` as it is now (tests may wrap it)
+        address = self._http_server.start(self.app, port)  # `app` as it is now (tests may wrap it)
+        warn_if_unprotected(self.name, self._http_server.host, self.api_key)
+        return address
 
     def stop(self) -> None:
         """Stop the HTTP server and the engine threads."""
@@ -626,32 +650,31 @@ class LevanterInferenceServer(CompletionBackend):
 
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
         """`request.n` single-sample engine requests per prompt (the engine's own `n > 1` mis-reports logprobs on
-        long prompts); several stop strings stay separate, `stop_token_ids` are single-token stops."""
-        if request.top_p not in (None, 1.0):
-            raise ValueError("top_p is not supported by the embedded server")
+        long prompts); several stop strings stay separate, `stop_token_ids` are single-token stops. Choice k of a
+        seeded request samples with `seed_key(seed, k)`. `request` and `prompts` are `check_request`'s."""
         stop_seqs = self._stop_sequences(tuple(request.stop_strings), tuple(request.stop_token_ids or ()))
+        temperature = request.temperature if request.temperature >= GREEDY_BELOW else 0.0
         jobs = []
         for prompt in prompts:
             max_tokens = min(request.max_tokens, self.config.max_seq_len - len(prompt))
             for k in range(request.n):
                 fut: asyncio.Future = asyncio.get_running_loop().create_future()
-                seed = None if request.seed is None else request.seed + k
-                rid = self.context.submit_request(
+                key = None if request.seed is None else seed_key(request.seed, k)
+                self.context.submit_request(
                     prompt_tokens=prompt,
                     max_tokens=max_tokens,
-                    temperature=request.temperature,
+                    temperature=temperature,
                     top_p=None,
                     stop_tokens=stop_seqs,  # type: ignore[arg-type]  # a list of sequences, see _execute_batch
-                    seed=seed,
+                    seed=key,  # type: ignore[arg-type]  # the engine's key data, see _VersionedContext._start
                     future=fut,
                     n_generations=1,
                 )
-                jobs.append((rid, fut, max_tokens))
-        results = await asyncio.gather(*(f for _, f, _ in jobs))
+                jobs.append((fut, max_tokens))
+        results = await asyncio.gather(*(f for f, _ in jobs))
         stop_set = set(stop_seqs)
         out = []
-        for (rid, _, max_tokens), [gen] in zip(jobs, results, strict=True):
-            versions = self.context.token_versions.pop(rid, [self.version] * len(gen.tokens))
+        for (_, max_tokens), (gen, versions) in zip(jobs, results, strict=True):
             tokens = list(gen.tokens)
             stopped = any(tuple(tokens[-len(s) :]) == s for s in stop_set if len(tokens) >= len(s))
             finish = "length" if (len(tokens) >= max_tokens and not stopped) else "stop"

@@ -1,9 +1,10 @@
 """`InProcessPolicyClient`: a policy client that calls a server's backend in this process, without HTTP or JSON.
 
 It answers exactly what `PolicyClient` answers for the same request (token ids, sampler logprobs, text, finish reason,
-per-token versions), because it calls the same `CompletionBackend.complete` the HTTP front end calls, with the same
-checks of the request. The local backend's env workers sample through it from the colocated engine; environments
-cannot tell the two clients apart.
+per-token versions), because it calls the same `CompletionBackend.complete` the HTTP front end calls, after the same
+checks of the request (`completion_request.check_request`). It needs no API key: it is in the server's process. The
+local backend's env workers sample through it from the colocated engine; environments cannot tell the two clients
+apart.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import time
 
 from marin_rl.inference.client import Sample, ServerError
-from marin_rl.inference.openai_api import CompletionBackend, CompletionRequest, prompt_token_ids
+from marin_rl.inference.completion_request import CompletionRequest, InvalidRequest, check_request
+from marin_rl.inference.openai_api import CompletionBackend
 
 
 class InProcessPolicyClient:
     """`PolicyClient`'s `sample` and counters over a `CompletionBackend` of this process; call it from the event loop
-    the backend answers in (the embedded server resolves its futures in the caller's loop). A request the backend
-    refuses raises `ServerError` with status 400, as the HTTP front end answers it."""
+    the backend answers in (the embedded server resolves its futures in the caller's loop). A request the checks or
+    the backend refuse raises `ServerError` with the status, message and field the HTTP front end answers with."""
 
     def __init__(self, backend: CompletionBackend):
         self.backend = backend
@@ -48,24 +50,22 @@ class InProcessPolicyClient:
         start = time.time()
         server = self.servers[0]
         try:
-            if max_tokens < 1:
-                raise ValueError("max_tokens must be >= 1")
-            if n < 1:
-                raise ValueError("n must be >= 1")
             request = CompletionRequest(
-                prompt=list(prompt_ids),
+                prompt=[int(t) for t in prompt_ids],
                 max_tokens=int(max_tokens),
                 temperature=float(temperature),
                 n=int(n),
                 stop=list(stop) if stop else None,
                 stop_token_ids=[int(t) for t in stop_token_ids or []],
                 logprobs=0,
-                seed=seed,
+                seed=None if seed is None else int(seed),
                 return_token_ids=True,
             )
-            prompts = prompt_token_ids(request.prompt, self.backend.tokenizer, self.backend.max_seq_len)
+            prompts = check_request(request, self.backend.tokenizer, self.backend.limits)
             served = self.backend.version
             completions = await self.backend.complete(request, prompts)
+        except InvalidRequest as e:
+            raise ServerError(server, e.status, e.message, param=e.param) from e
         except ValueError as e:
             raise ServerError(server, 400, str(e)) from e
         latency = time.time() - start

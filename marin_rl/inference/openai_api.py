@@ -13,8 +13,13 @@ It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this projec
 * `GET /v1/version` is the version served now; `/health` answers 503 with the reason when the server has failed.
 
 A backend (`CompletionBackend`) turns a validated request into `Completion`s; `openai_app` builds the FastAPI app
-that serves it, with the request model, the choice and response builders and the error mapping (a bad request is
-400, an unavailable backend 503) shared by every backend.
+that serves it, with the choice and response builders and the error mapping shared by every backend. The request
+and its checks are `completion_request`'s. Every error is in OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`: a request the client got wrong is a 400 naming the field (`param`), never a 500; an unavailable backend
+is a 503; an unexpected failure is a 500 whose traceback the server logs.
+
+With an API key (`inference.api_key`), `/v1/completions` and `/v1/models` need `Authorization: Bearer <key>` (401
+without it, as OpenAI answers); `/health` and `/v1/version` stay open for monitors.
 
 Routes that change what is served — `POST /v1/control/pause`, `/v1/control/resume` and `/v1/control/weights`
 (apply the latest published weights) — require the run's secret as `Authorization: Bearer <secret>`: 401 without
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import abc
 import hmac
+import ipaddress
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -35,35 +42,33 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 from fastapi import Request as HttpRequest
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-SERVED_MODEL_NAME = "policy"
-"""The model name servers report in `/v1/models` and responses."""
+from marin_rl.inference.completion_request import (
+    SERVED_MODEL_NAME,
+    CompletionRequest,
+    InvalidRequest,
+    RequestLimits,
+    check_request,
+    openai_error,
+    parse_request,
+)
 
+logger = logging.getLogger(__name__)
 
-class CompletionRequest(BaseModel):
-    """OpenAI completions request, plus vLLM's `stop_token_ids`, `return_token_ids` and `return_tokens_as_token_ids`."""
-
-    model: str = SERVED_MODEL_NAME
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logprobs: int | None = None
-    seed: int | None = None
-    return_tokens_as_token_ids: bool = False
-    return_token_ids: bool = False
-    """Each choice carries its sampled ids as integers (`token_ids`); with `return_tokens_as_token_ids` too,
-    `logprobs.tokens` is null rather than a `token_id:N` copy of them."""
-    top_p: float | None = Field(default=None, description="Nucleus sampling (backends may support only 1.0).")
-
-    @property
-    def stop_strings(self) -> list[str]:
-        """The stop strings as a list (one string, several, or none)."""
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+__all__ = [
+    "SERVED_MODEL_NAME",
+    "BackendUnavailable",
+    "Completion",
+    "CompletionBackend",
+    "CompletionRequest",
+    "FrontEndCounters",
+    "InvalidRequest",
+    "RequestLimits",
+    "openai_app",
+]
 
 
 class BackendUnavailable(RuntimeError):
@@ -84,24 +89,6 @@ class Completion:
     """'stop' or 'length'."""
     token_versions: list[int]
     """Policy version that sampled each token (empty when no token was sampled)."""
-
-
-def prompt_token_ids(prompt, tokenizer, max_seq_len: int) -> list[list[int]]:
-    """The token ids of each prompt of a completions request (a string, token ids, or a list of either); raises
-    ValueError for an empty prompt or one that leaves no room to generate within `max_seq_len`."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
-    out = []
-    for p in prompt:
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-        if not ids:
-            raise ValueError("empty prompt")
-        if len(ids) >= max_seq_len:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={max_seq_len}")
-        out.append(ids)
-    return out
 
 
 def version_spans(token_versions: list[int]) -> list[dict[str, int]]:
@@ -186,7 +173,9 @@ class FrontEndCounters:
     outstanding: int = 0
     generated_tokens: int = 0
     rejected: int = 0
-    """Requests answered 400 (bad request) or 503 (backend unavailable)."""
+    """Requests answered 4xx (bad request, missing API key) or 503 (backend unavailable)."""
+    failed: int = 0
+    """Requests answered 500 (an unexpected failure of the server; each logged with its traceback)."""
     started_at: float = field(default_factory=time.time)
     backend_s: float = 0.0
     """Seconds spent in the backend by the requests it answered (summed over requests)."""
@@ -216,14 +205,17 @@ class FrontEndCounters:
 class CompletionBackend(abc.ABC):
     """What a policy server implements for `openai_app`.
 
-    `control_secret` (set by the server's owner) enables the control routes; `weights_source` (also set by the
-    owner, e.g. `WeightSubscriber.poll`) applies the latest published weights and returns what it applied (None:
-    nothing new).
+    `limits` bound the requests it takes (`completion_request.check_request`); `api_key` (None: none) is what the
+    OpenAI routes require; `control_secret` (set by the server's owner) enables the control routes; `weights_source`
+    (also set by the owner, e.g. `WeightSubscriber.poll`) applies the latest published weights and returns what it
+    applied (None: nothing new).
     """
 
     name: str
     tokenizer: Any
     max_seq_len: int
+    limits: RequestLimits
+    api_key: str | None = None
     control_secret: str | None = None
     weights_source: Callable[[], dict | None] | None = None
 
@@ -242,8 +234,9 @@ class CompletionBackend(abc.ABC):
 
     @abc.abstractmethod
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
-        """`request.n` completions of each prompt, prompt by prompt. Raises ValueError for a request the backend
-        cannot serve (HTTP 400) and `BackendUnavailable` when it cannot serve now (HTTP 503)."""
+        """`request.n` completions of each prompt (`prompts`: the token ids `check_request` returned), prompt by
+        prompt. Raises ValueError for a request the backend cannot serve (HTTP 400; `InvalidRequest` to name the
+        field) and `BackendUnavailable` when it cannot serve now (HTTP 503)."""
 
     def failure(self) -> str | None:
         """Why the backend has failed for good (then `/health` answers 503), or None while it is healthy."""
@@ -257,6 +250,22 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
     counts = counters if counters is not None else FrontEndCounters()
     app.state.counters = counts
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind=kind, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        return error_response(400, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'malformed request')}")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc: Exception):
+        logger.error("%s: %s %s failed", backend.name, request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
+
     @app.get("/health")
     async def health():
         failure = backend.failure()
@@ -269,35 +278,47 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
         return {"version": backend.version}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(http: HttpRequest):
+        denied = check_api_key(http.headers.get("authorization"), backend.api_key)
+        if denied is not None:
+            return denied
         return {"object": "list", "data": [{"id": SERVED_MODEL_NAME, "object": "model", "owned_by": "marin_rl"}]}
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
+    async def completions(http: HttpRequest):
         counts.request_started()
         try:
-            if request.max_tokens < 1:
-                raise ValueError("max_tokens must be >= 1")
-            if request.n < 1:
-                raise ValueError("n must be >= 1")
-            prompts = prompt_token_ids(request.prompt, backend.tokenizer, backend.max_seq_len)
+            denied = check_api_key(http.headers.get("authorization"), backend.api_key)
+            if denied is not None:
+                counts.rejected += 1
+                return denied
+            request = parse_request(await http.body())
+            prompts = check_request(request, backend.tokenizer, backend.limits)
             served = backend.version
             start = time.time()
             completions = await backend.complete(request, prompts)
             backend_s = time.time() - start
+            expected = request.n * len(prompts)
+            if len(completions) != expected:
+                raise RuntimeError(f"{backend.name} returned {len(completions)} completions, expected {expected}")
             counts.backend_s += backend_s
             choices = [completion_choice(i, c, request, backend.tokenizer, served) for i, c in enumerate(completions)]
             sampled = sum(len(c.token_ids) for c in completions)
             counts.generated_tokens += sampled
-            # plain JSON types already: skip FastAPI's recursive jsonable_encoder (28% of the front end thread's busy
-            # samples in a profile of the quickstart's requests)
-            return JSONResponse(completion_response(request, start, prompts, choices, sampled, backend_s))
+            return _json(completion_response(request, start, prompts, choices, sampled, backend_s))
+        except InvalidRequest as e:
+            counts.rejected += 1
+            return error_response(e.status, e.message, param=e.param, code=e.code)
         except ValueError as e:
             counts.rejected += 1
-            raise HTTPException(status_code=400, detail=str(e)) from e
+            return error_response(400, str(e))
         except BackendUnavailable as e:
             counts.rejected += 1
-            raise HTTPException(status_code=503, detail=f"{backend.name}: {e}") from e
+            return error_response(503, f"{backend.name}: {e}", kind="server_error")
+        except Exception as e:
+            counts.failed += 1
+            logger.error("%s: completion request failed", backend.name, exc_info=e)
+            return error_response(500, f"{backend.name}: internal error: {type(e).__name__}: {e}", kind="server_error")
         finally:
             counts.request_ended()
 
@@ -321,6 +342,62 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
         return {"status": action, "version": backend.version}
 
     return app
+
+
+def _json(body: dict) -> JSONResponse:
+    """`body` as JSON. Plain JSON types already: FastAPI's recursive jsonable_encoder is skipped (28% of the front end
+    thread's busy samples in a profile of the quickstart's requests). A non-finite number (JSON has none) is the
+    server's fault, not the request's: RuntimeError, answered 500."""
+    try:
+        return JSONResponse(body)
+    except ValueError as e:
+        raise RuntimeError(f"the response cannot be encoded: {e}") from e
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
+    """A JSON response of OpenAI's error shape with HTTP `status`."""
+    return JSONResponse(openai_error(message, kind=kind, param=param, code=code), status_code=status, headers=headers)
+
+
+def check_api_key(header: str | None, api_key: str | None) -> JSONResponse | None:
+    """None when `api_key` is None or `header` is `Bearer <api_key>`; else OpenAI's 401 answer."""
+    if api_key is None:
+        return None
+    if not header or not header.lower().startswith("bearer "):
+        return error_response(
+            401,
+            "You didn't provide an API key. You need to provide your API key in an Authorization header using "
+            "Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if not hmac.compare_digest(header[len("bearer ") :].strip().encode(), api_key.encode()):
+        return error_response(401, "Incorrect API key provided.", code="invalid_api_key")
+    return None
+
+
+def warn_if_unprotected(name: str, bound_host: str, api_key: str | None) -> None:
+    """Log a warning when a server binds beyond loopback without an API key (anyone who reaches it may sample)."""
+    if api_key is not None:
+        return
+    try:
+        loopback = ipaddress.ip_address(bound_host).is_loopback
+    except ValueError:
+        loopback = bound_host == "localhost"
+    if not loopback:
+        logger.warning(
+            "%s listens on %s with no inference.api_key: anyone who can reach it can sample from the policy "
+            "(control routes still need the run's secret)",
+            name,
+            bound_host,
+        )
 
 
 def authorize(header: str | None, secret: str | None) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 from haliax.state_dict import to_torch_compatible_state_dict
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl.inference.completion_request import RequestLimits
 from marin_rl.inference.config import InferenceConfig, VllmConfig
 from marin_rl.inference.http_server import HttpServerThread
 from marin_rl.inference.openai_api import (
@@ -49,6 +50,7 @@ from marin_rl.inference.openai_api import (
     CompletionRequest,
     FrontEndCounters,
     openai_app,
+    warn_if_unprotected,
 )
 from marin_rl.inference.reaper import reap_with_parent
 from marin_rl.inference.vllm_env import vllm_python
@@ -412,6 +414,14 @@ class VllmPolicyServer(CompletionBackend):
         self.tokenizer = tokenizer
         self.max_seq_len = config.max_seq_len
         self.converter = _LeafConverter(model)
+        # vLLM matches stop strings itself and takes top_p: only the generic bounds apply
+        self.limits = RequestLimits(
+            vocab_size=model.Vocab.size,
+            max_seq_len=config.max_seq_len,
+            max_n=config.max_n,
+            max_prompts=config.max_prompts,
+        )
+        self.api_key = config.api_key
         self.server = VllmServer(
             model_dir,
             config.vllm,
@@ -449,6 +459,7 @@ class VllmPolicyServer(CompletionBackend):
         self.server.start()
         self._set_version_label(self.version)
         address = self._http_server.start(self.app, port)
+        warn_if_unprotected(self.name, self._http_server.host, self.api_key)
         self._monitor = threading.Thread(target=self._watch, name=f"{self.name}-health", daemon=True)
         self._monitor.start()
         return address

@@ -189,7 +189,9 @@ class EnvActor:
             model = config.reward_model(name)
             clients[name] = RewardClient((reward_servers or {})[name], name=name, timeout_s=model.request_timeout_s)
         attach_reward_models(self.env, clients)
-        self.worker = RolloutWorker(servers, timeout_s=config.inference.request_timeout_s)
+        self.worker = RolloutWorker(
+            servers, timeout_s=config.inference.request_timeout_s, api_key=config.inference.api_key
+        )
         self.eval_seed = config.orchestrator.seed if config.orchestrator.deterministic else None
         self.greedy_baseline = config.algorithm().greedy_baseline  # ReMax: a greedy episode beside each group
         self.problems = self.env.train_problems()

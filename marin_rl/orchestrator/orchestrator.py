@@ -528,7 +528,7 @@ class Orchestrator:
 
 def _redacted(hparams: dict[str, Any]) -> dict[str, Any]:
     """The config as logged: secrets replaced."""
-    for section, key in (("inference", "control_secret"), ("broadcast", "secret")):
+    for section, key in (("inference", "control_secret"), ("inference", "api_key"), ("broadcast", "secret")):
         if hparams.get(section, {}).get(key):
             hparams[section][key] = "<redacted>"
     return hparams

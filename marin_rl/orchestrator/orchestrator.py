@@ -80,6 +80,7 @@ class Orchestrator:
 
     def __init__(self, config: RunConfig, stop: StopRequest | None = None):
         config.validate()
+        config = config.resolved()
         self.config = config
         self.output_dir = config.output_dir
         self.env_names = [e.name for e in config.envs]
@@ -520,6 +521,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     """
     configure_logging()
     config.validate()
+    config = config.resolved()
     if config.orchestrator.backend == "local" and config.learner.hosts > 1:  # one process per host (SPMD)
         import jax
 

@@ -263,6 +263,29 @@ class LearnerConfig:
         return "ppo" if self.critic.enabled else "rloo"
 
 
+class NonFiniteTrainingError(FloatingPointError):
+    """A train step gave a non-finite loss or gradient norm: the weights are no longer trustworthy, so the run
+    stops at that step (the error names it and the quantity) instead of training on."""
+
+
+FINITE_METRICS = ("learner/loss", "learner/grad_norm")
+"""The per-optimizer-step metrics that must be finite (the gradient norm is taken before clipping, so it also
+catches non-finite parameters)."""
+
+
+def check_finite_steps(step_metrics: list[dict[str, float]], version: int, first_optimizer_step: int) -> None:
+    """Raise `NonFiniteTrainingError` naming the learner step (the version it was making), the optimizer step and
+    the quantity when one of `FINITE_METRICS` of an optimizer step is NaN or infinite."""
+    for i, metrics in enumerate(step_metrics):
+        for key in FINITE_METRICS:
+            value = metrics.get(key)
+            if value is not None and not math.isfinite(value):
+                raise NonFiniteTrainingError(
+                    f"learner step {version} (optimizer step {first_optimizer_step + i}): {key.split('/', 1)[1]} is "
+                    f"{value}; stopping the run (check learner.optimizer.learning_rate, the rewards and the loss)"
+                )
+
+
 def _has_pinned_host(sharding) -> bool:
     """Whether `sharding`'s devices have pinned host memory (accelerators; a CPU device has only its own)."""
     try:
@@ -588,6 +611,7 @@ class Learner:
         with self._sharding():
             device_metrics = self._run_steps(ex, loss, loss_weight_fn)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
+        check_finite_steps(self.step_metrics, self.version + 1, self.optimizer_steps + 1)
         stacked = {k: np.asarray([x[k] for x in self.step_metrics]) for k in self.step_metrics[0]}
         out = {k: float(v) for k, v in combine_metrics(stacked, rest="mean").items()}
         out["learner/trained_tokens"] = float(np.sum(batch.loss_mask))  # the batch's, not a minibatch's

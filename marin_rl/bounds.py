@@ -22,8 +22,9 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass
-from typing import Any, Callable
+from typing import Any
 
 BOUNDS_KEY = "marin_rl.bounds"
 """Field-metadata key of a field's `Bounds`."""

@@ -113,9 +113,7 @@ def test_the_walk_covers_every_section():
     assert len(names) > 120
 
 
-@pytest.mark.parametrize(
-    "path,owner,f,value", TRIES, ids=[f"{dotted(p)}={v}" for p, _, _, v in TRIES]
-)
+@pytest.mark.parametrize("path,owner,f,value", TRIES, ids=[f"{dotted(p)}={v}" for p, _, _, v in TRIES])
 def test_every_numeric_field_refuses_or_documents_zero_negative_and_nan(path, owner, f, value, tmp_path):
     name = dotted(path)
     try:

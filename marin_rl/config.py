@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import os
+import re
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import draccus
+import yaml
 
+from marin_rl.bounds import bounded, check_fields, deferred_checks, field_errors
 from marin_rl.broadcast.base import BroadcastConfig
 from marin_rl.cli_help import preflight
 from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
@@ -34,19 +41,19 @@ class EnvConfig:
     """'module:Class' of an `Environment` subclass."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the environment's constructor."""
-    replicas: int = 1
+    replicas: int = bounded(1, ge=1)
     """Env actors of this type."""
-    concurrency: int = 8
+    concurrency: int = bounded(8, ge=1)
     """Groups each replica generates at once."""
-    group_size: int = 8
+    group_size: int = bounded(8, ge=1)
     """Episodes per problem in a group (advantages are computed within it)."""
-    fraction: float | None = None
-    """Share of each batch's token budget; None splits what the others leave equally."""
+    fraction: float | None = bounded(None, gt=0, le=1)
+    """Share of each batch's token budget, in (0, 1]; None splits what the others leave equally."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Sampling parameters of the policy in this environment."""
-    eval_samples_per_problem: int = 4
+    eval_samples_per_problem: int = bounded(4, ge=1)
     """Samples per held-out problem in evaluation (mean reward and pass@k are reported)."""
-    num_eval_problems: int | None = None
+    num_eval_problems: int | None = bounded(None, ge=1)
     """Evaluate on the first this many held-out problems (None: all)."""
     reward_models: list[str] = field(default_factory=list)
     """Names of `reward_models` (the run's top-level list) whose scores are named rewards of this environment, each
@@ -72,16 +79,17 @@ class OrchestratorConfig:
     devices, so a stale entry is never used. null: compile every time."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; None starts a local one."""
-    num_cpus: int | None = None
+    num_cpus: int | None = bounded(None, ge=1)
     """CPUs for the local Ray cluster (None: all of this machine's)."""
-    num_steps: int = 100
+    num_steps: int = bounded(100, ge=1)
     """Learner steps (= policy versions) to train for."""
-    max_staleness: int = 1
-    """η: no new episode starts once generation would run more than η versions ahead of the learner."""
-    eval_every: int = 25
-    """Evaluate on held-out problems every this many steps (and always at the start and the end)."""
-    seed: int = 0
-    """Seed for problem order (and, with `deterministic`, for sampling)."""
+    max_staleness: int = bounded(1, ge=0)
+    """η: no new episode starts once generation would run more than η versions ahead of the learner (0: every
+    episode is sampled by the newest weights, fully synchronous)."""
+    eval_every: int = bounded(25, ge=0)
+    """Evaluate on held-out problems every this many steps (and always at the start and the end; 0: only then)."""
+    seed: int = bounded(0, ge=0)
+    """Seed for problem order (and, with `deterministic`, for sampling): any integer >= 0."""
     deterministic: bool = False
     """Make the run a deterministic function of the config, so that a resumed run ends exactly where an
     uninterrupted one does (at some cost in throughput). Requires `max_staleness: 0`. Each group is sampled with a
@@ -90,7 +98,7 @@ class OrchestratorConfig:
     problem; the dense engine decodes at one batch shape (`inference.levanter.batch_invariant`). Exact for
     environments whose episodes are a function of the problem and the sampled tokens; `checkpoint.every` should be a
     multiple of `broadcast.sync_every` (a resumed run serves the checkpoint's weights)."""
-    max_restarts_per_role: int = 20
+    max_restarts_per_role: int = bounded(20, ge=0)
     """How many dead actors of one role (the inference servers together; the env actors of one environment; the
     learner, replaced as a whole and rolled back to its latest checkpoint) the driver replaces before it stops the run
     with an error naming the role. Counted from the driver's start (a resumed run starts again from 0); 0: a dead
@@ -107,7 +115,7 @@ class TrackingConfig:
     """W&B project."""
     run_name: str | None = None
     """Run name (defaults to the output directory's name)."""
-    console_every: int = 1
+    console_every: int = bounded(1, ge=1)
     """Print a console line every this many steps."""
 
 
@@ -115,7 +123,7 @@ class TrackingConfig:
 class CheckpointConfig:
     """Checkpoints of the whole run (learner, optimizer, replay buffers, problem order) and resuming from them."""
 
-    every: int = 100
+    every: int = bounded(100, ge=0)
     """Save every this many learner steps (0: only at the end of the run and when it is interrupted)."""
     resume: bool | Literal["force"] = True
     """Resume from the latest complete checkpoint, if there is one, provided the configuration `output_dir`
@@ -123,7 +131,7 @@ class CheckpointConfig:
     checkpoint and evaluation cadence, orchestrator.num_steps, placement: `marin_rl.orchestrator.run_dir`); any other
     difference stops the run before it starts, listing the fields. 'force': resume even so. false: a run whose
     checkpoint directory already holds checkpoints refuses to start rather than mix runs."""
-    keep: int | None = 2
+    keep: int | None = bounded(2, ge=1)
     """How many of the newest complete checkpoints to keep; older ones are deleted after each save (None: all)."""
     path: str | None = None
     """Checkpoint directory (local or gs://); None: `output_dir/checkpoints`."""
@@ -133,10 +141,7 @@ class CheckpointConfig:
     def __post_init__(self):
         if not isinstance(self.resume, bool) and self.resume != "force":
             raise ValueError(f"checkpoint.resume must be true, false or 'force', got {self.resume!r}")
-        if not isinstance(self.every, int) or self.every < 0:
-            raise ValueError(f"checkpoint.every must be an integer >= 0, got {self.every!r}")
-        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-            raise ValueError(f"checkpoint.keep must be an integer >= 1 or null (keep all), got {self.keep!r}")
+        check_fields(self, "checkpoint")
 
 
 @dataclass
@@ -172,6 +177,25 @@ class RunConfig:
     reward_models: list[RewardModelConfig] = field(default_factory=list)
     """Reward models served to the environments (each a checkpoint of `python -m marin_rl.reward_model`, served by
     its own reward servers); an environment uses one by naming it in its `reward_models`."""
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The run's one sampling temperature, `envs[*].sampling.temperature` (`validate` requires the environments
+        to agree): the learner computes logprobs at it."""
+        return self.envs[0].sampling.temperature
+
+    def resolved(self) -> RunConfig:
+        """The config as the run uses it: a copy with the settings other fields decide filled in, the one place they
+        are derived. `replay.advantage_estimator` is the algorithm's when `learner.algorithm` is set (the algorithm
+        decides what the replay buffers compute); `inference.levanter.batch_invariant` is on for
+        `orchestrator.deterministic` runs (which groups share an engine batch depends on timing; results must not).
+        This config is left as it is."""
+        out = copy.deepcopy(self)
+        if out.learner.algorithm is not None:
+            out.replay.advantage_estimator = get_algorithm(out.learner.algorithm).advantage_estimator
+        if out.orchestrator.deterministic:
+            out.inference.levanter.batch_invariant = True
+        return out
 
     @property
     def checkpoint_dir(self) -> str:
@@ -266,10 +290,20 @@ class RunConfig:
             raise ValueError("orchestrator.ray_address is set but orchestrator.backend is 'local' (no Ray)")
 
     def validate(self) -> None:
-        """Cross-field checks that a single dataclass cannot do; raises ValueError naming the fields."""
+        """Check the whole config without changing it; raises ValueError naming the field. Every numeric field's
+        type, finiteness and declared range (`marin_rl.bounds`), every environment class (imported here, before
+        anything starts), then the cross-field checks that a single dataclass cannot do (on `resolved()`)."""
+        problems = field_errors(self)
+        if problems:
+            raise ValueError(problems[0])
         names = [e.name for e in self.envs]
         if not names:
             raise ValueError("envs: at least one environment is required")
+        for i, e in enumerate(self.envs):
+            try:
+                load_environment_class(e.env_class)
+            except Exception as err:  # the class's module may raise anything on import: name the field
+                raise ValueError(f"envs[{i}].env_class: {err}") from None
         self._validate_reward_models()
         if len(set(names)) != len(names):
             raise ValueError(f"envs: names must be unique, got {names}")
@@ -280,8 +314,6 @@ class RunConfig:
         if fixed > 1 + 1e-6:
             raise ValueError(f"envs[*].fraction sum to {fixed} > 1")
         for e in self.envs:
-            if e.replicas < 1 or e.concurrency < 1 or e.group_size < 1:
-                raise ValueError(f"envs[{e.name}]: replicas, concurrency and group_size must be >= 1")
             if e.group_size < self.replay.min_group_size:
                 raise ValueError(
                     f"envs[{e.name}].group_size={e.group_size} < replay.min_group_size={self.replay.min_group_size}: "
@@ -295,23 +327,20 @@ class RunConfig:
             raise ValueError(f"orchestrator.backend must be 'ray' or 'local', got {self.orchestrator.backend!r}")
         if self.orchestrator.backend == "local":
             self._validate_local()
-        if self.orchestrator.max_restarts_per_role < 0:
-            raise ValueError("orchestrator.max_restarts_per_role must be >= 0")
-        if self.learner.algorithm is not None:  # the algorithm decides what the replay buffers compute
-            self.replay.advantage_estimator = get_algorithm(self.learner.algorithm).advantage_estimator
+        estimator = self.resolved().replay.advantage_estimator
         algorithm = get_algorithm(self.learner.algorithm_name)
         token_rewards = any("token_rewards" in c.reads for c in algorithm.learner_calls())
-        if (self.replay.advantage_estimator == "gae") != token_rewards:
+        if (estimator == "gae") != token_rewards:
             raise ValueError(
-                f"replay.advantage_estimator={self.replay.advantage_estimator!r} with algorithm {algorithm.name!r} "
+                f"replay.advantage_estimator={estimator!r} with algorithm {algorithm.name!r} "
                 f"(learner.algorithm={self.learner.algorithm!r}, learner.critic.enabled={self.learner.critic.enabled}):"
                 " per-token rewards ('gae') are for an algorithm whose learner estimates advantages, such as 'ppo' "
                 "(or critic.enabled: true); choose learner.algorithm: ppo, or a group estimator without a critic"
             )
         if self.replay.max_age < self.orchestrator.max_staleness:
             raise ValueError(
-                f"replay.max_age={self.replay.max_age} < orchestrator.max_staleness={self.orchestrator.max_staleness}: "
-                "the batcher would drop data the staleness gate lets generation produce; set max_age >= max_staleness"
+                f"replay.max_age: must be >= orchestrator.max_staleness ({self.orchestrator.max_staleness}), got "
+                f"{self.replay.max_age}: the batcher would drop data the staleness gate lets generation produce"
             )
         lr = self.placement.learner
         if lr.tpu_version is not None:
@@ -342,8 +371,6 @@ class RunConfig:
                 "orchestrator.deterministic requires orchestrator.max_staleness: 0 (groups sampled while the learner "
                 f"trains would see a weight update at a timing-dependent point), got {self.orchestrator.max_staleness}"
             )
-        if self.orchestrator.deterministic:  # which groups share an engine batch depends on timing; results must not
-            self.inference.levanter.batch_invariant = True
 
     def enable_compilation_cache(self) -> None:
         """Use `orchestrator.compilation_cache_dir` as JAX's persistent compilation cache in this process (every
@@ -379,6 +406,67 @@ def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: i
         raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
 
 
+def _type_name(annotation: Any) -> str:
+    """How a field's type reads in a message: 'int', 'float or null', 'list of str'."""
+    if annotation is type(None):
+        return "null"
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin in (list, tuple):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _field_type(path: tuple[str, ...]) -> Any | None:
+    """The annotation of the RunConfig field at draccus' key path ('envs', '0', 'group_size'), or None when a
+    step cannot be followed (a choice type's own fields)."""
+    annotation: Any = RunConfig
+    for key in path:
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(inner) == 1:
+            annotation = inner[0]
+        if typing.get_origin(annotation) in (list, tuple) and key.isdigit():
+            annotation = typing.get_args(annotation)[0]
+        elif dataclasses.is_dataclass(annotation):
+            annotation = typing.get_type_hints(annotation).get(key)
+            if annotation is None:
+                return None
+        else:
+            return None
+    return annotation
+
+
+_COULD_NOT_PARSE = re.compile(r"Couldn't parse '(.*?)' into an? (\w+)", re.S)
+_UNDERLYING = re.compile(r'Underlying error is "(?:\w+Error: )?(.*)"', re.S)
+
+
+def _value_error(e: draccus.utils.DecodingError) -> str:
+    """A decoding error as '<field>: expected <type>, got <type of the value> <value>' for a value of the wrong type
+    (a list for an int, a string for a float), or '<field>: <reason>' when another library's config class refused
+    its values (a model architecture's own checks); other decoding errors (unknown keys) as draccus words them."""
+    field = "".join(f"[{k}]" if k.isdigit() else f".{k}" for k in e.key_path).lstrip(".")
+    found = _COULD_NOT_PARSE.search(e.message)
+    if found is None:
+        underlying = _UNDERLYING.search(e.message)
+        return f"{field}: {' '.join(underlying.group(1).split())}" if underlying else str(e)
+    annotation = _field_type(tuple(e.key_path))
+    expected = _type_name(annotation) if annotation is not None else found.group(2)
+    raw = found.group(1)  # draccus shows the value as str() does; read it back as YAML to say what it is
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):
+        try:
+            value = float(value)  # 'nan', 'inf', '1e-3' (which YAML 1.1 leaves a string)
+        except ValueError:
+            pass
+    return f"{field}: expected {expected}, got {type(value).__name__} {value!r}"
+
+
 def parse_config(args: list[str] | None = None) -> RunConfig:
     """Parse `--config FILE` plus dotted overrides (default: the command line); exits with a message naming the bad
     key or value."""
@@ -395,8 +483,11 @@ def parse_config(args: list[str] | None = None) -> RunConfig:
             del args[i]
             break
     try:
-        config = draccus.parse(RunConfig, config_path=config_path, args=args)
-    except (draccus.utils.DecodingError, FileNotFoundError) as e:
+        with deferred_checks():  # each numeric field is checked once the tree is built, by its full name
+            config = draccus.parse(RunConfig, config_path=config_path, args=args)
+    except draccus.utils.DecodingError as e:
+        raise SystemExit(f"marin_rl: invalid configuration: {_value_error(e)}") from None
+    except FileNotFoundError as e:
         raise SystemExit(f"marin_rl: invalid configuration: {e}") from None
     except draccus.utils.ParsingError as e:  # a config's own check (__post_init__) failed: its message names the field
         raise SystemExit(f"marin_rl: invalid configuration: {e.__cause__ or e}") from None
@@ -404,4 +495,4 @@ def parse_config(args: list[str] | None = None) -> RunConfig:
         config.validate()
     except ValueError as e:
         raise SystemExit(f"marin_rl: invalid configuration: {e}") from None
-    return config
+    return config.resolved()

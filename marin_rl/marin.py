@@ -111,7 +111,7 @@ def resolve(config: RunStepConfig) -> RunConfig:
     experiment = apply_overrides(experiment, dict(config.overrides))
     experiment = dataclasses.replace(experiment, output_dir=config.output_path)
     experiment.validate()
-    return experiment
+    return experiment.resolved()
 
 
 def run_experiment(config: RunStepConfig) -> dict[str, Any]:

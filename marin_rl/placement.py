@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from marin_rl.bounds import bounded, check_fields
+
 logger = logging.getLogger(__name__)
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -73,12 +75,12 @@ class PlacementError(RuntimeError):
 class RoleResources:
     """What one process of a role asks Ray for, and how its JAX runtime is set up."""
 
-    num_cpus: float = 0.0
+    num_cpus: float = bounded(0.0, ge=0)
     """CPUs reserved per process (0: none reserved; the process still runs)."""
-    num_gpus: float = 0.0
-    """GPUs per process (fractions share a GPU); Ray sets `CUDA_VISIBLE_DEVICES` accordingly."""
-    tpu_chips: int = 0
-    """TPU chips per process (Ray resource `TPU`)."""
+    num_gpus: float = bounded(0.0, ge=0)
+    """GPUs per process (fractions share a GPU; 0: none); Ray sets `CUDA_VISIBLE_DEVICES` accordingly."""
+    tpu_chips: int = bounded(0, ge=0)
+    """TPU chips per process (Ray resource `TPU`; 0: none)."""
     tpu_version: str | None = None
     """Learner only: the TPU generation of a slice to run on ('v4', 'v5p', 'v5litepod', 'v6e', ...), with
     `tpu_topology`: the learner's hosts become the slice's hosts (Ray's `slice_placement_group`)."""
@@ -92,7 +94,7 @@ class RoleResources:
     """Placement-group strategy for the role's processes together ('PACK', 'SPREAD', 'STRICT_PACK',
     'STRICT_SPREAD'): they are then scheduled all or none. None: no group (each process placed on its own); a
     multi-host learner always uses a group ('SPREAD' when None)."""
-    memory_fraction: float | None = None
+    memory_fraction: float | None = bounded(None, gt=0, le=1)
     """Fraction of the accelerator's memory JAX may take in this process (`XLA_PYTHON_CLIENT_MEM_FRACTION`)."""
     preallocate: bool | None = None
     """Whether JAX preallocates that memory at start (`XLA_PYTHON_CLIENT_PREALLOCATE`; None: JAX's default)."""
@@ -104,17 +106,11 @@ class RoleResources:
     the learner and the servers would otherwise contend for the same cores. None: all cores."""
 
     def __post_init__(self):
-        for name in ("num_cpus", "num_gpus"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"placement: {name} must be >= 0, got {getattr(self, name)}")
-        if self.tpu_chips < 0:
-            raise ValueError(f"placement: tpu_chips must be >= 0, got {self.tpu_chips}")
+        check_fields(self, "placement")
         if self.strategy is not None and self.strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement: strategy must be one of {PLACEMENT_STRATEGIES} or null, got {self.strategy!r}"
             )
-        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"placement: memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if (self.tpu_version is None) != (self.tpu_topology is None):
             raise ValueError("placement: give both tpu_version and tpu_topology (a TPU slice), or neither")
         if any(v < 0 for v in self.resources.values()):
@@ -197,12 +193,11 @@ class PlacementConfig:
     colocate: bool = False
     """Run server i on learner host i's device (one placement-group bundle of the learner's resources, split in
     half); needs `inference.num_servers == learner.hosts` and, on accelerators, explicit `memory_fraction`s."""
-    wait_timeout_s: float = 300.0
+    wait_timeout_s: float = bounded(300.0, gt=0)
     """How long actors may stay pending for resources before the run fails, naming what it waits for."""
 
     def __post_init__(self):
-        if self.wait_timeout_s <= 0:
-            raise ValueError(f"placement.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        check_fields(self, "placement")
         for role in ("servers", "envs"):
             r = getattr(self, role)
             if r.tpu_version is not None:

@@ -15,6 +15,8 @@ import fsspec
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from marin_rl.bounds import bounded
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Every message is '<|role|>content<eos>' (roles system, user, assistant, tool); the generation prompt is
 # '<|assistant|>', so a policy turn ends with the EOS token it samples as its stop token. Given `tools` (OpenAI
@@ -41,7 +43,7 @@ class TokenizerConfig:
 
     path: str | None = None
     """Local or `gs://` directory of a Hugging Face tokenizer. None builds the character-level tokenizer."""
-    vocab_multiple: int = 64
+    vocab_multiple: int = bounded(64, ge=1)
     """The character tokenizer's vocabulary is padded to a multiple of this (friendlier matmul shapes)."""
 
 

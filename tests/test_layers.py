@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "marin_rl"
 
 LAYERS: list[tuple[str, list[str]]] = [
+    ("fields", ["bounds"]),
     ("foundation", ["types", "tokenizer", "logs", "tracking", "report", "placement", "processes", "cli_help"]),
     ("model", ["model"]),
     ("replay", ["replay"]),

@@ -7,7 +7,14 @@ import numpy as np
 import optax
 import pytest
 
-from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig, WarmStartConfig
+from marin_rl.bounds import deferred_checks
+from marin_rl.learner.learner import (
+    Learner,
+    LearnerConfig,
+    NonFiniteTrainingError,
+    OptimizerConfig,
+    WarmStartConfig,
+)
 from marin_rl.learner.losses import LossConfig
 from marin_rl.model.build import ModelConfig, tiny_llama
 from marin_rl.model.logprobs import packed_attention_mask
@@ -249,3 +256,24 @@ def test_decaying_schedules_need_decay_steps():
         OptimizerConfig(schedule="cosine")
     with pytest.raises(ValueError, match="schedule must be one of"):
         OptimizerConfig(schedule="step")
+
+
+def test_a_non_finite_loss_stops_training_at_that_step_naming_it():
+    tok, learner = _learner()
+    batch = _rl_batch(learner, tok, "yes", "no")
+    learner.train_step(batch)
+    poisoned = _rl_batch(learner, tok, "yes", "no")
+    poisoned.advantages = np.where(poisoned.loss_mask, np.nan, 0.0).astype(np.float32)
+    with pytest.raises(NonFiniteTrainingError, match=r"^learner step 2 \(optimizer step 2\): loss is nan; stopping"):
+        learner.train_step(poisoned)
+
+
+def test_a_nan_learning_rate_stops_training_at_the_first_step_it_shows():
+    """The run's config refuses a NaN learning rate; built in code past that check, the learner still stops: the
+    first step's loss and gradient norm (taken at the weights before it) are finite, its update is NaN, and the
+    second step names itself."""
+    with deferred_checks():
+        tok, learner = _learner(lr=float("nan"))
+    learner.train_step(_rl_batch(learner, tok, "yes", "no"))
+    with pytest.raises(NonFiniteTrainingError, match=r"^learner step 2 \(optimizer step 2\): (loss|grad_norm) is nan"):
+        learner.train_step(_rl_batch(learner, tok, "yes", "no"))

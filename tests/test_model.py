@@ -138,7 +138,7 @@ def test_gradient_checkpointing_is_a_model_option_that_keeps_the_gradients():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * np.abs(a).max())
     with pytest.raises(ValueError, match="model.gradient_checkpointing must be"):
         ModelConfig(gradient_checkpointing="sometimes")
-    with pytest.raises(ValueError, match="model.cpu_attention_block_size must be"):
+    with pytest.raises(ValueError, match="model.cpu_attention_block_size: must be >= 1"):
         ModelConfig(cpu_attention_block_size=0)
 
 

@@ -23,7 +23,7 @@ def test_the_replacement_past_the_limit_raises_and_names_role_limit_and_resume()
 def test_zero_means_a_dead_actor_ends_the_run_and_negative_is_refused():
     with pytest.raises(RestartLimitExceeded):
         RestartBudget("inference servers", 0).spend("inference server 0")
-    with pytest.raises(SystemExit, match="orchestrator.max_restarts_per_role must be >= 0"):
+    with pytest.raises(SystemExit, match="orchestrator.max_restarts_per_role: must be >= 0"):
         parse_config(["--config", "experiments/quickstart.yaml", "--orchestrator.max_restarts_per_role", "-1"])
 
 

@@ -355,7 +355,7 @@ reward_models:
         (BASE.replace("path: /somewhere/checkpoint", "path: ''"), r"reward_models\[rm\].path: the checkpoint"),
         (BASE + "  - {name: rm, path: /elsewhere}\n", r"reward_models: names must be unique"),
         (BASE + "  - {name: spare, path: /elsewhere}\n", r"reward_models \['spare'\] are used by no environment"),
-        (BASE.replace("{name: rm,", "{name: rm, num_servers: 0,"), r"reward_models\[rm\]: num_servers"),
+        (BASE.replace("{name: rm,", "{name: rm, num_servers: 0,"), r"reward_models\[0\]\.num_servers: must be >= 1"),
     ],
 )
 def test_config_validation_names_the_unknown_model_or_the_missing_weight(tmp_path, text, message):

@@ -109,11 +109,11 @@ def test_config_errors_name_the_field(tmp_path):
         LearnerConfig(mode="supervised")
     with pytest.raises(ValueError, match="learner.sft.train_files must name at least one file"):
         LearnerConfig(mode="sft")
-    with pytest.raises(ValueError, match="learner.sft.batch_rows must be an integer >= 1"):
+    with pytest.raises(ValueError, match="learner.sft.batch_rows: must be >= 1"):
         SftConfig(batch_rows=0)
-    with pytest.raises(ValueError, match=r"learner.sft.eval_fraction must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"learner.sft.eval_fraction: must be in \(0, 1\)"):
         SftConfig(eval_fraction=1.0)
-    with pytest.raises(ValueError, match="learner.sft.steps must be an integer >= 0"):
+    with pytest.raises(ValueError, match="learner.sft.steps: must be >= 0"):
         SftConfig(steps=-1)
     with pytest.raises(ValueError, match="learner.sft.train_files must be a list"):
         SftConfig(train_files="data.jsonl")

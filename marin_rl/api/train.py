@@ -84,7 +84,7 @@ class TrainEngine:
     def __init__(self, run_config: RunConfig, *, tokenizer=None, transport: bool = True):
         self.config = run_config
         self.tokenizer = tokenizer or load_tokenizer(run_config.tokenizer)
-        temperature = run_config.envs[0].sampling.temperature
+        temperature = run_config.sampling_temperature
         self.learner = Learner(run_config.model, run_config.learner, len(self.tokenizer), temperature=temperature)
         # transport=False: the weights never leave this process (a colocated engine reads the learner's own arrays)
         self.transport = make_transport(run_config.broadcast) if transport and is_primary() else None

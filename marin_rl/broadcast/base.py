@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marin_rl.bounds import bounded, check_fields
+
 logger = logging.getLogger(__name__)
 
 TRANSPORT_MODULES = {
@@ -65,7 +67,7 @@ class BroadcastConfig:
     the learner's machine), 'ray' (the object store, any number of machines), 'in_process', 'arrow_flight' (a
     Flight server in the learner process, for servers in other processes or on other machines) or 'fsspec' (a
     checkpoint directory at `path`, for servers that load from disk)."""
-    sync_every: int = 1
+    sync_every: int = bounded(1, ge=1)
     """Publish after every this many learner steps."""
     dtype: str | None = None
     """Cast floating parameters to this dtype before transfer ('bfloat16' halves the bytes; 'float32'); null sends
@@ -74,7 +76,7 @@ class BroadcastConfig:
     """'fsspec': directory (local path or gs://...) that holds the published versions and the `latest` pointer
     (required). 'shared_memory': directory on a memory filesystem for the slots and the `latest` pointer (default:
     a private directory under /dev/shm; name one for servers that poll)."""
-    keep: int = 2
+    keep: int = bounded(2, ge=1)
     """'fsspec' and 'arrow_flight': how many of the most recent versions stay available (a server still fetching
     one of them can finish); older ones are deleted. 'shared_memory': how many model-sized slots may exist (at
     least 2: the one being served and the one being published; a publish waits while every slot is in use)."""
@@ -82,12 +84,12 @@ class BroadcastConfig:
     """'arrow_flight': interface the learner's Flight server binds to and the address servers connect to. Use the
     learner machine's address when servers run on other machines ('0.0.0.0' binds all interfaces and advertises
     this machine's hostname)."""
-    flight_port: int = 0
+    flight_port: int = bounded(0, ge=0, le=65535)
     """'arrow_flight': port of the learner's Flight server (0: any free port; servers then learn the address from
     the updates pushed to them, and `latest()` works only in the learner process). Set it for servers that poll."""
-    chunk_mb: int = 16
+    chunk_mb: int = bounded(16, ge=1)
     """'arrow_flight' and 'fsspec': tensors travel in chunks of at most this many MiB, fetched in parallel."""
-    fetch_threads: int = 8
+    fetch_threads: int = bounded(8, ge=1)
     """'arrow_flight' and 'fsspec': parallel threads a server fetches (and the learner writes) chunks with."""
     secret: str | None = None
     """'arrow_flight': secret that every call to the learner's Flight server must carry (`authorization: Bearer
@@ -97,20 +99,11 @@ class BroadcastConfig:
     def __post_init__(self):
         if self.transport not in known_transports():
             raise ValueError(f"broadcast.transport must be one of {known_transports()}, got {self.transport!r}")
-        if self.sync_every < 1:
-            raise ValueError("broadcast.sync_every must be >= 1")
+        check_fields(self, "broadcast")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"broadcast.dtype must be one of {list(DTYPES)} or null, got {self.dtype!r}")
         if self.transport == "fsspec" and not self.path:
             raise ValueError("broadcast.path is required for broadcast.transport 'fsspec' (a local directory or URL)")
-        if self.keep < 1:
-            raise ValueError(f"broadcast.keep must be >= 1, got {self.keep}")
-        if self.chunk_mb < 1:
-            raise ValueError(f"broadcast.chunk_mb must be >= 1, got {self.chunk_mb}")
-        if self.fetch_threads < 1:
-            raise ValueError(f"broadcast.fetch_threads must be >= 1, got {self.fetch_threads}")
-        if not 0 <= self.flight_port < 65536:
-            raise ValueError(f"broadcast.flight_port must be in [0, 65535], got {self.flight_port}")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret.strip()):
             raise ValueError("broadcast.secret must be a non-empty string or null")
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.rewards import (
     RewardFunction,
     aevaluate_rewards,
@@ -41,9 +42,9 @@ class Problem:
 class SamplingParams:
     """How the policy samples in an environment."""
 
-    temperature: float = 1.0
-    """Sampling temperature (the learner uses the same one to compute logprobs)."""
-    max_tokens: int = 16
+    temperature: float = bounded(1.0, gt=0)
+    """Sampling temperature (the learner uses the same one to compute logprobs, dividing the logits by it: > 0)."""
+    max_tokens: int = bounded(16, ge=1)
     """Limit on generated tokens per policy turn."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marin_rl.bounds import bounded, check_fields
+
 BACKENDS = ("levanter", "vllm")
 PAUSE_MODES = ("keep", "wait", "abort")
 
@@ -17,10 +19,10 @@ class VllmConfig:
     cache, `~/.cache/marin_rl/venvs/vllm-VERSION` (create it with `python -m marin_rl.inference.vllm_env`)."""
     dtype: str = "float32"
     """Parameter and activation dtype of the served model (`--dtype`); float32 keeps sampler logprobs exact."""
-    kv_cache_gib: float | None = 1.0
+    kv_cache_gib: float | None = bounded(1.0, gt=0)
     """KV-cache memory vLLM reserves, in GiB (`--kv-cache-memory-bytes`). Needed on CPU; null on a GPU sizes it from
     `gpu_memory_utilization` instead."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     """Fraction of accelerator memory vLLM may use when `kv_cache_gib` is null."""
     enforce_eager: bool = False
     """Skip torch.compile and CUDA graphs: starts much faster, decodes slower."""
@@ -28,17 +30,17 @@ class VllmConfig:
     """In-flight requests during a weight update: 'keep' freezes them and continues them under the new weights
     (their KV cache is recomputed; the choice reports both versions), 'wait' lets them finish first, 'abort' cancels
     them."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, ge=1)
     """GPUs one vLLM server shards the model over (`--tensor-parallel-size`); `placement.servers.num_gpus` must be
     at least this."""
     extra_args: list[str] = field(default_factory=list)
     """More `vllm serve` arguments, e.g. ['--enable-prefix-caching']."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the vLLM process."""
-    health_check_interval_s: float = 10.0
+    health_check_interval_s: float = bounded(10.0, gt=0)
     """How often the server is checked; a dead or unresponsive vLLM is restarted and given the current weights."""
-    max_restarts: int = 5
-    """Restarts allowed before the server gives up and reports itself failed."""
+    max_restarts: int = bounded(5, ge=0)
+    """Restarts allowed before the server gives up and reports itself failed (0: none)."""
     weights_dir: str | None = None
     """Local directory where weight updates are written for vLLM to read. null: /dev/shm (memory) when it exists,
     else the system temp directory."""
@@ -46,18 +48,7 @@ class VllmConfig:
     def __post_init__(self):
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"inference.vllm.pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise ValueError(f"inference.vllm.kv_cache_gib must be > 0 or null, got {self.kv_cache_gib}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"inference.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.health_check_interval_s <= 0:
-            raise ValueError(f"inference.vllm.health_check_interval_s must be > 0, got {self.health_check_interval_s}")
-        if self.max_restarts < 0:
-            raise ValueError(f"inference.vllm.max_restarts must be >= 0, got {self.max_restarts}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"inference.vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        check_fields(self, "inference.vllm")
 
 
 KV_CACHE_DTYPES = ("float32", "bfloat16")
@@ -78,22 +69,23 @@ class LevanterServerConfig:
     """Dense engine: decode every batch at `max_seqs` rows instead of the smallest of a few row counts that fits, so
     a sequence's logprobs are bit-identical whatever shares its batch (across row counts they differ by ~5e-7,
     because each row count is its own compiled program). `orchestrator.deterministic` turns it on."""
-    prefill_tokens: int = 4096
+    prefill_tokens: int = bounded(4096, ge=1)
     """Prompt tokens prefilled together; one engine call admits at most this many (and at most `max_seqs`)."""
-    page_size: int = 64
+    page_size: int = bounded(64, ge=1)
     """Tokens per KV-cache page."""
-    max_pages: int | None = None
+    max_pages: int | None = bounded(None, ge=1)
     """KV-cache pages per server; None gives every concurrent sequence room for `max_seq_len` tokens."""
     kv_cache_dtype: str = "float32"
     """KV-cache dtype. float32 keeps sampler logprobs within ~1e-5 of the learner's; bfloat16 drifts ~1e-2."""
-    batch_timeout_s: float = 0.002
+    batch_timeout_s: float = bounded(0.002, ge=0)
     """How long a server waits for more concurrent requests before a decode batch starts (the batch grows while
-    requests arrive less than this apart). Requests that arrive while the engine works join at its next call
-    anyway, so a long wait only idles the engine: under the quickstart's steady stream of small requests, 20 ms
-    gave a third fewer groups per second than 0–3 ms (benchmarks/RESULTS.md, "The loop against its parts")."""
-    max_rounds: int = 16
+    requests arrive less than this apart; 0: a batch starts with the requests already there). Requests that arrive
+    while the engine works join at its next call anyway, so a long wait only idles the engine: under the
+    quickstart's steady stream of small requests, 20 ms gave a third fewer groups per second than 0–3 ms
+    (benchmarks/RESULTS.md, "The loop against its parts")."""
+    max_rounds: int = bounded(16, ge=1)
     """Decode-loop iterations per engine call (larger: more throughput, more latency)."""
-    segment_tokens: int | None = 256
+    segment_tokens: int | None = bounded(256, ge=1)
     """Decode long generations in segments of at most this many tokens and apply new weights between segments, so a
     generation that straddles a weight update continues under the new weights (each token's logprob from the
     weights that sampled it; the choice reports both versions). Each segment re-prefills prompt + tokens so far.
@@ -106,14 +98,7 @@ class LevanterServerConfig:
             raise ValueError(
                 f"inference.levanter.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
-        seg = self.segment_tokens
-        if seg is not None and (not isinstance(seg, int) or isinstance(seg, bool) or seg < 1):
-            raise ValueError(f"inference.levanter.segment_tokens must be a positive integer or null, got {seg!r}")
-        for name in ("prefill_tokens", "page_size", "max_rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"inference.levanter.{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_timeout_s < 0:
-            raise ValueError(f"inference.levanter.batch_timeout_s must be >= 0, got {self.batch_timeout_s}")
+        check_fields(self, "inference.levanter")
 
 
 @dataclass
@@ -123,11 +108,11 @@ class InferenceConfig:
     backend: str = "levanter"
     """'levanter': the embedded JAX engine (shares the learner's model code; settings under `levanter`); 'vllm':
     `vllm serve` in its own Python environment (settings under `vllm`)."""
-    num_servers: int = 1
+    num_servers: int = bounded(1, ge=1)
     """How many server replicas to start; clients route each request to the least-loaded one."""
-    max_seqs: int = 64
+    max_seqs: int = bounded(64, ge=1)
     """Sequences decoded concurrently by one server (vLLM: `--max-num-seqs`)."""
-    max_seq_len: int = 256
+    max_seq_len: int = bounded(256, ge=2)
     """Longest prompt + completion a server accepts, in tokens (vLLM: `--max-model-len`)."""
     host: str = "auto"
     """Interface each server binds to and the address it advertises to clients: 'auto' (127.0.0.1 while the Ray
@@ -141,15 +126,15 @@ class InferenceConfig:
     without it); the run's own clients send it. None: those routes are open, and a server that binds beyond
     loopback (see `host`) logs a warning that anyone who reaches it can sample. `/health` and `/v1/version` are
     always open; the control routes always need `control_secret`."""
-    max_n: int = 128
+    max_n: int = bounded(128, ge=1)
     """Most choices per prompt (`n`) one request may ask for (OpenAI's bound); more is refused with a 400."""
-    max_prompts: int = 1024
+    max_prompts: int = bounded(1024, ge=1)
     """Most prompts in one completions request; more is refused with a 400. The run's clients send at most 64."""
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = bounded(600.0, gt=0)
     """Client-side timeout of one request."""
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: float = bounded(900.0, gt=0)
     """How long to wait for a server to become healthy after starting it (vLLM takes minutes to start)."""
-    health_check_every_s: float = 15.0
+    health_check_every_s: float = bounded(15.0, gt=0)
     """How often the driver asks every server for a sign of life (also whenever a group fails or an env actor
     dies); a server that does not answer within 10 s is replaced and gets the latest weights."""
     levanter: LevanterServerConfig = field(default_factory=LevanterServerConfig)
@@ -160,10 +145,7 @@ class InferenceConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"inference.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.num_servers < 1 or self.max_seqs < 1 or self.max_seq_len < 2:
-            raise ValueError("inference: num_servers and max_seqs must be >= 1 and max_seq_len >= 2")
-        if self.max_n < 1 or self.max_prompts < 1:
-            raise ValueError(f"inference: max_n and max_prompts must be >= 1, got {self.max_n} and {self.max_prompts}")
+        check_fields(self, "inference")
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             raise ValueError("inference.api_key must be a non-empty string without surrounding whitespace, or null")
         if (
@@ -172,7 +154,7 @@ class InferenceConfig:
             and self.levanter.prefill_tokens < self.max_seq_len
         ):
             raise ValueError(
-                f"inference.levanter.prefill_tokens ({self.levanter.prefill_tokens}) must be >= inference.max_seq_len "
-                f"({self.max_seq_len}) when inference.levanter.segment_tokens is set: a continued sequence is "
-                "prefilled with its prompt and the tokens sampled so far"
+                f"inference.levanter.prefill_tokens: must be >= inference.max_seq_len ({self.max_seq_len}) when "
+                "inference.levanter.segment_tokens is set (a continued sequence is prefilled with its prompt and the "
+                f"tokens sampled so far), got {self.levanter.prefill_tokens}"
             )

@@ -40,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from marin_rl.bounds import bounded, check_fields
 from marin_rl.inference.http_server import HttpServerThread, resolve_future
 from marin_rl.model.reward import RewardModelSpec, load_reward_model, sequence_rewards
 from marin_rl.model.value import ValueModel
@@ -62,13 +63,13 @@ class RewardModelConfig:
     """The named reward it gives (in `rewards`, `reward_weights` and metrics such as `eval/ENV/rewards/NAME`)."""
     path: str = ""
     """The checkpoint directory (local path or fsspec URL such as gs://)."""
-    num_servers: int = 1
+    num_servers: int = bounded(1, ge=1)
     """Reward servers of this model; clients send each request to the one with the fewest outstanding."""
-    max_batch_rows: int = 64
+    max_batch_rows: int = bounded(64, ge=1)
     """Most sequences scored in one device call; concurrent requests are batched up to this."""
-    batch_timeout_s: float = 0.002
+    batch_timeout_s: float = bounded(0.002, ge=0)
     """How long a server waits for more requests before scoring (a batch grows while requests keep arriving less than
-    this apart, up to 10 times this after its first)."""
+    this apart, up to 10 times this after its first; 0: it scores the requests already there)."""
     length_buckets: list[int] | None = None
     """Row lengths (tokens) a batch is padded to, so that the jitted call compiles once per (rows, length) bucket;
     the model's max_seq_len is always the last. null: powers of two from 16 up to max_seq_len."""
@@ -76,7 +77,7 @@ class RewardModelConfig:
     """Row counts a batch is padded to (max_batch_rows is always the last); null: powers of 4 below max_batch_rows."""
     host: str = "auto"
     """Interface the server binds to and the address it advertises (as `inference.host`)."""
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = bounded(600.0, gt=0)
     """Client-side timeout of one scoring request."""
     placement: RoleResources = field(default_factory=RoleResources)
     """What each of its server processes asks Ray for and how its JAX runtime is set up (e.g. `num_gpus: 1`, or
@@ -85,13 +86,7 @@ class RewardModelConfig:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.strip() or "/" in self.name:
             raise ValueError(f"reward_models[*].name must be a non-empty name without '/', got {self.name!r}")
-        if self.num_servers < 1 or self.max_batch_rows < 1:
-            raise ValueError(
-                f"reward_models[{self.name}]: num_servers and max_batch_rows must be >= 1, got "
-                f"{self.num_servers} and {self.max_batch_rows}"
-            )
-        if self.batch_timeout_s < 0:
-            raise ValueError(f"reward_models[{self.name}].batch_timeout_s must be >= 0, got {self.batch_timeout_s}")
+        check_fields(self, f"reward_models[{self.name}]")
         for field_name in ("length_buckets", "row_buckets"):
             buckets = getattr(self, field_name)
             if buckets is not None and (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)):

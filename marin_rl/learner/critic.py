@@ -22,6 +22,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 
+from marin_rl.bounds import bounded, check_fields
 from marin_rl.learner.distributed import host_arrays
 from marin_rl.learner.gae import gae_packed_device, masked_mean, masked_variance, whiten_device
 from marin_rl.learner.optimizer import OptimizerConfig
@@ -47,15 +48,15 @@ class CriticConfig:
     init_from_hf: str | None = None
     """'separate' trunk only: the critic's trunk from this Hugging Face checkpoint (local or fsspec URL; the
     policy's architecture). None: a copy of the policy's trunk."""
-    gamma: float = 1.0
-    """Discount γ per sampled token."""
-    lam: float = 0.95
+    gamma: float = bounded(1.0, ge=0, le=1)
+    """Discount γ per sampled token, in [0, 1] (0: each token's own reward only)."""
+    lam: float = bounded(0.95, ge=0, le=1)
     """GAE's λ: 1 gives Monte Carlo returns minus V, 0 one-step TD errors."""
-    lam_between_turns: float | None = None
+    lam_between_turns: float | None = bounded(None, ge=0, le=1)
     """λ across a turn boundary (environment tokens between two sampled tokens of an episode); None: `lam`. With
     `lam: 1` and `lam_between_turns: 0` each turn's tokens get that turn's reward plus γ·V(next turn) − V: credit per
     turn, with no later turn's reward in it (GAE over turns as steps)."""
-    value_clip: float | None = 0.2
+    value_clip: float | None = bounded(0.2, gt=0)
     """ε_V of the clipped value loss (None: unclipped squared error)."""
     whiten_advantages: bool = True
     """Shift and scale each batch's advantages to mean 0 and standard deviation 1 over its sampled tokens."""
@@ -64,12 +65,7 @@ class CriticConfig:
     train step)."""
 
     def __post_init__(self):
-        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
-            raise ValueError(f"learner.critic.gamma and lam must be in [0, 1], got {self.gamma} and {self.lam}")
-        if self.lam_between_turns is not None and not 0.0 <= self.lam_between_turns <= 1.0:
-            raise ValueError(f"learner.critic.lam_between_turns must be in [0, 1] or null: {self.lam_between_turns}")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ValueError(f"learner.critic.value_clip must be > 0 or null, got {self.value_clip}")
+        check_fields(self, "learner.critic")
         if self.trunk not in CRITIC_TRUNKS:
             raise ValueError(f"learner.critic.trunk must be one of {CRITIC_TRUNKS}, got {self.trunk!r}")
         if self.trunk == "policy" and self.init_from_hf is not None:

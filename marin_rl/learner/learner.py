@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from marin_rl.bounds import bounded, check_fields
 from marin_rl.learner.algorithm import get_algorithm, learner_call, register_learner_call
 from marin_rl.learner.critic import Critic, CriticConfig
 from marin_rl.learner.distributed import host_arrays, is_primary
@@ -47,12 +48,15 @@ logger = logging.getLogger(__name__)
 class WarmStartConfig:
     """Optional supervised warm start on the environments' reference solutions, before RL begins."""
 
-    steps: int = 0
+    steps: int = bounded(0, ge=0)
     """Supervised optimizer steps (0: none). The RL phase starts from the result, at policy version 0."""
-    learning_rate: float = 3e-3
+    learning_rate: float = bounded(3e-3, gt=0)
     """Learning rate of the warm start (AdamW, constant)."""
-    batch_rows: int = 32
+    batch_rows: int = bounded(32, ge=1)
     """Rows of `max_seq_len` tokens per supervised batch."""
+
+    def __post_init__(self):
+        check_fields(self, "learner.warm_start")
 
 
 LEARNER_MODES = ("rl", "sft")
@@ -67,7 +71,7 @@ class SftConfig:
     """JSONL or Parquet files of training records: local paths, fsspec URLs (`gs://...`) or globs."""
     eval_files: list[str] = field(default_factory=list)
     """Held-out records in the same format; empty: hold out `eval_fraction` of the training records."""
-    eval_fraction: float = 0.05
+    eval_fraction: float = bounded(0.05, gt=0, lt=1)
     """Share of the training records held out (seeded shuffle) when `eval_files` is empty; in (0, 1)."""
     prompt_field: str = "prompt"
     """Record field holding the prompt text."""
@@ -79,33 +83,25 @@ class SftConfig:
     append_eos: bool = True
     """Plain records (chat_template false): end every completion with the tokenizer's EOS token, so the policy
     learns to stop."""
-    steps: int = 0
+    steps: int = bounded(0, ge=0)
     """Optimizer steps; 0: `epochs` passes over the training records."""
-    epochs: int = 1
+    epochs: int = bounded(1, ge=1)
     """Passes over the training records (shuffled each pass) when `steps` is 0."""
-    batch_rows: int = 32
+    batch_rows: int = bounded(32, ge=1)
     """Rows of `batcher.max_seq_len` tokens per batch (several records per row, as the batcher packs rollouts)."""
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(learning_rate=1e-3))
     """AdamW, warmup and gradient clipping of the supervised steps."""
-    eval_every: int = 0
+    eval_every: int = bounded(0, ge=0)
     """Evaluate the held-out loss every this many steps (0: only before the first and after the last step)."""
-    max_eval_records: int | None = None
+    max_eval_records: int | None = bounded(None, ge=1)
     """Evaluate on at most this many held-out records (None: all)."""
-    log_every: int = 10
+    log_every: int = bounded(10, ge=1)
     """Print a console line every this many steps (every step is logged to the tracker)."""
-    seed: int = 0
-    """Seed of the held-out split and of the shuffling."""
+    seed: int = bounded(0, ge=0)
+    """Seed of the held-out split and of the shuffling (an integer >= 0)."""
 
     def __post_init__(self):
-        for name in ("steps", "epochs", "batch_rows", "eval_every", "log_every"):
-            value = getattr(self, name)
-            low = 1 if name in ("epochs", "batch_rows", "log_every") else 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"learner.sft.{name} must be an integer >= {low}, got {value!r}")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"learner.sft.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
-        if self.max_eval_records is not None and self.max_eval_records < 1:
-            raise ValueError(f"learner.sft.max_eval_records must be >= 1 or null, got {self.max_eval_records!r}")
+        check_fields(self, "learner.sft")
         for name in ("train_files", "eval_files"):
             files = getattr(self, name)
             if isinstance(files, str) or any(not isinstance(f, str) or not f.strip() for f in files):
@@ -128,11 +124,11 @@ class MeshConfig:
     `kv_head`). The same config runs on CPU, GPU and TPU devices. On a single device the learner uses no mesh at all.
     """
 
-    data: int = -1
+    data: int = bounded(-1, ge=1, also=(-1,))
     """Size of the data-parallel axis; -1: all devices that `fsdp × tensor` leaves."""
-    fsdp: int = 1
+    fsdp: int = bounded(1, ge=1)
     """Size of the fully-sharded data-parallel axis: batch rows and parameters (see `param_mapping`) split over it."""
-    tensor: int = 1
+    tensor: int = bounded(1, ge=1)
     """Size of the tensor-parallel axis: the named axes that `compute_mapping` maps to "tensor" split over it."""
     compute_mapping: dict[str, str | list[str]] = field(
         default_factory=lambda: {"batch": ["data", "fsdp"], "mlp": "tensor", "heads": "tensor", "kv_head": "tensor"}
@@ -143,15 +139,7 @@ class MeshConfig:
     """Overrides of `compute_mapping` for parameters and optimizer state (FSDP: the `embed` axis over "fsdp")."""
 
     def __post_init__(self):
-        for name in MESH_AXES:
-            value = getattr(self, name)
-            if (
-                not isinstance(value, int)
-                or isinstance(value, bool)
-                or (value < 1 and not (name == "data" and value == -1))
-            ):
-                allowed = "an integer >= 1 or -1 (all remaining devices)" if name == "data" else "an integer >= 1"
-                raise ValueError(f"learner.mesh.{name} must be {allowed}, got {value!r}")
+        check_fields(self, "learner.mesh")
         for which in ("compute_mapping", "param_mapping"):
             for axis, target in getattr(self, which).items():
                 targets = [target] if isinstance(target, str) else list(target)
@@ -226,16 +214,16 @@ class LearnerConfig:
     """Supervised warm start before RL."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh and axis mappings (data / fsdp / tensor parallelism), over the devices of every host."""
-    hosts: int = 1
+    hosts: int = bounded(1, ge=1)
     """Learner processes, one per host: with more than one, they join one JAX distributed runtime
     (`jax.distributed`) and the mesh spans every host's devices (placement: `placement.learner`)."""
-    minibatches: int = 1
+    minibatches: int = bounded(1, ge=1)
     """Split each batch's rows into this many minibatches, one optimizer step each. The batch's rows must divide
     evenly into `minibatches × microbatches`."""
-    epochs: int = 1
+    epochs: int = bounded(1, ge=1)
     """Passes over each batch's minibatches. With minibatches × epochs > 1 the proximal logprobs (and the reference
     model's) are computed once per batch, before its first optimizer step; a batch is still one policy version."""
-    microbatches: int = 1
+    microbatches: int = bounded(1, ge=1)
     """Gradient accumulation: split each minibatch's rows into this many chunks, run forward and backward one chunk
     at a time and sum the gradients, normalised by the whole minibatch (the same step as without splitting)."""
     offload_optimizer: bool = False
@@ -254,10 +242,7 @@ class LearnerConfig:
     whole batch (`marin_rl.learner.critic`)."""
 
     def __post_init__(self):
-        for name in ("minibatches", "epochs", "microbatches", "hosts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"learner.{name} must be an integer >= 1, got {value!r}")
+        check_fields(self, "learner")
         if self.mode not in LEARNER_MODES:
             raise ValueError(f"learner.mode must be one of {LEARNER_MODES}, got {self.mode!r}")
         if self.algorithm is not None:
@@ -276,6 +261,29 @@ class LearnerConfig:
         if self.algorithm is not None:
             return self.algorithm
         return "ppo" if self.critic.enabled else "rloo"
+
+
+class NonFiniteTrainingError(FloatingPointError):
+    """A train step gave a non-finite loss or gradient norm: the weights are no longer trustworthy, so the run
+    stops at that step (the error names it and the quantity) instead of training on."""
+
+
+FINITE_METRICS = ("learner/loss", "learner/grad_norm")
+"""The per-optimizer-step metrics that must be finite (the gradient norm is taken before clipping, so it also
+catches non-finite parameters)."""
+
+
+def check_finite_steps(step_metrics: list[dict[str, float]], version: int, first_optimizer_step: int) -> None:
+    """Raise `NonFiniteTrainingError` naming the learner step (the version it was making), the optimizer step and
+    the quantity when one of `FINITE_METRICS` of an optimizer step is NaN or infinite."""
+    for i, metrics in enumerate(step_metrics):
+        for key in FINITE_METRICS:
+            value = metrics.get(key)
+            if value is not None and not math.isfinite(value):
+                raise NonFiniteTrainingError(
+                    f"learner step {version} (optimizer step {first_optimizer_step + i}): {key.split('/', 1)[1]} is "
+                    f"{value}; stopping the run (check learner.optimizer.learning_rate, the rewards and the loss)"
+                )
 
 
 def _has_pinned_host(sharding) -> bool:
@@ -603,6 +611,7 @@ class Learner:
         with self._sharding():
             device_metrics = self._run_steps(ex, loss, loss_weight_fn)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
+        check_finite_steps(self.step_metrics, self.version + 1, self.optimizer_steps + 1)
         stacked = {k: np.asarray([x[k] for x in self.step_metrics]) for k in self.step_metrics[0]}
         out = {k: float(v) for k, v in combine_metrics(stacked, rest="mean").items()}
         out["learner/trained_tokens"] = float(np.sum(batch.loss_mask))  # the batch's, not a minibatch's

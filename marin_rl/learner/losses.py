@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marin_rl.bounds import bounded, check_fields
 from marin_rl.types import RlExample
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "fixed_budget")
@@ -65,20 +66,20 @@ class LossConfig:
     """'decoupled' (ratio to the proximal policy, times a capped sampler weight), 'ppo' (ratio to the sampler), or
     the name of any loss in the registry (`register_loss`), or 'package.module:function' (imported, then looked
     up: a function registered there, or any loss function, which is then registered under that path)."""
-    clip_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 - clip_low."""
-    clip_high: float = 0.28
-    """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when larger than clip_low)."""
-    sampler_weight_cap: float = 5.0
+    clip_low: float = bounded(0.2, ge=0)
+    """ε_low: the ratio is clipped below at 1 - clip_low (0: at 1)."""
+    clip_high: float = bounded(0.28, ge=0)
+    """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when larger than clip_low; 0: at 1)."""
+    sampler_weight_cap: float = bounded(5.0, gt=0)
     """Decoupled objective without TIS: tokens whose weight exp(logp_prox - logp_sampler) exceeds this are masked."""
-    tis_cap: float | None = None
+    tis_cap: float | None = bounded(None, gt=0)
     """Truncated importance sampling (None: off). Each token's objective is multiplied by
     stop_gradient(min(exp(logp_prox - logp_sampler), tis_cap)), logp_prox being the learner's logprob at the proximal
     weights and logp_sampler the sampler's; the ratio is then taken to logp_prox for either objective."""
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, ge=0)
     """β of the KL penalty to a frozen reference model (the initial policy). 0: no penalty, and no reference model
     is kept or evaluated."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0)
     """c of the entropy bonus: the loss subtracts c × the policy's entropy over the vocabulary, aggregated over all
     sampled tokens like the KL term (0: off). Keeps exploration up; typical values are 1e-3 to 1e-2."""
     kl_estimator: str = "k3"
@@ -87,7 +88,7 @@ class LossConfig:
     aggregation: str = "token_mean"
     """'token_mean' over all trained tokens of the batch, 'sequence_mean' of per-rollout token means, or
     'fixed_budget' (Dr.GRPO: token sum divided by `num_sequences × max_response_tokens`)."""
-    max_response_tokens: int = 128
+    max_response_tokens: int = bounded(128, ge=1)
     """Normaliser per rollout for aggregation='fixed_budget'."""
 
     def __post_init__(self):
@@ -95,23 +96,12 @@ class LossConfig:
             try:
                 get_loss(self.objective)
             except ValueError as e:
-                raise ValueError(f"loss.objective: {e}") from None
+                raise ValueError(f"learner.loss.objective: {e}") from None
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ValueError("loss.clip_low and loss.clip_high must be >= 0")
-        if not self.sampler_weight_cap > 0:
-            raise ValueError(f"loss.sampler_weight_cap must be > 0, got {self.sampler_weight_cap}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"loss.tis_cap must be > 0 (or None to turn TIS off), got {self.tis_cap}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
-        if not self.entropy_coef >= 0:
-            raise ValueError(f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
+        check_fields(self, "learner.loss")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
-        if self.max_response_tokens <= 0:
-            raise ValueError(f"loss.max_response_tokens must be > 0, got {self.max_response_tokens}")
 
     @property
     def uses_proximal(self) -> bool:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import optax
 
+from marin_rl.bounds import bounded, check_fields
+
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -15,41 +17,38 @@ class OptimizerConfig:
     """AdamW with global-norm gradient clipping and a learning-rate schedule: linear warmup from 0, then constant,
     linear decay or cosine decay. Schedules count optimizer steps (a train step takes `minibatches × epochs`)."""
 
-    learning_rate: float = 1e-4
+    learning_rate: float = bounded(1e-4, gt=0)
     """Peak learning rate."""
-    warmup_steps: int = 0
-    """Linear warmup from 0 over this many optimizer steps."""
+    warmup_steps: int = bounded(0, ge=0)
+    """Linear warmup from 0 over this many optimizer steps (0: none)."""
     schedule: str = "constant"
     """After the warmup: 'constant', 'linear' (to min_lr_ratio × peak over decay_steps) or 'cosine' (half a cosine
     from the peak to min_lr_ratio × peak over decay_steps); the rate stays at its final value afterwards."""
-    decay_steps: int | None = None
+    decay_steps: int | None = bounded(None, ge=1)
     """Optimizer steps of the decay after the warmup ('linear' and 'cosine' need it: e.g. the run's train steps ×
     minibatches × epochs, minus warmup_steps)."""
-    min_lr_ratio: float = 0.0
-    """Final learning rate of a decay, as a fraction of the peak."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    beta1: float = 0.9
-    """Adam β1."""
-    beta2: float = 0.99
-    """Adam β2."""
-    eps: float = 1e-8
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)
+    """Final learning rate of a decay, as a fraction of the peak, in [0, 1] (0: decays to 0)."""
+    weight_decay: float = bounded(0.0, ge=0)
+    """Decoupled weight decay (0: none)."""
+    beta1: float = bounded(0.9, ge=0, lt=1)
+    """Adam β1, in [0, 1) (0: no momentum)."""
+    beta2: float = bounded(0.99, gt=0, lt=1)
+    """Adam β2, in (0, 1)."""
+    eps: float = bounded(1e-8, gt=0)
     """Adam ε."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = bounded(1.0, gt=0)
     """Clip gradients to this global norm (None: no clipping)."""
 
     def __post_init__(self):
         if self.schedule not in LR_SCHEDULES:
             raise ValueError(f"optimizer.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        check_fields(self, "optimizer")
         if self.schedule != "constant" and (self.decay_steps is None or self.decay_steps < 1):
             raise ValueError(
                 f"optimizer.schedule {self.schedule!r} needs decay_steps >= 1 (optimizer steps after the "
                 f"warmup), got {self.decay_steps}"
             )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def learning_rate_schedule(self) -> optax.Schedule:
         """The learning rate as a function of the optimizer step count (optax schedule)."""

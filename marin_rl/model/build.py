@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import equinox as eqx
 import haliax as hax
@@ -12,6 +12,7 @@ from levanter.layers.attention import AttentionBackend
 from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmConfig, LmHeadModel
 
+from marin_rl.bounds import bounded, check_fields, positive_unless_zero_default
 from marin_rl.model.hf import load_hf_model
 from marin_rl.model.linear_gradients import with_layout_aware_gradients
 
@@ -39,14 +40,15 @@ GRADIENT_CHECKPOINTING_POLICIES = ("offload", "recompute", "full", "save_all", "
 class ModelConfig:
     """The policy model."""
 
-    architecture: LmConfig = field(default_factory=tiny_llama)
-    """Any Levanter language-model config, chosen by `type:` (llama, qwen, gemma, mistral, ...)."""
-    seed: int = 0
-    """PRNG seed for random initialisation."""
+    architecture: LmConfig = bounded(default_factory=tiny_llama, each=positive_unless_zero_default)
+    """Any Levanter language-model config, chosen by `type:` (llama, qwen, gemma, mistral, ...). Every number in it
+    must be positive, or >= 0 where Levanter's default is 0 (dropout rates: 0 is none)."""
+    seed: int = bounded(0, ge=0)
+    """PRNG seed for random initialisation (an integer >= 0)."""
     init_from_hf: str | None = None
     """Local or gs:// directory of a Hugging Face checkpoint to initialise the policy from (its config must match
     `architecture`'s type and sizes); None initialises randomly."""
-    export_every: int = 0
+    export_every: int = bounded(0, ge=0)
     """Export the policy as an HF checkpoint to `output_dir/hf/step-N` every this many learner steps (0: only at
     the end)."""
     gradient_checkpointing: bool | str | None = False
@@ -55,7 +57,7 @@ class ModelConfig:
     activations fit in memory, as they do for small models: recomputing the forward costs about a third more
     FLOPs per step); true: keep each layer's input and recompute its internals; 'offload' (inputs kept on the
     host), 'recompute' (recompute everything), 'nested' (√layers blocks); null: the architecture's own setting."""
-    cpu_attention_block_size: int | None = 128
+    cpu_attention_block_size: int | None = bounded(128, ge=1)
     """On CPU devices, attend in blocks of this many query and key positions (Levanter's blockwise "flash"
     attention) when the architecture leaves `attn_backend` and `flash_attention_block_size` unset. Levanter's CPU
     default is plain attention below 1024 positions, which keeps the whole (position × position) score and
@@ -68,11 +70,7 @@ class ModelConfig:
     values are those of `jax.lax.dot_general`'s own rule, up to float summation order."""
 
     def __post_init__(self):
-        if not isinstance(self.export_every, int) or isinstance(self.export_every, bool) or self.export_every < 0:
-            raise ValueError(f"model.export_every must be an integer >= 0, got {self.export_every!r}")
-        block = self.cpu_attention_block_size
-        if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 1):
-            raise ValueError(f"model.cpu_attention_block_size must be an integer >= 1 or null, got {block!r}")
+        check_fields(self, "model")
         gc = self.gradient_checkpointing
         if isinstance(gc, str) and gc not in GRADIENT_CHECKPOINTING_POLICIES:
             raise ValueError(

@@ -87,6 +87,7 @@ class Orchestrator:
 
     def __init__(self, config: RunConfig, stop: StopRequest | None = None):
         config.validate()
+        config = config.resolved()
         self.config = config
         self.output_dir = config.output_dir
         self.env_names = [e.name for e in config.envs]
@@ -547,6 +548,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     """
     configure_logging()
     config.validate()
+    config = config.resolved()
     if config.orchestrator.backend == "local" and config.learner.hosts > 1:  # one process per host (SPMD)
         import jax
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from marin_rl.bounds import bounded, check_fields
 from marin_rl.replay.buffer import TOO_LONG_POLICIES, ReplayBuffer, ReplayItem
 from marin_rl.replay.packing import pack, pack_rows
 from marin_rl.replay.selection import env_targets, fill_gaps, select_within_targets
@@ -51,22 +52,22 @@ class BatchTimeoutError(TimeoutError):
 class BatcherConfig:
     """How training batches are assembled."""
 
-    total_token_budget: int = 4096
+    total_token_budget: int = bounded(4096, ge=1)
     """Token slots per batch (rows × max_seq_len)."""
-    max_seq_len: int = 128
+    max_seq_len: int = bounded(128, ge=1)
     """Length of one packed row; a longer rollout follows `too_long`."""
-    min_fill: float = 0.9
-    """An environment blocks the batch until it holds this fraction of its share (see `shortfall`)."""
+    min_fill: float = bounded(0.9, gt=0, le=1)
+    """An environment blocks the batch until it holds this fraction of its share (see `shortfall`), in (0, 1]."""
     remainder: str = "proportional"
     """How budget the fractions leave over is filled: 'proportional' (to each environment's tokens beyond its
     share), 'by_fraction' (in proportion to the fractions), or 'none' (left empty)."""
     shortfall: str = "block"
     """When an environment holds less than `min_fill` of its share: 'block' (wait for it) or 'fill' (take what it
     has; the other environments fill the gap)."""
-    block_timeout_s: float | None = 600.0
+    block_timeout_s: float | None = bounded(600.0, gt=0)
     """With shortfall='block': raise `BatchTimeoutError` after blocking this long, naming the environments waited
     for (None: wait for ever)."""
-    wait_log_interval_s: float = 10.0
+    wait_log_interval_s: float = bounded(10.0, gt=0)
     """While blocked, log which environment is awaited (and the tokens missing) at most this often."""
     too_long: str = "drop"
     """A rollout longer than `max_seq_len`: 'drop' it, or 'truncate' it to `max_seq_len` (loss only on the sampled
@@ -77,12 +78,12 @@ class BatcherConfig:
         return self.total_token_budget // self.max_seq_len
 
     def __post_init__(self):
-        if self.max_seq_len < 1:
-            raise ValueError("batcher.max_seq_len must be >= 1")
+        check_fields(self, "batcher")
         if self.total_token_budget < self.max_seq_len:
-            raise ValueError("batcher.total_token_budget must be at least batcher.max_seq_len")
-        if not 0 < self.min_fill <= 1:
-            raise ValueError("batcher.min_fill must be in (0, 1]")
+            raise ValueError(
+                f"batcher.total_token_budget: must be at least batcher.max_seq_len ({self.max_seq_len}), got "
+                f"{self.total_token_budget}"
+            )
         for name, value, allowed in (
             ("remainder", self.remainder, REMAINDER_STRATEGIES),
             ("shortfall", self.shortfall, SHORTFALL_POLICIES),
@@ -90,8 +91,6 @@ class BatcherConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"batcher.{name} must be one of {allowed}, got {value!r}")
-        if self.block_timeout_s is not None and self.block_timeout_s <= 0:
-            raise ValueError("batcher.block_timeout_s must be positive (or None)")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from marin_rl.bounds import bounded, check_fields
 from marin_rl.replay.advantages import GroupAdvantages, GroupScores, get_estimator
 from marin_rl.replay.packing import Sequence
 from marin_rl.replay.store import RolloutWriter, read_timeline, record_segment, rollout_to_row
@@ -47,13 +48,14 @@ logger = logging.getLogger(__name__)
 class ReplayConfig:
     """Replay buffers (one per environment)."""
 
-    min_group_size: int = 2
+    min_group_size: int = bounded(2, ge=1)
     """Groups with fewer rollouts are rejected (advantages need company)."""
-    max_age: int = 4
-    """A rollout whose oldest sampled token is more than this many learner steps old is discarded."""
-    capacity: int = 65536
+    max_age: int = bounded(4, ge=0)
+    """A rollout whose oldest sampled token is more than this many learner steps old is discarded (0: only rollouts
+    sampled entirely by the current policy version are trained on)."""
+    capacity: int = bounded(65536, ge=1)
     """Most rollouts held per buffer; past it the oldest arrivals are evicted first (and counted)."""
-    max_reuse: int = 1
+    max_reuse: int = bounded(1, ge=1)
     """How many batches a rollout may appear in."""
     advantage_estimator: str = "rloo"
     """'rloo', 'grpo', 'dr_grpo', 'reinforce' (running baseline) or 'remax' (each group's env actor also samples a
@@ -65,19 +67,20 @@ class ReplayConfig:
     gae_reward_credit: str = "per_turn"
     """'gae' only: which tokens rewards are credited to: 'per_turn' (each turn's reward to the last token the policy
     sampled by the end of that turn) or 'episode_end' (the episode's total reward to its last sampled token)."""
-    turn_lambda: float = 1.0
+    turn_lambda: float = bounded(1.0, ge=0, le=1)
     """'turn_rloo' only: λ across turns. 1: each turn's tokens get the rewards of that turn and all later turns
     against the others' from the same turn on (unbiased); 0: the turn's own reward against the others' reward for
     that turn (no later reward reaches it; for tasks whose turns do not change each other's rewards)."""
     grpo_normalize_std: bool = True
     """GRPO only: divide the mean-centred rewards by the group's std (False gives Dr.GRPO's advantages)."""
-    reinforce_baseline_decay: float = 0.9
-    """REINFORCE only: the baseline is an exponential moving average of group mean rewards with this decay."""
+    reinforce_baseline_decay: float = bounded(0.9, ge=0, lt=1)
+    """REINFORCE only: the baseline is an exponential moving average of group mean rewards with this decay, in
+    [0, 1) (0: the previous group's mean)."""
     drop_zero_variance_groups: bool = False
     """Reject groups whose rewards are all equal (they carry no learning signal under group baselines)."""
-    persist_flush_rows: int = 1024
+    persist_flush_rows: int = bounded(1024, ge=1)
     """Rollouts are written to Parquet in files of at most this many rows (when a rollout directory is set)."""
-    persist_flush_interval_s: float = 30.0
+    persist_flush_interval_s: float = bounded(30.0, gt=0)
     """...or at least this often while rollouts arrive (and at every `flush`, e.g. each learner step, and at exit)."""
 
     def __post_init__(self):
@@ -89,14 +92,7 @@ class ReplayConfig:
             raise ValueError(
                 f"replay.gae_reward_credit must be one of {REWARD_CREDITS}, got {self.gae_reward_credit!r}"
             )
-        if not 0.0 <= self.turn_lambda <= 1.0:
-            raise ValueError(f"replay.turn_lambda must be in [0, 1], got {self.turn_lambda}")
-        if self.min_group_size < 1 or self.max_age < 0 or self.capacity < 1 or self.max_reuse < 1:
-            raise ValueError("replay: min_group_size, capacity, max_reuse must be >= 1 and max_age >= 0")
-        if not 0.0 <= self.reinforce_baseline_decay < 1.0:
-            raise ValueError("replay.reinforce_baseline_decay must be in [0, 1)")
-        if self.persist_flush_rows < 1:
-            raise ValueError("replay.persist_flush_rows must be >= 1")
+        check_fields(self, "replay")
 
 
 def group_sampled_tokens(group: RolloutGroup) -> int:

@@ -93,6 +93,8 @@ class Orchestrator:
         self.rolled_back_steps = 0
         """Learner steps lost to learner deaths (trained, then rolled back to a checkpoint and trained again)."""
         self._last_server_check = time.time()
+        self.started_at = time.time()
+        """When this process started the run (`run()`): `time/elapsed_s` counts from here."""
         # Run progress (saved in checkpoints).
         self.step = 0
         self.total_gen_tokens = 0
@@ -200,7 +202,7 @@ class Orchestrator:
         metrics.update(self.rollouts.step_metrics(step))
         now = time.time()
         metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
-        metrics["time/elapsed_s"] = now
+        metrics.update(self._clock(now))
         server_stats = self.parts.servers.stats()
         metrics.update(server_stats)
         self.profile.observe_servers(server_stats)
@@ -221,6 +223,11 @@ class Orchestrator:
         tracker.log(metrics, step=step)
         if step % self.config.tracking.console_every == 0 or last:
             logger.info(console_line(step, metrics, self.env_names))
+
+    def _clock(self, now: float) -> dict[str, float]:
+        """`time/elapsed_s`: seconds since this process started the run (a resumed run counts from its restart);
+        `time/unix`: the Unix time of the row."""
+        return {"time/elapsed_s": now - self.started_at, "time/unix": now}
 
     # ---- a dead learner ----------------------------------------------------------------------------------
     def _replace_learner(self, error: BaseException) -> None:
@@ -408,7 +415,7 @@ class Orchestrator:
     def run(self) -> dict[str, Any]:
         """Start everything, train (resuming from the latest checkpoint when there is one), and shut down."""
         cfg = self.config
-        start_time = time.time()
+        start_time = self.started_at = time.time()
         resume_path = self._find_resume()
         self.parts.start_backend()
         # After ray.init: Ray's driver installs its own SIGTERM handler (which aborts); ours must replace it.
@@ -436,7 +443,7 @@ class Orchestrator:
                 self.eval_start = self.last_eval = self.parts.evaluate()
                 self._initial_state = self._run_state()  # where a learner that dies before a checkpoint returns
                 logger.info("eval at start: %s", _fmt(self.eval_start))
-                start = {**self.eval_start, **bmetrics, "learner/version": 0, "time/elapsed_s": time.time()}
+                start = {**self.eval_start, **bmetrics, "learner/version": 0, **self._clock(time.time())}
                 tracker.log(start, step=0)
             else:
                 self.parts.broadcast()  # the restored weights reach every server before any new generation

@@ -49,7 +49,7 @@ from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.orchestrator.stop import StopRequest
 from marin_rl.replay.batcher import FormedBatch
-from marin_rl.report import plot_rewards, write_summary
+from marin_rl.report import headline_line, headline_summary, plot_rewards, write_summary
 from marin_rl.tracking import console_line, make_tracker
 
 if TYPE_CHECKING:
@@ -462,14 +462,7 @@ class Orchestrator:
             tracker.log_summary(summary)
             write_summary(self.output_dir, summary)
             plot_rewards(self.output_dir, self.jsonl.history, self.env_names)
-            logger.info(
-                "done: eval reward %.3f -> %.3f (%+.3f) in %.0fs; see %s",
-                summary["eval_reward_start"],
-                summary["eval_reward_end"],
-                summary["eval_reward_end"] - summary["eval_reward_start"],
-                summary["wall_time_s"],
-                self.output_dir,
-            )
+            logger.info(headline_line(summary))
             return summary
         finally:
             self.stop.armed = False
@@ -481,8 +474,7 @@ class Orchestrator:
     def _summary(self, start_time: float, resume_path: str | None) -> dict[str, Any]:
         summary = {
             "steps": self.step,
-            "eval_reward_start": self.eval_start["eval/mean_reward"],
-            "eval_reward_end": self.last_eval["eval/mean_reward"],
+            **headline_summary(self.eval_start, self.last_eval, self.env_names),
             "generated_tokens": self.total_gen_tokens,
             "trained_tokens": self.total_trained_tokens,
             **self.rollouts.totals(),
@@ -499,11 +491,6 @@ class Orchestrator:
             "resumed_from": resume_path,
             "profile": self.profile.summary(),
         }
-        for n in self.env_names:
-            summary[f"eval_reward_start/{n}"] = self.eval_start[f"eval/{n}/reward"]
-            summary[f"eval_reward_end/{n}"] = self.last_eval[f"eval/{n}/reward"]
-            summary[f"eval_greedy_reward_start/{n}"] = self.eval_start[f"eval/{n}/greedy_reward"]
-            summary[f"eval_greedy_reward_end/{n}"] = self.last_eval[f"eval/{n}/greedy_reward"]
         return summary
 
 

@@ -374,7 +374,7 @@ class Learner:
         self._train_step = eqx.filter_jit(self._train_step_impl, donate="all-except-first")
         self._prepare = eqx.filter_jit(self._prepare_impl)
         self._logprobs = eqx.filter_jit(self._logprobs_impl)
-        logger.info("learner: %s parameters", f"{self.num_params:,}")
+        logger.debug("learner: %s parameters", f"{self.num_params:,}")  # the driver and the programs say it
         if self.mesh is not None:
             logger.info("learner: mesh %s over %s devices", dict(self.mesh.shape), self.mesh.devices.size)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from marin_rl.api.controller import RolloutController, run_rollout_controller
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import begin_checkpoint
+from marin_rl.logs import plain_ray_output
 from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
@@ -83,12 +85,16 @@ class RunComponents:
         if ray.is_initialized():
             return
         sweep_orphans()  # processes and weight slots that a crashed run on this machine left
+        plain_ray_output()  # no colour codes around actor lines written to a file
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:
             # every process of this local Ray dies with the driver, even when the driver is SIGKILLed
             self._watchdog = Watchdog()
             self._watchdog.start()
+            # Ray's default for a new local cluster made explicit: token authentication on (a token is created in
+            # ~/.ray/auth_token if none is there). Left unset, Ray chooses the same and warns about it at every start.
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
             # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
             ray.init(
                 address="local",

@@ -73,6 +73,24 @@ def configure_logging() -> None:
     logging.getLogger("levanter.inference.openai").setLevel(logging.CRITICAL)
 
 
+class DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of `prefixes`."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def drop_log_messages(logger_name: str, *prefixes: str) -> None:
+    """From now on, logger `logger_name` drops messages starting with one of `prefixes` (once per logger and set)."""
+    target = logging.getLogger(logger_name)
+    if not any(isinstance(f, DropMessages) and f.prefixes == prefixes for f in target.filters):
+        target.addFilter(DropMessages(prefixes))
+
+
 def plain_ray_output(environ: dict[str, str] | None = None) -> None:
     """Before this driver starts Ray: when its stdout or stderr is not a terminal, Ray prints its actors' lines
     without the colour codes it wraps their `(Actor pid=N)` prefix in (`RAY_COLOR_PREFIX=0`; a value already set

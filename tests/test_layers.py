@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "marin_rl"
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["types", "tokenizer", "logs", "tracking", "report", "placement", "processes", "cli_help"]),
+    ("logging", ["logs"]),
+    ("foundation", ["types", "tokenizer", "progress", "tracking", "report", "placement", "processes", "cli_help"]),
     ("model", ["model"]),
     ("replay", ["replay"]),
     ("broadcast", ["broadcast"]),

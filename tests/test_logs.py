@@ -52,3 +52,16 @@ def test_ray_prints_actor_lines_without_colour_when_the_driver_writes_to_a_file(
     env = {}
     plain_ray_output(env)
     assert env == {}  # a terminal: Ray's colours are welcome
+
+
+def test_dropped_messages_are_dropped_once_configured_and_others_pass(caplog):
+    from marin_rl.logs import drop_log_messages
+
+    name = "marin_rl.test_drop"
+    drop_log_messages(name, "Token authentication is enabled")
+    drop_log_messages(name, "Token authentication is enabled")  # idempotent
+    assert len(logging.getLogger(name).filters) == 1
+    with caplog.at_level(logging.INFO, logger=name):
+        logging.getLogger(name).warning("Token authentication is enabled for this Ray cluster. Set ...")
+        logging.getLogger(name).warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]

@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from marin_rl.api.controller import RolloutController, run_rollout_controller
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import begin_checkpoint
-from marin_rl.logs import plain_ray_output
+from marin_rl.logs import drop_log_messages, plain_ray_output
 from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
@@ -33,6 +33,9 @@ from marin_rl.placement import wait_for_actors
 from marin_rl.tokenizer import load_tokenizer
 
 logger = logging.getLogger("marin_rl")
+
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""The Ray logger that announces token authentication at every local start."""
 
 
 class RunComponents:
@@ -92,9 +95,11 @@ class RunComponents:
             # every process of this local Ray dies with the driver, even when the driver is SIGKILLed
             self._watchdog = Watchdog()
             self._watchdog.start()
-            # Ray's default for a new local cluster made explicit: token authentication on (a token is created in
-            # ~/.ray/auth_token if none is there). Left unset, Ray chooses the same and warns about it at every start.
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            if "RAY_AUTH_MODE" not in os.environ:
+                # Ray turns token authentication on for a new local cluster and warns about it, several lines long,
+                # at every start; the same said once, briefly (RAY_AUTH_MODE must be set before Ray is imported).
+                drop_log_messages(RAY_AUTH_LOGGER, "Token authentication is enabled")
+                logger.info("Ray: local cluster with token authentication (Ray's default; RAY_AUTH_MODE=disabled: off)")
             # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
             ray.init(
                 address="local",

@@ -48,6 +48,7 @@ from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.orchestrator.stop import StopRequest
+from marin_rl.progress import StepProgress
 from marin_rl.replay.batcher import FormedBatch
 from marin_rl.report import headline_line, headline_summary, plot_rewards, write_summary
 from marin_rl.tracking import console_line, make_tracker
@@ -112,6 +113,8 @@ class Orchestrator:
         self.jsonl = None  # the metrics log (a rollback marks it like a resume)
         self._initial_state: dict[str, Any] | None = None  # pools and buffers before step 1: a rollback target
         self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
+        self.progress: StepProgress | None = None
+        """The RL phase's progress display while the loop runs."""
 
     @property
     def learner(self):
@@ -223,6 +226,9 @@ class Orchestrator:
         tracker.log(metrics, step=step)
         if step % self.config.tracking.console_every == 0 or last:
             logger.info(console_line(step, metrics, self.env_names))
+        if self.progress is not None:
+            rewards = ((n, metrics.get(f"batches/{n}/reward/mean")) for n in self.env_names)
+            self.progress.advance_to(step, " | ".join(f"{n} reward {r:.3f}" for n, r in rewards if r is not None))
 
     def _clock(self, now: float) -> dict[str, float]:
         """`time/elapsed_s`: seconds since this process started the run (a resumed run counts from its restart);
@@ -451,7 +457,9 @@ class Orchestrator:
             self.window = {"gen_tokens": 0, "since": time.time()}
             self.stop.armed = True
             self.profile = LoopProfile()
-            self._loop(tracker)
+            with StepProgress("RL", cfg.orchestrator.num_steps, start=self.step) as self.progress:
+                self._loop(tracker)
+            self.progress = None
             self.stop.armed = False
             if self.stop.requested:
                 if cfg.checkpoint.save_on_exit and self.last_saved_step != self.step:

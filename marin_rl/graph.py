@@ -1,7 +1,8 @@
 """Draw and list a run's algorithm: `python -m marin_rl.graph --config X [--output DIR] [dotted overrides]`.
 
 Writes the algorithm's graph of model calls (`marin_rl.learner.algorithm`) as `DIR/<name>.dot` (Graphviz source) and
-`DIR/<name>.png` (drawn with matplotlib: calls as boxes by role, data keys as ovals, the rollout side on the left;
+`DIR/<name>.png` (drawn with matplotlib, top to bottom and at most 1200 px wide: calls as boxes coloured by role,
+solid on the learner side and dashed on the rollout side, data keys in italics, a legend below;
 `<name>` is `<algorithm>+<reward model>...` when the run's environments use reward models) and prints the calls in
 execution order with the role, kind, side, reads and writes of each. The graph is checked first (every key read is
 written upstream, roles exist, no cycle); a bad graph exits with the reason. DIR defaults to the run's `output_dir`.
@@ -66,59 +67,127 @@ def _keys(order: list[Call]) -> list[str]:
     return keys
 
 
+MAX_WIDTH_PX = 1200
+"""The drawn picture is at most this wide (it fits the README's column at its natural size)."""
+
+DPI = 100
+
+
+def layout(algorithm: Algorithm) -> tuple[dict[str, tuple[float, float]], int]:
+    """Node positions, top to bottom by dependency depth (inputs on the first row; a call one row below what it
+    reads, a key one row below its writer), each row centred and ordered by its nodes' parents (fewer crossings);
+    and the widest row's node count."""
+    order = algorithm.ordered()
+    depth: dict[str, int] = {f"key:{k}": 0 for k in INPUTS}
+    parents: dict[str, list[str]] = {f"key:{k}": [] for k in INPUTS}
+    for c in order:
+        depth[c.name] = 1 + max((depth[f"key:{k}"] for k in c.reads), default=0)
+        parents[c.name] = [f"key:{k}" for k in c.reads]
+        for k in c.writes:
+            depth[f"key:{k}"] = depth[c.name] + 1
+            parents[f"key:{k}"] = [c.name]
+    rows: dict[int, list[str]] = {}
+    for node, d in depth.items():
+        rows.setdefault(d, []).append(node)
+    pos: dict[str, tuple[float, float]] = {}
+    for d in sorted(rows):
+        nodes = rows[d]
+        if d > 0:  # barycentre of the parents already placed
+            nodes.sort(key=lambda n: sum(pos[p][0] for p in parents[n]) / max(len(parents[n]), 1))
+        for i, n in enumerate(nodes):
+            pos[n] = (i - (len(nodes) - 1) / 2, -float(d))
+    return pos, max(len(v) for v in rows.values())
+
+
 def draw(algorithm: Algorithm, path: str) -> str:
-    """Draw the graph as a PNG at `path` (layers by dependency depth, left to right); returns `path`."""
+    """Draw the graph (`figure`) as a PNG at `path`; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(algorithm)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def figure(algorithm: Algorithm):
+    """The graph as a matplotlib figure: top to bottom by dependency, at most `MAX_WIDTH_PX` wide at `DPI`, with a
+    legend of the roles, the sides and the shapes; every edge is an arrow cut at the borders of the two boxes it
+    joins, so its head shows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     order = algorithm.ordered()
-    depth: dict[str, int] = {f"key:{k}": 0 for k in INPUTS}
-    for c in order:  # calls one column right of what they read, keys one right of their writer
-        depth[c.name] = 1 + max((depth[f"key:{k}"] for k in c.reads), default=0)
-        for k in c.writes:
-            depth[f"key:{k}"] = depth[c.name] + 1
-    columns: dict[int, list[str]] = {}
-    for node, d in depth.items():
-        columns.setdefault(d, []).append(node)
-    pos = {n: (d, -i + (len(nodes) - 1) / 2) for d, nodes in columns.items() for i, n in enumerate(nodes)}
-    width, height = 2.2 * (max(columns) + 1), 1.3 * max(len(v) for v in columns.values()) + 1.5
-    fig, ax = plt.subplots(figsize=(width, height))
-    edges = [(f"key:{k}", c.name) for c in order for k in c.reads] + [
-        (c.name, f"key:{k}") for c in order for k in c.writes
-    ]
-    for a, b in edges:
-        ax.annotate(
-            "", xy=pos[b], xytext=pos[a], arrowprops=dict(arrowstyle="->", color="#555555", shrinkA=28, shrinkB=28)
-        )
+    pos, widest = layout(algorithm)
+    levels = 1 + int(-min(y for _, y in pos.values()))
+    width_in = min(MAX_WIDTH_PX / DPI, max(7.0, 2.3 * widest + 1.0))
+    fig, ax = plt.subplots(figsize=(width_in, 0.8 * levels + 2.4), dpi=DPI)
     calls = {c.name: c for c in order}
+    texts = {}
     for node, (x, y) in pos.items():
         if node in calls:
             c = calls[node]
             box = dict(
                 boxstyle="round,pad=0.4", fc=ROLE_COLOURS[c.role], ec="#333333", ls="-" if c.side == "learner" else "--"
             )
-            ax.text(x, y, f"{c.name}\n{c.role} · {c.kind}\n({c.side})", ha="center", va="center", fontsize=8, bbox=box)
+            texts[node] = ax.text(
+                x, y, f"{c.name}\n{c.role} · {c.kind}", ha="center", va="center", fontsize=10, bbox=box, zorder=3
+            )
         else:
-            ax.text(
+            texts[node] = ax.text(
                 x,
                 y,
                 node[4:],
                 ha="center",
                 va="center",
-                fontsize=8,
+                fontsize=10,
                 style="italic",
-                bbox=dict(boxstyle="ellipse,pad=0.3", fc="white", ec="#888888"),
+                zorder=3,
+                bbox=dict(boxstyle="round,pad=0.3,rounding_size=0.8", fc="white", ec="#888888"),
             )
-    ax.set_xlim(-0.7, max(columns) + 0.7)
-    ax.set_ylim(min(y for _, y in pos.values()) - 0.8, max(y for _, y in pos.values()) + 0.8)
+    edges = [(f"key:{k}", c.name) for c in order for k in c.reads] + [
+        (c.name, f"key:{k}") for c in order for k in c.writes
+    ]
+    for a, b in edges:
+        span = pos[a][1] - pos[b][1]  # rows crossed
+        # an edge over several rows bows outwards (left of the centre line to the left), around the rows between
+        bow = 0.0 if span < 1.5 else (0.25 if pos[a][0] + pos[b][0] <= 0 else -0.25)
+        ax.annotate(
+            "",
+            xy=pos[b],
+            xytext=pos[a],
+            zorder=4,  # drawn after the boxes, so the boxes' borders are known where the arrow is cut
+            arrowprops=dict(
+                arrowstyle="-|>",
+                mutation_scale=14,
+                color="#555555",
+                lw=1.1,
+                patchA=texts[a].get_bbox_patch(),
+                patchB=texts[b].get_bbox_patch(),
+                shrinkA=1,
+                shrinkB=1,
+                connectionstyle=f"arc3,rad={bow}",
+            ),
+        )
+    xs = [x for x, _ in pos.values()]
+    ax.set_xlim(min(xs) - 0.75, max(xs) + 0.75)
+    ax.set_ylim(-(levels - 1) - 0.6, 0.6)
     ax.axis("off")
-    ax.set_title(f"{algorithm.name}: {algorithm.description}", fontsize=9)
+    roles = list(dict.fromkeys(c.role for c in order))
+    handles = [Patch(fc=ROLE_COLOURS[r], ec="#333333", label=f"role {r}") for r in roles]
+    handles += [
+        Patch(fc="white", ec="#333333", ls="-", label="call on the learner side"),
+        Patch(fc="white", ec="#333333", ls="--", label="call on the rollout side"),
+        Patch(fc="white", ec="#888888", label="data key (italic)"),
+        Line2D([], [], color="#555555", marker=">", markersize=6, label="reads / writes"),
+    ]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9, frameon=False)
+    ax.set_title(f"{algorithm.name}: {algorithm.description}", fontsize=10, wrap=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,7 @@ from marin_rl.model.reward import (
     with_extra_layers,
 )
 from marin_rl.model.value import ValueModel
+from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack, pack_rows
 from marin_rl.report import write_summary
 from marin_rl.tokenizer import TokenizerConfig, load_tokenizer
@@ -447,24 +448,26 @@ class RewardModelTrainer:
         if not references:
             raise ValueError(f"lm_pretrain_steps: no reference completion of {self.env.name} is a positive")
         losses, n, start = [], 0, time.time()
-        while n < cfg.lm_pretrain_steps:
-            for batch, _, _ in batches_of(references, cfg.batch_rows, cfg.row_len, self.np_rng):
-                self.lm, opt_state, loss = step(
-                    self.lm, opt_state, *self._named(batch, batch.loss_mask.astype(np.float32))
-                )
-                n += 1
-                losses.append(float(loss))
-                if n % cfg.log_every == 0 or n == cfg.lm_pretrain_steps:
-                    recent = float(np.mean(losses[-cfg.log_every :]))
-                    logger.info(
-                        "reward model: language-model step %d/%d | loss %.4f | %.0fs",
-                        n,
-                        cfg.lm_pretrain_steps,
-                        recent,
-                        time.time() - start,
+        with StepProgress("reward model: language model", cfg.lm_pretrain_steps) as progress:
+            while n < cfg.lm_pretrain_steps:
+                for batch, _, _ in batches_of(references, cfg.batch_rows, cfg.row_len, self.np_rng):
+                    self.lm, opt_state, loss = step(
+                        self.lm, opt_state, *self._named(batch, batch.loss_mask.astype(np.float32))
                     )
-                if n >= cfg.lm_pretrain_steps:
-                    break
+                    n += 1
+                    losses.append(float(loss))
+                    if n % cfg.log_every == 0 or n == cfg.lm_pretrain_steps:
+                        recent = float(np.mean(losses[-cfg.log_every :]))
+                        logger.info(
+                            "reward model: language-model step %d/%d | loss %.4f | %.0fs",
+                            n,
+                            cfg.lm_pretrain_steps,
+                            recent,
+                            time.time() - start,
+                        )
+                    progress.advance_to(n, f"loss {losses[-1]:.4f}")
+                    if n >= cfg.lm_pretrain_steps:
+                        break
         return {"lm_loss_first": losses[0], "lm_loss_last": losses[-1], "lm_seconds": time.time() - start}
 
     def prepare_trunk(self) -> dict[str, float]:
@@ -532,41 +535,43 @@ class RewardModelTrainer:
         logger.info("reward model: held-out accuracy %.3f, AUC %.3f before training", before["accuracy"], before["auc"])
         history, last_eval, step, passes = [], before, 0, 0
         window: dict[str, list[float]] = collections.defaultdict(list)
-        while step < cfg.steps:
-            examples = self._fit(self.builder.build(self.train_problems, self.train_refs, self.rng), "training")
-            positives = sum(e.label > 0.5 for e in examples)
-            frac = positives / len(examples)
-            class_weights = {1.0: 1.0, 0.0: 1.0}
-            if cfg.balance_classes and 0 < positives < len(examples):
-                class_weights = {1.0: 0.5 / frac, 0.0: 0.5 / (1 - frac)}
-            passes += 1
-            for batch, placed, ends in batches_of(examples, cfg.batch_rows, cfg.row_len, self.np_rng):
-                t = time.time()
-                arrays = self.train_arrays(batch, placed, ends, class_weights, cfg.prefix_weight)
-                (self.model, self.token_head), self.opt_state, metrics = self._step(
-                    (self.model, self.token_head), self.opt_state, *self._named(batch, *arrays)
-                )
-                step += 1
-                for k, v in metrics.items():
-                    window[k].append(float(v))
-                window["step_time_s"].append(time.time() - t)
-                row = {"step": step, "pass": passes, **{k: float(v) for k, v in metrics.items()}}
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    last_eval = self.evaluate()
-                    row.update({f"eval/{k}": v for k, v in last_eval.items()})
-                history.append(row)
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    loss, acc, secs = (float(np.mean(window[k])) for k in ("loss", "accuracy", "step_time_s"))
-                    line = f"reward model step {step:>5}/{cfg.steps} | loss {loss:.4f} | train acc {acc:.3f}"
-                    if "token_ce" in window:
-                        line += f" | token ce {float(np.mean(window['token_ce'])):.3f}"
-                    line += f" | {secs:.3f}s/step"
-                    if "eval/accuracy" in row:
-                        line += f" | held-out acc {row['eval/accuracy']:.3f} AUC {row['eval/auc']:.3f}"
-                    logger.info(line)
-                    window.clear()
-                if step >= cfg.steps:
-                    break
+        with StepProgress("reward model", cfg.steps) as progress:  # a bar on a terminal, else a line every 30 s
+            while step < cfg.steps:
+                examples = self._fit(self.builder.build(self.train_problems, self.train_refs, self.rng), "training")
+                positives = sum(e.label > 0.5 for e in examples)
+                frac = positives / len(examples)
+                class_weights = {1.0: 1.0, 0.0: 1.0}
+                if cfg.balance_classes and 0 < positives < len(examples):
+                    class_weights = {1.0: 0.5 / frac, 0.0: 0.5 / (1 - frac)}
+                passes += 1
+                for batch, placed, ends in batches_of(examples, cfg.batch_rows, cfg.row_len, self.np_rng):
+                    t = time.time()
+                    arrays = self.train_arrays(batch, placed, ends, class_weights, cfg.prefix_weight)
+                    (self.model, self.token_head), self.opt_state, metrics = self._step(
+                        (self.model, self.token_head), self.opt_state, *self._named(batch, *arrays)
+                    )
+                    step += 1
+                    for k, v in metrics.items():
+                        window[k].append(float(v))
+                    window["step_time_s"].append(time.time() - t)
+                    row = {"step": step, "pass": passes, **{k: float(v) for k, v in metrics.items()}}
+                    if step % cfg.eval_every == 0 or step == cfg.steps:
+                        last_eval = self.evaluate()
+                        row.update({f"eval/{k}": v for k, v in last_eval.items()})
+                    history.append(row)
+                    if step % cfg.log_every == 0 or step == cfg.steps:
+                        loss, acc, secs = (float(np.mean(window[k])) for k in ("loss", "accuracy", "step_time_s"))
+                        line = f"reward model step {step:>5}/{cfg.steps} | loss {loss:.4f} | train acc {acc:.3f}"
+                        if "token_ce" in window:
+                            line += f" | token ce {float(np.mean(window['token_ce'])):.3f}"
+                        line += f" | {secs:.3f}s/step"
+                        if "eval/accuracy" in row:
+                            line += f" | held-out acc {row['eval/accuracy']:.3f} AUC {row['eval/auc']:.3f}"
+                        logger.info(line)
+                        window.clear()
+                    progress.advance_to(step, f"loss {row['loss']:.4f}")
+                    if step >= cfg.steps:
+                        break
         seconds = time.time() - start
         summary = {
             "mode": "reward_model",

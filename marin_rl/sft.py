@@ -30,6 +30,7 @@ from marin_rl.envs.data import DataFormatError, read_rows, text_field
 from marin_rl.learner.learner import Learner, SftConfig
 from marin_rl.logs import configure_logging
 from marin_rl.model.build import with_seq_len
+from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack, pack_rows
 from marin_rl.report import write_summary
 from marin_rl.tokenizer import load_tokenizer
@@ -261,37 +262,39 @@ class SftTrainer:
         tracker.log(eval_start, step=0)
         logger.info("sft: held-out loss before training %.4f", eval_start["sft/eval_loss"])
         last_eval, exported, trained_tokens, seen = eval_start, None, 0, 0
-        for i, plan in enumerate(self.plan):
-            t = time.time()
-            batch = build_batch(self.train_seqs, plan, cfg.batch_rows, self.row_len)
-            self.opt_state, device_metrics = self.learner.supervised_step(batch, self.optimizer, self.opt_state)
-            self.step = i + 1
-            seen += len(plan)
-            metrics = {f"sft/{k}": float(v) for k, v in device_metrics.items()}
-            elapsed = time.time() - t
-            trained_tokens += int(metrics["sft/tokens"])
-            metrics.update(
-                {
-                    "sft/learning_rate": cfg.optimizer.lr_at(i),
-                    "sft/epoch": seen / len(self.train_seqs),
-                    "sft/step_time_s": elapsed,
-                    "sft/tokens_per_s": float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9),
-                    "sft/packing_efficiency": float(np.mean(batch.segment_ids >= 0)),
-                }
-            )
-            if (cfg.eval_every > 0 and self.step % cfg.eval_every == 0) or self.step == num_steps:
-                last_eval = self.evaluate()
-                metrics.update(last_eval)
-            every = config.model.export_every
-            if (every > 0 and self.step % every == 0) or self.step == num_steps:
-                exported = self.export()
-            tracker.log(metrics, step=self.step)
-            if self.step % cfg.log_every == 0 or self.step == num_steps:
-                line = f"sft step {self.step:>5}/{num_steps} | loss {metrics['sft/loss']:.4f}"
-                if "sft/eval_loss" in metrics:
-                    line += f" | eval {metrics['sft/eval_loss']:.4f}"
-                line += f" | epoch {metrics['sft/epoch']:.2f} | {metrics['sft/tokens_per_s']:.0f} tok/s"
-                logger.info(line)
+        with StepProgress("sft", num_steps) as progress:  # a bar on a terminal, else a line every 30 s
+            for i, plan in enumerate(self.plan):
+                t = time.time()
+                batch = build_batch(self.train_seqs, plan, cfg.batch_rows, self.row_len)
+                self.opt_state, device_metrics = self.learner.supervised_step(batch, self.optimizer, self.opt_state)
+                self.step = i + 1
+                seen += len(plan)
+                metrics = {f"sft/{k}": float(v) for k, v in device_metrics.items()}
+                elapsed = time.time() - t
+                trained_tokens += int(metrics["sft/tokens"])
+                metrics.update(
+                    {
+                        "sft/learning_rate": cfg.optimizer.lr_at(i),
+                        "sft/epoch": seen / len(self.train_seqs),
+                        "sft/step_time_s": elapsed,
+                        "sft/tokens_per_s": float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9),
+                        "sft/packing_efficiency": float(np.mean(batch.segment_ids >= 0)),
+                    }
+                )
+                if (cfg.eval_every > 0 and self.step % cfg.eval_every == 0) or self.step == num_steps:
+                    last_eval = self.evaluate()
+                    metrics.update(last_eval)
+                every = config.model.export_every
+                if (every > 0 and self.step % every == 0) or self.step == num_steps:
+                    exported = self.export()
+                tracker.log(metrics, step=self.step)
+                if self.step % cfg.log_every == 0 or self.step == num_steps:
+                    line = f"sft step {self.step:>5}/{num_steps} | loss {metrics['sft/loss']:.4f}"
+                    if "sft/eval_loss" in metrics:
+                        line += f" | eval {metrics['sft/eval_loss']:.4f}"
+                    line += f" | epoch {metrics['sft/epoch']:.2f} | {metrics['sft/tokens_per_s']:.0f} tok/s"
+                    logger.info(line)
+                progress.advance_to(self.step, f"loss {metrics['sft/loss']:.4f}")
         summary = {
             "mode": "sft",
             "steps": self.step,

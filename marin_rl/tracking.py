@@ -178,7 +178,8 @@ def wandb_run_id(output_dir: str, resumed: bool) -> str:
 
 def console_line(step: int, m: dict[str, Any], env_names: list[str]) -> str:
     """One human-readable line per learner step (with an evaluation: each named reward's held-out mean too, when an
-    environment has more than one, e.g. a verifier's and a reward model's)."""
+    environment has more than one, e.g. a verifier's and a reward model's; the verifier's score first when the
+    environment trains on a reward model, see `marin_rl.report`)."""
     parts = [f"step {step:>4}", f"v{int(m.get('learner/version', step))}"]
     for n in env_names:
         r = m.get(f"batches/{n}/reward/mean")
@@ -189,7 +190,11 @@ def console_line(step: int, m: dict[str, Any], env_names: list[str]) -> str:
             prefix = f"eval/{n}/rewards/"
             named = {k[len(prefix) :]: v for k, v in m.items() if k.startswith(prefix)}
             shown = f" ({', '.join(f'{k} {v:.3f}' for k, v in named.items())})" if len(named) > 1 else ""
-            parts.append(f"eval {e:.3f}{shown}")
+            verifier = m.get(f"eval/{n}/verifier_reward")
+            if verifier is not None:  # trained on a reward model: the verifier's score is the headline
+                parts.append(f"eval verifier {verifier:.3f}, trained reward {e:.3f}{shown}")
+            else:
+                parts.append(f"eval {e:.3f}{shown}")
     parts.append(f"loss {m.get('learner/loss', float('nan')):+.4f}")
     parts.append(f"gen {m.get('throughput/generated_tokens_per_s', 0):.0f} tok/s")
     parts.append(f"train {m.get('learner/tokens_per_s', 0):.0f} tok/s")

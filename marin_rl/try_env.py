@@ -1,15 +1,21 @@
 """Run a few episodes of one environment and print the conversations and rewards.
 
-    python -m marin_rl.try_env ENV_NAME --config experiments/NAME.yaml [--server HOST:PORT] [--problems 3]
+    python -m marin_rl.try_env ENV_NAME --config experiments/NAME.yaml [--checkpoint PATH] [--server HOST:PORT]
 
-Without `--server` the policy of the config (`model`: random init, or `model.init_from_hf`) is served by an
-embedded Levanter server started in this process. For environment authors checking prompts, parsing and rewards.
+Without `--server` a policy is served by an embedded Levanter server started in this process: `--checkpoint PATH`'s
+(a Hugging Face export directory such as `runs/quickstart/hf/step-300`, a learner checkpoint directory, or a run's
+output directory, whose newest export or checkpoint is used), else the config's `model` (`model.init_from_hf`, or
+random weights, which the program says: their answers are garbage and earn no reward). For environment authors
+checking prompts, parsing and rewards, and for looking at what a trained policy answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
+import re
 import sys
 
 import equinox as eqx
@@ -21,9 +27,79 @@ from rich.text import Text
 from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import RunConfig, make_environment, parse_config
 from marin_rl.envs.data import DataFormatError
+from marin_rl.learner.checkpoint import checkpoint_step, is_complete, latest_checkpoint
 from marin_rl.logs import configure_logging
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
+
+RANDOM_WEIGHTS_LINE = (
+    "sampling from RANDOM weights (no --checkpoint, no model.init_from_hf): expect garbage answers and reward 0; "
+    "pass --checkpoint runs/NAME (a run directory or one of its hf/step-N exports) to try a trained policy"
+)
+"""Printed (to stderr) when the embedded server samples from a randomly initialised policy."""
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCheckpoint:
+    """A policy to load: a Hugging Face export (`kind` "hf") or a learner checkpoint (`kind` "learner")."""
+
+    kind: str
+    path: str
+    step: int | None = None
+    """The learner step it holds, when known."""
+
+
+def _newest_export(hf_root: str) -> PolicyCheckpoint | None:
+    """The highest `step-N` under `hf_root` that holds a config.json (an HF export of a run), or None."""
+    if not os.path.isdir(hf_root):
+        return None
+    found = []
+    for name in os.listdir(hf_root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(hf_root, name, "config.json")):
+            found.append((int(m.group(1)), os.path.join(hf_root, name)))
+    if not found:
+        return None
+    step, path = max(found)
+    return PolicyCheckpoint("hf", path, step)
+
+
+def find_policy_checkpoint(path: str) -> PolicyCheckpoint:
+    """What `--checkpoint PATH` names: an HF export directory (it has config.json), a complete learner checkpoint
+    (it has the completion marker), or a run's output directory, whose newest HF export (`hf/step-N`) or newest
+    complete checkpoint (`checkpoints/step-N`) is taken, the export when both are at the same step. Raises
+    FileNotFoundError naming what was looked for."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return PolicyCheckpoint("hf", path)
+    if is_complete(path):
+        return PolicyCheckpoint("learner", path, checkpoint_step(path))
+    export = _newest_export(os.path.join(path, "hf"))
+    latest = latest_checkpoint(os.path.join(path, "checkpoints"))
+    saved = PolicyCheckpoint("learner", latest, checkpoint_step(latest)) if latest is not None else None
+    if export is not None and (saved is None or export.step >= saved.step):
+        return export
+    if saved is not None:
+        return saved
+    raise FileNotFoundError(
+        f"--checkpoint {path}: no Hugging Face export (config.json), complete checkpoint, hf/step-N export or "
+        "checkpoints/step-N checkpoint there"
+    )
+
+
+def load_policy(config: RunConfig, found: PolicyCheckpoint, vocab_size: int):
+    """The policy held by `found`, for the run config's model architecture."""
+    from marin_rl.model.build import build_model
+
+    if found.kind == "hf":
+        return build_model(dataclasses.replace(config.model, init_from_hf=found.path), vocab_size)
+    from marin_rl.learner.checkpoint import load_learner_state
+    from marin_rl.learner.learner import Learner
+
+    learner = Learner(config.model, config.learner, vocab_size)
+    load_learner_state(learner, found.path)
+    return learner.model
 
 
 def _print_group(console: Console, tokenizer, group: RolloutGroup) -> None:
@@ -65,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("env", help="name of an environment in the config's `envs`")
     parser.add_argument("--config", required=True, help="experiment YAML")
     parser.add_argument("--server", help="HOST:PORT of a running OpenAI-compatible server (default: embedded)")
+    parser.add_argument(
+        "--checkpoint",
+        help="policy for the embedded server: an HF export directory, a learner checkpoint, or a run directory (its "
+        "newest hf/step-N export or checkpoint); default: the config's model",
+    )
     parser.add_argument("--problems", type=int, default=3, help="problems to run (default 3)")
     parser.add_argument("--group-size", type=int, default=None, help="episodes per problem (default: the env's)")
     parser.add_argument("--held-out", action="store_true", help="use held-out problems instead of training ones")
@@ -78,13 +159,29 @@ def main(argv: list[str] | None = None) -> None:
     group_size = args.group_size or env_config.group_size
     embedded = None
     server = args.server
+    if server is not None and args.checkpoint:
+        raise SystemExit("--checkpoint loads a policy into the embedded server; it cannot be used with --server")
     if server is None:
         from marin_rl.inference.levanter_server import LevanterInferenceServer
         from marin_rl.model.build import build_model
 
         tokenizer = load_tokenizer(config.tokenizer)
-        print("starting an embedded server with the config's model (first request compiles)...", file=sys.stderr)
-        model = build_model(config.model, len(tokenizer))
+        if args.checkpoint:
+            try:
+                found = find_policy_checkpoint(args.checkpoint)
+            except FileNotFoundError as e:
+                raise SystemExit(str(e)) from None
+            step = f" (step {found.step})" if found.step is not None else ""
+            what = "Hugging Face export" if found.kind == "hf" else "learner checkpoint"
+            print(f"policy: the {what} at {found.path}{step}", file=sys.stderr)
+            model = load_policy(config, found, len(tokenizer))
+        else:
+            if config.model.init_from_hf is None:
+                print(RANDOM_WEIGHTS_LINE, file=sys.stderr)
+            else:
+                print(f"policy: model.init_from_hf = {config.model.init_from_hf}", file=sys.stderr)
+            model = build_model(config.model, len(tokenizer))
+        print("starting an embedded server (the first request compiles)...", file=sys.stderr)
         embedded = LevanterInferenceServer(model, tokenizer, config.inference)
         embedded.apply_weights(0, [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))])
         server = embedded.start()

@@ -176,3 +176,45 @@ def test_graph_program_writes_dot_and_png_and_lists_the_calls_in_order(tmp_path)
     dot = (tmp_path / "ppo.dot").read_text()
     assert '"key:values" -> "gae";' in dot and '"critic_train" -> "key:critic";' in dot
     assert (tmp_path / "ppo.png").stat().st_size > 10_000
+    from PIL import Image
+
+    assert Image.open(tmp_path / "ppo.png").size[0] <= 1200  # fits the README's column
+
+
+@pytest.mark.parametrize("name", ["ppo", "rloo", "remax", "turn_rloo"])
+def test_every_edge_of_a_drawn_graph_is_an_arrow_whose_head_shows(name):
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Patch
+
+    from marin_rl.graph import DPI, MAX_WIDTH_PX, figure
+    from marin_rl.learner.algorithm import with_reward_models
+
+    algorithm = get_algorithm(name)
+    if name == "rloo":
+        algorithm = with_reward_models(algorithm, ["rm"])
+    fig = figure(algorithm)
+    try:
+        assert fig.get_size_inches()[0] * DPI <= MAX_WIDTH_PX
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        boxes = {t.get_text(): t.get_bbox_patch() for t in ax.texts if t.get_bbox_patch() is not None}
+        arrows = [c.arrow_patch for c in ax.texts if getattr(c, "arrow_patch", None) is not None]
+        order = algorithm.ordered()
+        assert len(arrows) == sum(len(c.reads) + len(c.writes) for c in order)
+        for arrow in arrows:
+            assert isinstance(arrow, FancyArrowPatch) and arrow.get_arrowstyle().__class__.__name__ == "CurveFilledB"
+            shaft, head = arrow._get_path_in_displaycoord()[0]
+            tip = shaft.vertices[-1]
+            target = arrow.patchB.get_window_extent()
+            head_box = head.get_extents()
+            assert head_box.width > 3 and head_box.height > 3, "a visible head"
+            # the tip touches the target's border from outside: the head is not hidden under the box
+            assert target.x0 - 4 <= tip[0] <= target.x1 + 4 and target.y0 - 4 <= tip[1] <= target.y1 + 4
+            assert not (target.x0 + 3 < tip[0] < target.x1 - 3 and target.y0 + 3 < tip[1] < target.y1 - 3)
+            assert np.hypot(*(shaft.vertices[0] - tip)) > 10, "the edge is longer than its head"
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert {f"role {r}" for r in algorithm.roles} <= set(legend) and "data key (italic)" in legend
+        assert all(isinstance(h, Patch) for h in ax.get_legend().legend_handles[:-1])
+        assert len(boxes) == len(order) + len({k for c in order for k in (*c.reads, *c.writes)})
+    finally:
+        plt.close(fig)

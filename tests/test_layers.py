@@ -15,7 +15,8 @@ PACKAGE = ROOT / "marin_rl"
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("fields", ["bounds"]),
-    ("foundation", ["types", "tokenizer", "logs", "tracking", "report", "placement", "processes", "cli_help"]),
+    ("logging", ["logs"]),
+    ("foundation", ["types", "tokenizer", "progress", "tracking", "report", "placement", "processes", "cli_help"]),
     ("model", ["model"]),
     ("replay", ["replay"]),
     ("broadcast", ["broadcast"]),

@@ -100,6 +100,14 @@ def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
     assert all(r["broadcast/resident_policy_bytes"] == r["broadcast/policy_bytes"] > 0 for r in handed)
     assert all(r["batches/staleness/max"] <= 2 for r in rows if "batches/staleness/max" in r), "replay.max_age: 2"
     assert (out / "reward.png").exists() and (out / "hf" / "step-100" / "config.json").exists()
+    # time/elapsed_s counts seconds from the run's start; the row's Unix time is time/unix
+    elapsed = [r["time/elapsed_s"] for r in rows if "time/elapsed_s" in r]
+    assert len(elapsed) == 101 and elapsed == sorted(elapsed) and 0 < elapsed[-1] < min(summary["wall_time_s"], 1e6)
+    text = log.read_text()  # a file, not a terminal: plain lines, no colour codes, no bar, no short-wait lines
+    assert "\x1b[" not in text and "\r" not in text and "batcher: waiting 0s" not in text
+    assert "RL: step 100/100 (100%)" in text and "done: eval reward" in text
+    timed = [r for r in rows if "time/unix" in r]
+    assert all(abs((r["time/unix"] - r["time/elapsed_s"]) - (timed[0]["time/unix"] - elapsed[0])) < 1 for r in timed)
 
 
 @pytest.mark.slow

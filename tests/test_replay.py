@@ -2,6 +2,7 @@
 
 import logging
 import math
+import time
 
 import numpy as np
 import pytest
@@ -402,16 +403,31 @@ def test_batcher_waits_says_for_which_env_and_times_out(caplog):
     rng = np.random.default_rng(0)
     bufs = {n: ReplayBuffer(n, ReplayConfig()) for n in ("a", "b")}
     bufs["a"].admit(make_group("a", 8, rng))
-    batcher = Batcher(BatcherConfig(total_token_budget=128, max_seq_len=32, block_timeout_s=0.05), bufs)
+    cfg = BatcherConfig(total_token_budget=128, max_seq_len=32, block_timeout_s=0.2, wait_log_min_s=0.05)
+    batcher = Batcher(cfg, bufs)
     with caplog.at_level(logging.INFO):
         wait = batcher.try_make_batch(0)
-    assert isinstance(wait, BatchWait) and wait.missing == {"b": math.ceil(0.9 * 64)}
-    assert "waiting" in caplog.text and "b (58 tokens missing" in caplog.text
-    import time
-
-    time.sleep(0.1)
+        assert isinstance(wait, BatchWait) and wait.missing == {"b": math.ceil(0.9 * 64)}
+        assert "batcher: waiting" not in caplog.text  # a short wait is the loop's normal rhythm: no line
+        time.sleep(0.06)
+        batcher.try_make_batch(0)
+    assert caplog.text.count("batcher: waiting") == 1 and "b (58 tokens missing" in caplog.text
+    time.sleep(0.2)
     with pytest.raises(BatchTimeoutError, match="b \\(58 tokens missing"):
         batcher.try_make_batch(0)
+
+
+def test_batcher_says_nothing_about_waits_shorter_than_the_threshold(caplog):
+    rng = np.random.default_rng(0)
+    bufs = {n: ReplayBuffer(n, ReplayConfig()) for n in ("a", "b")}
+    bufs["a"].admit(make_group("a", 8, rng))
+    batcher = Batcher(BatcherConfig(total_token_budget=128, max_seq_len=32), bufs)  # default threshold: 5 s
+    with caplog.at_level(logging.INFO):
+        for _ in range(20):
+            assert isinstance(batcher.try_make_batch(0), BatchWait)
+        bufs["b"].admit(make_group("b", 8, rng))
+        assert isinstance(batcher.try_make_batch(0), FormedBatch)
+    assert "batcher: waiting" not in caplog.text
 
 
 def test_batcher_fill_policy_lets_other_envs_cover_a_shortfall():

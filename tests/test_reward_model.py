@@ -256,6 +256,40 @@ def test_single_turn_environment_with_a_model_reward(tokenizer, reward_server, p
             assert rollout.reward == pytest.approx(sampled.reward)
 
 
+def test_evaluation_of_a_run_trained_on_a_model_reward_reports_the_verifiers_score(
+    tokenizer, reward_server, policy_server
+):
+    from marin_rl.api.rollouts import RolloutWorker
+
+    _, address, _ = reward_server
+    env = AdditionEnvironment(tokenizer, max_operand=9, num_eval=6, reward_weights={"correct": 0.0, "rm": 1.0})
+    assert env.verifier_weights() == {"correct": 1.0}  # the class's own verifier, whatever the run trains on
+    attach_reward_models(env, {"rm": RewardClient([address], name="rm")})
+    worker = RolloutWorker([policy_server])
+
+    async def evaluate():
+        try:
+            return await worker.evaluate(env, env.eval_problems(), 3, SamplingParams(temperature=1.0, max_tokens=4))
+        finally:
+            await worker.aclose()
+
+    m = asyncio.run(evaluate())
+    assert m["reward"] == pytest.approx(m["rewards/rm"]) and m["reward"] > 0  # trained on: the model's score
+    assert m["verifier_reward"] == pytest.approx(m["rewards/correct"])
+    assert m["pass@1"] == pytest.approx(m["verifier_reward"])  # a 0/1 verifier: pass@1 is its accuracy
+    assert 0.0 <= m["verifier_greedy_reward"] <= 1.0
+    plain = AdditionEnvironment(tokenizer, max_operand=9, num_eval=6)  # no model reward: no verifier keys
+    worker = RolloutWorker([policy_server])
+
+    async def evaluate_plain():
+        try:
+            return await worker.evaluate(plain, plain.eval_problems(), 2, SamplingParams(temperature=1.0, max_tokens=4))
+        finally:
+            await worker.aclose()
+
+    assert "verifier_reward" not in asyncio.run(evaluate_plain())
+
+
 class TwoTurns(MultiTurnEnvironment):
     """Asks once more after the first answer, then ends; 'turns' rewards each policy turn."""
 
@@ -492,3 +526,7 @@ def test_rl_on_the_reward_models_reward_alone_raises_the_verifiers_held_out_corr
     before, after = evals[0]["eval/addition/rewards/correct"], evals[-1]["eval/addition/rewards/correct"]
     assert after - before >= 0.12, (before, after)  # measured: 0.495 -> 0.733
     assert summary["eval_reward_end"] > summary["eval_reward_start"]
+    # the headline is the verifier's held-out score; the reward model's score is kept as the trained-on reward
+    assert summary["headline"] == {"addition": "eval/addition/verifier_reward"}
+    assert summary["eval_reward_end"] == pytest.approx(after) and summary["eval_reward_start"] == pytest.approx(before)
+    assert summary["eval_trained_reward_end"] == pytest.approx(evals[-1]["eval/addition/reward"])

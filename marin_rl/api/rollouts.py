@@ -15,6 +15,7 @@ import numpy as np
 
 from marin_rl.envs.base import Environment, Problem, SamplingParams
 from marin_rl.envs.iteration import derived_seed, stream_id
+from marin_rl.envs.rewards import combine_rewards
 from marin_rl.inference.client import PolicyClient, SeededPolicy
 from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.types import RolloutGroup
@@ -36,6 +37,14 @@ def named_reward_means(groups: Sequence[RolloutGroup]) -> dict[str, float]:
             for name, value in turn.rewards.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
     return {name: total / max(len(rollouts), 1) for name, total in sorted(totals.items())}
+
+
+def verifier_scores(groups: Sequence[RolloutGroup], weights: dict[str, float]) -> np.ndarray:
+    """Each rollout's verifier score, (groups, rollouts per group): its named rewards weighted by `weights` (the
+    environment's `verifier_weights()`), summed over its turns."""
+    return np.array(
+        [[sum(combine_rewards(t.rewards, weights) for t in r.turns) for r in g.rollouts] for g in groups], dtype=float
+    )
 
 
 class RolloutWorker:
@@ -157,7 +166,13 @@ class RolloutWorker:
         completion's reward. `seed`: each problem's samples are seeded from (seed, workflow, problem index), so in a
         deterministic run an evaluation is a function of the weights. Keys: reward, pass@1, pass@k, greedy_reward,
         problems, and `rewards/NAME`: the mean of each named reward over the samples (an episode's value summed over
-        its turns), weighted or not, so a run trained on a reward model's reward still shows the verifier's."""
+        its turns), weighted or not.
+
+        A workflow that trains on added rewards (a reward model's) and has a verifier of its own
+        (`Environment.verifier_weights`) also gets `verifier_reward` and `verifier_greedy_reward`, its verifier's
+        mean score of the same samples (for a 0/1 verifier: the held-out accuracy), and pass@1 / pass@k count the
+        samples the verifier scored above 0 (a reward model's score, a probability, is always above 0); `reward` stays
+        the reward trained on."""
         if not problems:
             raise ValueError(f"no held-out problems to evaluate {workflow.name} on")
         k = samples_per_problem
@@ -169,8 +184,15 @@ class RolloutWorker:
         greedy = SamplingParams(temperature=0.0, max_tokens=sampling.max_tokens)
         greedy_groups = await self.run_groups(workflow, problems, 1, greedy, seeds=seeds, max_concurrent=max_concurrent)
         greedy_rewards = np.array([g.rollouts[0].reward for g in greedy_groups])
+        verifier = workflow.verifier_weights() if workflow.added_rewards else {}
+        out: dict[str, float] = {"reward": float(rewards.mean())}
+        if verifier:
+            scores = verifier_scores(groups, verifier)
+            out["verifier_reward"] = float(scores.mean())
+            out["verifier_greedy_reward"] = float(verifier_scores(greedy_groups, verifier).mean())
+            rewards = scores  # pass@k by the verifier
         return {
-            "reward": float(rewards.mean()),
+            **out,
             "pass@1": float((rewards > 0).mean()),
             f"pass@{k}": float((rewards > 0).any(axis=1).mean()),
             "greedy_reward": float(greedy_rewards.mean()),

@@ -98,6 +98,13 @@ class Environment(abc.ABC):
             raise ValueError(f"{self.name}: rewards {taken} are already computed by the environment or added before")
         self.added_rewards = {**self.added_rewards, **functions}
 
+    def verifier_weights(self) -> dict[str, float]:
+        """The environment's own verifier as weights over its named rewards: the class's `reward_weights` (what the
+        environment scores by itself), without the added rewards and the zero weights. A run that trains on a
+        reward model (`reward_weights: {correct: 0.0, rm: 1.0}`) still measures its policy with these; empty for a
+        class that defines no verifier of its own."""
+        return {k: w for k, w in type(self).reward_weights.items() if w and k not in self.added_rewards}
+
     async def added_reward_values(
         self, problem: Problem, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int]
     ) -> dict[str, float]:

@@ -38,6 +38,7 @@ from marin_rl.learner.step import apply_gradients, loss_step
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs
+from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.types import PackedBatch, RlExample
 
@@ -382,7 +383,7 @@ class Learner:
         self._train_step = eqx.filter_jit(self._train_step_impl, donate="all-except-first")
         self._prepare = eqx.filter_jit(self._prepare_impl)
         self._logprobs = eqx.filter_jit(self._logprobs_impl)
-        logger.info("learner: %s parameters", f"{self.num_params:,}")
+        logger.debug("learner: %s parameters", f"{self.num_params:,}")  # the driver and the programs say it
         if self.mesh is not None:
             logger.info("learner: mesh %s over %s devices", dict(self.mesh.shape), self.mesh.devices.size)
 
@@ -834,13 +835,14 @@ class Learner:
         per_batch = max(1, int(cfg.batch_rows * max_seq_len / mean_len))
         losses = []
         start = time.time()
-        for i in range(cfg.steps):
-            idx = rng.choice(len(seqs), size=min(per_batch, len(seqs)), replace=False)
-            batch, _ = pack([seqs[j] for j in idx], cfg.batch_rows, max_seq_len)
-            opt_state, metrics = self.supervised_step(batch, opt, opt_state)
-            losses.append(float(metrics["loss"]))
-            if (i + 1) % max(1, cfg.steps // 10) == 0:
-                logger.info("warm start step %d/%d: loss %.4f", i + 1, cfg.steps, losses[-1])
+        # a bar on a terminal; elsewhere a line every tenth of the way (and every 30 s) with the rate and ETA
+        with StepProgress("warm start", cfg.steps, every=max(1, cfg.steps // 10), log=logger) as progress:
+            for i in range(cfg.steps):
+                idx = rng.choice(len(seqs), size=min(per_batch, len(seqs)), replace=False)
+                batch, _ = pack([seqs[j] for j in idx], cfg.batch_rows, max_seq_len)
+                opt_state, metrics = self.supervised_step(batch, opt, opt_state)
+                losses.append(float(metrics["loss"]))
+                progress.advance_to(i + 1, f"loss {losses[-1]:.4f}")
         self.freeze_reference()  # the KL penalty's reference is the warm-started policy
         if self.critic is not None:
             self.critic.reset_from(self.model)  # a critic from the policy starts from the warm-started trunk

@@ -167,5 +167,5 @@ def export_hf_checkpoint(model: LmHeadModel, tokenizer: PreTrainedTokenizerBase,
         with _mesh_context():
             converter.save_pretrained(model, path, save_reference_code=False, save_tokenizer=True)
     scheme = urllib.parse.urlparse(path).scheme
-    logger.info("exported the policy as a Hugging Face checkpoint to %s", path if scheme else os.path.abspath(path))
+    logger.debug("exported the policy as a Hugging Face checkpoint to %s", path if scheme else os.path.abspath(path))
     return path

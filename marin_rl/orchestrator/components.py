@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from marin_rl.api.controller import RolloutController, run_rollout_controller
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import begin_checkpoint
+from marin_rl.logs import drop_log_messages, plain_ray_output
 from marin_rl.orchestrator.env_pool import EnvPool
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
@@ -32,6 +34,9 @@ from marin_rl.placement import wait_for_actors
 from marin_rl.tokenizer import load_tokenizer
 
 logger = logging.getLogger("marin_rl")
+
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""The Ray logger that announces token authentication at every local start."""
 
 
 class RunComponents:
@@ -89,12 +94,18 @@ class RunComponents:
         if ray.is_initialized():
             return
         sweep_orphans()  # processes and weight slots that a crashed run on this machine left
+        plain_ray_output()  # no colour codes around actor lines written to a file
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:
             # every process of this local Ray dies with the driver, even when the driver is SIGKILLed
             self._watchdog = Watchdog()
             self._watchdog.start()
+            if "RAY_AUTH_MODE" not in os.environ:
+                # Ray turns token authentication on for a new local cluster and warns about it, several lines long,
+                # at every start; the same said once, briefly (RAY_AUTH_MODE must be set before Ray is imported).
+                drop_log_messages(RAY_AUTH_LOGGER, "Token authentication is enabled")
+                logger.info("Ray: local cluster with token authentication (Ray's default; RAY_AUTH_MODE=disabled: off)")
             # address="local": a new single-node Ray, even if the machine already runs (or ran) a cluster
             ray.init(
                 address="local",

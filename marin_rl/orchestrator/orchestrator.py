@@ -55,8 +55,9 @@ from marin_rl.orchestrator.preflight import RunRefused, preflight
 from marin_rl.orchestrator.profile import LoopProfile, format_profile
 from marin_rl.orchestrator.restarts import RestartBudget
 from marin_rl.orchestrator.stop import StopRequest
+from marin_rl.progress import StepProgress
 from marin_rl.replay.batcher import FormedBatch
-from marin_rl.report import plot_rewards, write_summary
+from marin_rl.report import headline_line, headline_summary, plot_rewards, write_summary
 from marin_rl.tracking import console_line, make_tracker
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class Orchestrator:
         self.rolled_back_steps = 0
         """Learner steps lost to learner deaths (trained, then rolled back to a checkpoint and trained again)."""
         self._last_server_check = time.time()
+        self.started_at = time.time()
+        """When this process started the run (`run()`): `time/elapsed_s` counts from here."""
         # Run progress (saved in checkpoints).
         self.step = 0
         self.total_gen_tokens = 0
@@ -120,6 +123,8 @@ class Orchestrator:
         self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
         self.data_report: dict[str, float] = {}
         """What the environments loaded and skipped (`data/<env>/<key>`), from the check before the start."""
+        self.progress: StepProgress | None = None
+        """The RL phase's progress display while the loop runs."""
 
     @property
     def learner(self):
@@ -210,7 +215,7 @@ class Orchestrator:
         metrics.update(self.rollouts.step_metrics(step))
         now = time.time()
         metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
-        metrics["time/elapsed_s"] = now
+        metrics.update(self._clock(now))
         server_stats = self.parts.servers.stats()
         metrics.update(server_stats)
         self.profile.observe_servers(server_stats)
@@ -231,6 +236,14 @@ class Orchestrator:
         tracker.log(metrics, step=step)
         if step % self.config.tracking.console_every == 0 or last:
             logger.info(console_line(step, metrics, self.env_names))
+        if self.progress is not None:
+            rewards = ((n, metrics.get(f"batches/{n}/reward/mean")) for n in self.env_names)
+            self.progress.advance_to(step, " | ".join(f"{n} reward {r:.3f}" for n, r in rewards if r is not None))
+
+    def _clock(self, now: float) -> dict[str, float]:
+        """`time/elapsed_s`: seconds since this process started the run (a resumed run counts from its restart);
+        `time/unix`: the Unix time of the row."""
+        return {"time/elapsed_s": now - self.started_at, "time/unix": now}
 
     # ---- a dead learner ----------------------------------------------------------------------------------
     def _replace_learner(self, error: BaseException) -> None:
@@ -426,7 +439,7 @@ class Orchestrator:
     def run(self) -> dict[str, Any]:
         """Start everything, train (resuming from the latest checkpoint when there is one), and shut down."""
         cfg = self.config
-        start_time = time.time()
+        start_time = self.started_at = time.time()
         resume_path = self._find_resume()
         self.data_report = preflight(cfg, resume_path)  # before anything starts: the run dir's config, the data
         self.parts.start_backend()
@@ -461,7 +474,7 @@ class Orchestrator:
                     **bmetrics,
                     **self.data_report,
                     "learner/version": 0,
-                    "time/elapsed_s": time.time(),
+                    **self._clock(time.time()),
                 }
                 tracker.log(start, step=0)
             else:
@@ -470,7 +483,9 @@ class Orchestrator:
             self.window = {"gen_tokens": 0, "since": time.time()}
             self.stop.armed = True
             self.profile = LoopProfile()
-            self._loop(tracker)
+            with StepProgress("RL", cfg.orchestrator.num_steps, start=self.step) as self.progress:
+                self._loop(tracker)
+            self.progress = None
             self.stop.armed = False
             if self.stop.requested:
                 if cfg.checkpoint.save_on_exit and self.last_saved_step != self.step:
@@ -481,14 +496,7 @@ class Orchestrator:
             tracker.log_summary(summary)
             write_summary(self.output_dir, summary)
             plot_rewards(self.output_dir, self.jsonl.history, self.env_names)
-            logger.info(
-                "done: eval reward %.3f -> %.3f (%+.3f) in %.0fs; see %s",
-                summary["eval_reward_start"],
-                summary["eval_reward_end"],
-                summary["eval_reward_end"] - summary["eval_reward_start"],
-                summary["wall_time_s"],
-                self.output_dir,
-            )
+            logger.info(headline_line(summary))
             return summary
         finally:
             self.stop.armed = False
@@ -500,8 +508,7 @@ class Orchestrator:
     def _summary(self, start_time: float, resume_path: str | None) -> dict[str, Any]:
         summary = {
             "steps": self.step,
-            "eval_reward_start": self.eval_start["eval/mean_reward"],
-            "eval_reward_end": self.last_eval["eval/mean_reward"],
+            **headline_summary(self.eval_start, self.last_eval, self.env_names),
             "generated_tokens": self.total_gen_tokens,
             "trained_tokens": self.total_trained_tokens,
             **self.rollouts.totals(),
@@ -519,11 +526,6 @@ class Orchestrator:
             "profile": self.profile.summary(),
             **self.data_report,
         }
-        for n in self.env_names:
-            summary[f"eval_reward_start/{n}"] = self.eval_start[f"eval/{n}/reward"]
-            summary[f"eval_reward_end/{n}"] = self.last_eval[f"eval/{n}/reward"]
-            summary[f"eval_greedy_reward_start/{n}"] = self.eval_start[f"eval/{n}/greedy_reward"]
-            summary[f"eval_greedy_reward_end/{n}"] = self.last_eval[f"eval/{n}/greedy_reward"]
         return summary
 
 

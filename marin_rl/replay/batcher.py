@@ -67,8 +67,11 @@ class BatcherConfig:
     block_timeout_s: float | None = bounded(600.0, gt=0)
     """With shortfall='block': raise `BatchTimeoutError` after blocking this long, naming the environments waited
     for (None: wait for ever)."""
+    wait_log_min_s: float = bounded(5.0, ge=0)
+    """While blocked, say nothing until the batcher has waited this long (short waits for the next groups are the
+    normal rhythm of the loop), then log which environment is awaited and the tokens missing."""
     wait_log_interval_s: float = bounded(10.0, gt=0)
-    """While blocked, log which environment is awaited (and the tokens missing) at most this often."""
+    """After that, repeat the line at most this often while still blocked."""
     too_long: str = "drop"
     """A rollout longer than `max_seq_len`: 'drop' it, or 'truncate' it to `max_seq_len` (loss only on the sampled
     tokens that survive; dropped if none survives). The replay buffers apply it on admission and count both."""
@@ -164,7 +167,8 @@ class Batcher:
         detail = ", ".join(
             f"{n} ({k} tokens missing: has {available[n]} of {targets[n]:.0f})" for n, k in missing.items()
         )
-        if now - self._last_wait_log >= self.config.wait_log_interval_s:
+        long_wait = waited >= self.config.wait_log_min_s
+        if long_wait and now - self._last_wait_log >= self.config.wait_log_interval_s:
             self._last_wait_log = now
             logger.info("batcher: waiting %.0fs for %s", waited, detail)
         if self.config.block_timeout_s is not None and waited > self.config.block_timeout_s:

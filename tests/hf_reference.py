@@ -57,6 +57,20 @@ CASES: dict[str, tuple[str, dict]] = {
         "LlamaConfig",
         dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
     ),
+    # YaRN with the scaling keys Levanter computes (Qwen2.5 / DeepSeek-style long context).
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                beta_fast=32.0,
+                beta_slow=1.0,
+            ),
+        ),
+    ),
     "llama_dynamic": (
         "LlamaConfig",
         dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
@@ -102,6 +116,32 @@ CASES: dict[str, tuple[str, dict]] = {
     "mistral_head_dim": (
         "MistralConfig",
         dict(head_dim=32, sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+    ),
+    # Mixture-of-experts families: Qwen3-MoE (qk-norm, head_dim, 4 experts, top 2) and Mixtral (4 experts, top 2).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
     ),
     # Gemma 2 without final logit soft-capping (Levanter's Gemma 2 head does not apply it); attention soft-capping,
     # a window longer than the context, query_pre_attn_scalar = head_dim.

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 
@@ -27,7 +28,20 @@ from marin_rl.model.hf_config import architecture_from_hf, normalised_hf_config,
 
 TOLERANCE = 1e-4
 
-LOADED = ("llama3", "llama_tied", "qwen2", "qwen3", "olmo2", "mistral", "mistral_window_4096", "gemma2", "gemma3")
+LOADED = (
+    "llama3",
+    "llama_tied",
+    "llama_yarn",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "mistral",
+    "mistral_window_4096",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+)
 """Cases that must load and agree with transformers."""
 
 REFUSED = {
@@ -79,6 +93,8 @@ def _as_4x_layout(src: Path, dst: Path) -> Path:
         # 4.x files of the llama3 era spell the type both ways; the older key is "type".
         params["type"] = params.pop("rope_type")
         raw["rope_scaling"] = params
+    if raw["model_type"] == "qwen3_moe":
+        raw["num_experts"] = raw.pop("num_local_experts")
     raw["transformers_version"] = "4.57.0"
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
     return dst
@@ -89,7 +105,9 @@ def _learner_logprobs(path: Path, sequences: np.ndarray) -> np.ndarray:
     arch = architecture_from_hf(str(path))
     model = build_model(ModelConfig(architecture=arch, init_from_hf=str(path)), _vocab(path))
     axes = (hax.Axis("batch", sequences.shape[0]), hax.Axis("position", sequences.shape[1]))
-    logits = model(hax.named(jnp.asarray(sequences), axes), attn_mask=AttentionMask.causal()).array
+    # Levanter routes experts in a shard_map, which needs a device mesh (the learner's, on several devices).
+    with hax.partitioning.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
+        logits = model(hax.named(jnp.asarray(sequences), axes), attn_mask=AttentionMask.causal()).array
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     return np.take_along_axis(logp[:, :-1], sequences[:, 1:, None], axis=-1)[..., 0]
 
@@ -140,6 +158,24 @@ def test_layouts_that_disagree_are_refused():
         normalised_hf_config(raw)
 
 
+def test_qwen_moe_expert_count_is_read_in_either_layout():
+    five = normalised_hf_config({"model_type": "qwen3_moe", "num_local_experts": 4})
+    assert five["num_experts"] == 4 and "num_local_experts" not in five
+    with pytest.raises(ValueError, match="num_experts: 8 disagrees with num_local_experts 4"):
+        normalised_hf_config({"model_type": "qwen3_moe", "num_local_experts": 4, "num_experts": 8})
+
+
+def test_a_setting_levanter_never_reads_is_refused(reference, tmp_path):
+    """A 5.x key with no 4.x counterpart (here: a made-up one) is refused rather than dropped."""
+    root, _ = reference
+    path = tmp_path / "llama"
+    shutil.copytree(root / "llama_tied", path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "attn_temperature_tuning": True}))
+    with pytest.raises(ValueError, match="attn_temperature_tuning: True is not a setting of transformers 4.x's"):
+        _learner_logprobs(path, np.zeros((1, 4), dtype=np.int64))
+
+
 def test_normalised_layouts_agree():
     five = {
         "model_type": "llama",
@@ -171,6 +207,7 @@ def test_normalised_layouts_agree():
             "rope_scaling: 'llama3' scaling is dropped",
         ),
         ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"model_type": "qwen2", "attention_bias": False}, "attention_bias: false"),
         ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, "sliding_window: 64 tokens"),
         ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ({"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 224}, "query_pre_attn_scalar: 224"),

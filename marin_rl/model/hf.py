@@ -23,7 +23,13 @@ from levanter.models.lm_model import LmConfig, LmHeadModel
 from transformers import PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from marin_rl.model.hf_config import normalised_hf_config, read_config_json, round_trip_differences, unhonoured_setting
+from marin_rl.model.hf_config import (
+    normalised_hf_config,
+    read_config_json,
+    round_trip_differences,
+    unhonoured_setting,
+    unread_setting,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +96,7 @@ def load_hf_model(arch: LmConfig, path: str, vocab_size: int) -> LmHeadModel:
             f"model.init_from_hf={path!r} holds a {cfg.get('model_type')!r} model but model.architecture is "
             f"{type(arch).__name__} ({expected.model_type!r}); set model.architecture.type to match the checkpoint"
         )
-    problem = unhonoured_setting(cfg, arch.max_seq_len)
+    problem = unhonoured_setting(cfg, arch.max_seq_len) or unread_setting(arch, cfg)
     if problem:
         raise ValueError(f"model.init_from_hf={path!r}: {problem}")
     diffs = round_trip_differences(arch, cfg)

@@ -54,6 +54,13 @@ _FAMILIES = {
 _WINDOWED_FAMILIES = frozenset({"qwen2", "qwen3", "qwen3_moe"})
 """Families whose sliding window applies only when `use_sliding_window` is true."""
 
+_EXPERTS_NAMED_NUM_EXPERTS = frozenset({"qwen2_moe", "qwen3_moe"})
+"""Families whose 4.x config names the expert count `num_experts` (5.x: `num_local_experts`)."""
+
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0}
+"""transformers' values for yarn keys a config leaves out (an `mscale` without `mscale_all_dim` has no effect there,
+so 1.0, under which Levanter's temperature equals transformers' default attention factor)."""
+
 _PASSED_THROUGH = ("head_dim", "sliding_window", "use_sliding_window", "query_pre_attn_scalar")
 """Levanter fields some `from_hf_config`s leave at their defaults although the HF config sets them."""
 
@@ -123,6 +130,11 @@ def normalised_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     `rope_type` key (or None), Gemma 3's `rope_local_base_freq`; `rope_parameters` removed. Raises ValueError naming
     the key when the two layouts are both present and disagree."""
     cfg = dict(raw)
+    if cfg.get("model_type") in _EXPERTS_NAMED_NUM_EXPERTS and "num_local_experts" in cfg:
+        # transformers 5.x writes Qwen's expert count as `num_local_experts`; 4.x (and Levanter) read `num_experts`.
+        local = cfg.pop("num_local_experts")
+        if cfg.setdefault("num_experts", local) != local:
+            raise ValueError(f"num_experts: {cfg['num_experts']} disagrees with num_local_experts {local}")
     params = cfg.pop("rope_parameters", None)
     scaling = cfg.get("rope_scaling")
     if isinstance(scaling, dict) and "rope_type" not in scaling and "type" in scaling:
@@ -198,6 +210,8 @@ def unhonoured_setting(cfg: dict[str, Any], max_seq_len: int) -> str | None:
         honoured = model_type == "gemma2" and key == "attn_logit_softcapping"
         if value is not None and not honoured:
             return f"{key}: {value} is not applied by Levanter's {model_type} architecture"
+    if model_type == "qwen2" and cfg.get("attention_bias", True) is not True:
+        return "attention_bias: false (Levanter's Qwen2 always has query, key and value biases)"
     if model_type in ("gemma2", "gemma3_text"):
         scalar, head_dim = cfg.get("query_pre_attn_scalar"), cfg.get("head_dim")
         if scalar is not None and head_dim is not None and scalar != head_dim:
@@ -235,6 +249,23 @@ def _head_size(arch: HFCompatConfig) -> int | None:
     return size
 
 
+def unread_setting(arch: HFCompatConfig, cfg: dict[str, Any]) -> str | None:
+    """`key: reason` for a setting of the normalised HF config `cfg` that the HF config class `arch` converts
+    through (transformers 4.x's) does not define, so that Levanter would never read it; None if there is none.
+    Unset (null or false) settings and those checked elsewhere (`head_dim` against the built head size, Qwen2's
+    `attention_bias` in `unhonoured_setting`) are not counted."""
+    hf_class = type(arch.to_hf_config(int(cfg.get("vocab_size") or 0)))
+    known = set(hf_class().to_dict())
+    checked = {"head_dim"} | ({"attention_bias"} if cfg.get("model_type") == "qwen2" else set())
+    unknown = sorted(k for k in set(_compared(cfg)) - known - checked if cfg[k] not in (None, False))
+    if not unknown:
+        return None
+    key = unknown[0]
+    return (
+        f"{key}: {cfg[key]!r} is not a setting of transformers 4.x's {hf_class.__name__}, so Levanter would ignore it"
+    )
+
+
 def round_trip_differences(arch: HFCompatConfig, cfg: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(key, checkpoint value, Levanter value) for every key of the normalised HF config `cfg` that
     `arch.to_hf_config` writes differently, and for the head size: where the network `arch` builds differs from
@@ -248,6 +279,10 @@ def round_trip_differences(arch: HFCompatConfig, cfg: dict[str, Any]) -> list[tu
     head = _head_size(arch)
     if cfg.get("head_dim") is not None and head is not None and head != cfg["head_dim"]:
         out.append(("head_dim", cfg["head_dim"], head))
+    for side in (full, back):
+        scaling = side.get("rope_scaling")
+        if isinstance(scaling, dict) and scaling.get("rope_type") == "yarn":
+            side["rope_scaling"] = {**_YARN_DEFAULTS, **{k: v for k, v in scaling.items() if k != "truncate"}}
     for key in sorted(set(_compared(full)) & set(_compared(back))):
         if not _same(full[key], back[key]):
             out.append((key, full[key], back[key]))
@@ -266,6 +301,9 @@ def architecture_from_hf(path: str, max_seq_len: int | None = None) -> LmConfig:
         raise ValueError(f"{what}: {e}") from e
     seq_len = max_seq_len or int(cfg.get("max_position_embeddings") or 0)
     problem = unhonoured_setting(cfg, seq_len)
+    if problem:
+        raise ValueError(f"{what}: {problem}")
+    problem = unread_setting(family(), cfg)
     if problem:
         raise ValueError(f"{what}: {problem}")
     hf_class = type(family().to_hf_config(int(cfg.get("vocab_size") or 0)))

@@ -73,8 +73,8 @@ def check_supported(model: LmHeadModel) -> None:
     layer = layers.unstacked()[0]
     if not isinstance(layer, LlamaDecoderLayer):
         raise ValueError(
-            f"the dense engine decodes LlamaDecoderLayer stacks, not {type(layer).__name__} "
-            "(use inference.levanter.engine: paged)"
+            f"the dense engine decodes Llama-family models (LlamaDecoderLayer stacks), not {type(model).__name__} "
+            f"({type(layer).__name__} layers); use inference.levanter.engine: paged"
         )
     attn = layer.self_attn
     if type(attn) is not Attention:

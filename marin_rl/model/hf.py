@@ -7,6 +7,7 @@ directly, so it never consults the Hub. Paths may be local directories or fsspec
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -19,34 +20,18 @@ import numpy as np
 from jax.sharding import Mesh
 from levanter.compat.hf_checkpoints import HFCheckpointConverter, HFCompatConfig
 from levanter.models.lm_model import LmConfig, LmHeadModel
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-logger = logging.getLogger(__name__)
-
-# Keys of an HF config.json that describe the file, the tokenizer or generation rather than the network's shape
-# and numerics; they may differ between the checkpoint and the configured architecture.
-_NON_ARCHITECTURE_KEYS = frozenset(
-    {
-        "architectures",
-        "auto_map",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
-        "_name_or_path",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "decoder_start_token_id",
-        "begin_suppress_tokens",
-        "max_position_embeddings",  # Levanter writes its seq_len here; the run raises it to its own max_seq_len
-        "vocab_size",  # checked separately, with its own message
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-    }
+from marin_rl.model.hf_config import (
+    normalised_hf_config,
+    read_config_json,
+    round_trip_differences,
+    unhonoured_setting,
+    unread_setting,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _mesh_context() -> contextlib.AbstractContextManager:
@@ -86,19 +71,6 @@ def _converter(
     )
 
 
-def _architecture_differences(expected: PretrainedConfig, found: PretrainedConfig) -> list[str]:
-    """`key: configured != checkpoint` for every architecture key on which the two HF configs disagree."""
-    want, got = expected.to_dict(), found.to_dict()
-    out = []
-    for key in sorted(set(want) & set(got) - _NON_ARCHITECTURE_KEYS):
-        a, b = want[key], got[key]
-        if isinstance(a, float) and isinstance(b, (int, float)) and abs(a - b) <= 1e-9 * max(1.0, abs(a)):
-            continue
-        if a != b:
-            out.append(f"{key}: configured {a!r} != checkpoint {b!r}")
-    return out
-
-
 def load_hf_model(arch: LmConfig, path: str, vocab_size: int) -> LmHeadModel:
     """Load the HF checkpoint at `path` (local or fsspec URL) as a Levanter model of architecture `arch`.
 
@@ -113,21 +85,28 @@ def load_hf_model(arch: LmConfig, path: str, vocab_size: int) -> LmHeadModel:
     # vocabulary, which is disabled below; a local placeholder avoids reading (or fetching) the checkpoint's.
     converter = _converter(arch, vocab_size, path, build_char_tokenizer())
     try:
-        found = converter.hf_config_from_hf_checkpoint(path)
-    except (OSError, ValueError) as e:
+        cfg = normalised_hf_config(read_config_json(path))
+    except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"model.init_from_hf={path!r}: cannot read a Hugging Face config.json there: {e}") from e
-    expected = arch.to_hf_config(found.vocab_size)
-    if found.model_type != expected.model_type:
+    except ValueError as e:
+        raise ValueError(f"model.init_from_hf={path!r}: {e}") from e
+    expected = arch.to_hf_config(int(cfg.get("vocab_size") or vocab_size))
+    if cfg.get("model_type") != expected.model_type:
         raise ValueError(
-            f"model.init_from_hf={path!r} holds a {found.model_type!r} model but model.architecture is "
+            f"model.init_from_hf={path!r} holds a {cfg.get('model_type')!r} model but model.architecture is "
             f"{type(arch).__name__} ({expected.model_type!r}); set model.architecture.type to match the checkpoint"
         )
-    diffs = _architecture_differences(expected, found)
+    problem = unhonoured_setting(cfg, arch.max_seq_len) or unread_setting(arch, cfg)
+    if problem:
+        raise ValueError(f"model.init_from_hf={path!r}: {problem}")
+    diffs = round_trip_differences(arch, cfg)
     if diffs:
         raise ValueError(
             f"model.init_from_hf={path!r} does not match model.architecture; set these fields to the "
-            f"checkpoint's values: " + "; ".join(diffs)
+            f"checkpoint's values: "
+            + "; ".join(f"{k}: configured {ours!r} != checkpoint {theirs!r}" for k, theirs, ours in diffs)
         )
+    found = type(expected)(**cfg)
     if found.vocab_size < vocab_size:
         raise ValueError(
             f"model.init_from_hf={path!r} has a vocabulary of {found.vocab_size} tokens but the tokenizer has "

@@ -1,0 +1,250 @@
+"""Real model families from Hugging Face checkpoints: the learner's per-token logprobs equal transformers' own, or
+the checkpoint is refused with one line naming the setting Levanter cannot honour.
+
+The checkpoints are tiny random models of each family's real shape (GQA, tying, qkv bias, qk-norm, soft-capping,
+explicit head_dim, Llama 3 rotary scaling), saved by transformers 5.x in the vLLM environment, which also computes
+the reference logprobs (`tests/hf_reference.py`). A 4.x-layout copy of each config.json (top-level `rope_theta`
+and `rope_scaling`) must load to the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from levanter.layers.attention import AttentionMask
+from levanter.models.llama import LlamaConfig
+
+from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.hf_config import architecture_from_hf, normalised_hf_config, unhonoured_setting
+
+TOLERANCE = 1e-4
+
+LOADED = (
+    "llama3",
+    "llama_tied",
+    "llama_yarn",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "mistral",
+    "mistral_window_4096",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+)
+"""Cases that must load and agree with transformers."""
+
+REFUSED = {
+    "llama_dynamic": "rope_type: 'dynamic' is not supported",
+    "mistral_window_8": "sliding_window: 8 tokens is shorter than the context of 128 positions",
+    "mistral_head_dim": "head_dim: Levanter's MistralConfig cannot represent 32",
+    "gemma2_release": "final_logit_softcapping: 30.0 is not applied",
+    "gemma3_release": "rope_local_base_freq: 10000.0 on the sliding layers differs from rope_theta 1000000.0",
+}
+"""Cases that must be refused, and the start of what the one-line error names."""
+
+
+def _reference_python() -> str:
+    from marin_rl.inference.vllm_env import vllm_python
+
+    try:
+        python = vllm_python(None)
+    except FileNotFoundError as e:
+        pytest.skip(f"no interpreter with transformers >= 5 and torch for the reference: {e}")
+    probe = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{python} cannot import torch and transformers: {probe.stderr.strip()[-300:]}")
+    return python
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> tuple[Path, dict]:
+    """The checkpoints and transformers' logprobs on them, made once per test session."""
+    python = _reference_python()
+    out = tmp_path_factory.mktemp("hf_families")
+    script = Path(__file__).with_name("hf_reference.py")
+    done = subprocess.run([python, str(script), str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = json.loads((out / "reference.json").read_text())
+    assert ref["versions"]["transformers"].split(".")[0] >= "5", ref["versions"]
+    return out, ref
+
+
+def _as_4x_layout(src: Path, dst: Path) -> Path:
+    """A copy of the checkpoint at `src` whose config.json has transformers 4.x's rotary layout."""
+    shutil.copytree(src, dst)
+    raw = json.loads((src / "config.json").read_text())
+    params = raw.pop("rope_parameters")
+    if "full_attention" in params:  # Gemma 3: a global and a local base
+        raw["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        params = params["full_attention"]
+    raw["rope_theta"] = params.pop("rope_theta")
+    if params.get("rope_type", "default") != "default":
+        # 4.x files of the llama3 era spell the type both ways; the older key is "type".
+        params["type"] = params.pop("rope_type")
+        raw["rope_scaling"] = params
+    if raw["model_type"] == "qwen3_moe":
+        raw["num_experts"] = raw.pop("num_local_experts")
+    raw["transformers_version"] = "4.57.0"
+    (dst / "config.json").write_text(json.dumps(raw, indent=2))
+    return dst
+
+
+def _learner_logprobs(path: Path, sequences: np.ndarray) -> np.ndarray:
+    """Per-token logprobs of `sequences` from the learner's forward of the policy loaded from `path`."""
+    arch = architecture_from_hf(str(path))
+    model = build_model(ModelConfig(architecture=arch, init_from_hf=str(path)), _vocab(path))
+    axes = (hax.Axis("batch", sequences.shape[0]), hax.Axis("position", sequences.shape[1]))
+    # Levanter routes experts in a shard_map, which needs a device mesh (the learner's, on several devices).
+    with hax.partitioning.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
+        logits = model(hax.named(jnp.asarray(sequences), axes), attn_mask=AttentionMask.causal()).array
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    return np.take_along_axis(logp[:, :-1], sequences[:, 1:, None], axis=-1)[..., 0]
+
+
+def _vocab(path: Path) -> int:
+    return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+@pytest.mark.parametrize("layout", ["5.x", "4.x"])
+@pytest.mark.parametrize("name", LOADED)
+def test_family_logprobs_match_transformers(reference, tmp_path, name, layout):
+    root, ref = reference
+    path = root / name if layout == "5.x" else _as_4x_layout(root / name, tmp_path / name)
+    want = np.asarray(ref["cases"][name]["logprobs"])
+    got = _learner_logprobs(path, np.asarray(ref["sequences"]))
+    assert got.shape == want.shape
+    delta = float(np.abs(got - want).max())
+    print(f"PARITY {name} {layout} max|dlogprob|={delta:.2e}")
+    assert delta <= TOLERANCE, f"{name} ({layout} config.json): max |Δ logprob| {delta:.2e} > {TOLERANCE}"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unhonourable_settings_are_refused_naming_the_key(reference, name):
+    root, _ = reference
+    with pytest.raises(ValueError) as info:
+        _learner_logprobs(root / name, np.zeros((1, 4), dtype=np.int64))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"model.init_from_hf='{root / name}': ")
+    assert REFUSED[name] in message, message
+
+
+def test_a_configured_rope_base_that_differs_is_refused(reference):
+    """The silent failure this guards against: a Llama 3 checkpoint (rope_parameters.rope_theta 500000) loaded with
+    a configured base of 10000 must be refused, naming rope_theta, in either config.json layout."""
+    root, _ = reference
+    path = root / "llama_tied"
+    arch = architecture_from_hf(str(path))
+    assert arch.rope.theta == 500000.0
+    wrong = LlamaConfig(**{**arch.__dict__, "rope": type(arch.rope)(theta=10000.0)})
+    with pytest.raises(ValueError, match=r"rope_theta: configured 10000.0 != checkpoint 500000.0"):
+        build_model(ModelConfig(architecture=wrong, init_from_hf=str(path)), _vocab(path))
+
+
+def test_layouts_that_disagree_are_refused():
+    raw = {"model_type": "llama", "rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    with pytest.raises(ValueError, match="rope_theta: the top-level 10000.0 disagrees with rope_parameters' 500000.0"):
+        normalised_hf_config(raw)
+
+
+def test_qwen_moe_expert_count_is_read_in_either_layout():
+    five = normalised_hf_config({"model_type": "qwen3_moe", "num_local_experts": 4})
+    assert five["num_experts"] == 4 and "num_local_experts" not in five
+    with pytest.raises(ValueError, match="num_experts: 8 disagrees with num_local_experts 4"):
+        normalised_hf_config({"model_type": "qwen3_moe", "num_local_experts": 4, "num_experts": 8})
+
+
+def test_a_setting_levanter_never_reads_is_refused(reference, tmp_path):
+    """A 5.x key with no 4.x counterpart (here: a made-up one) is refused rather than dropped."""
+    root, _ = reference
+    path = tmp_path / "llama"
+    shutil.copytree(root / "llama_tied", path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "attn_temperature_tuning": True}))
+    with pytest.raises(ValueError, match="attn_temperature_tuning: True is not a setting of transformers 4.x's"):
+        _learner_logprobs(path, np.zeros((1, 4), dtype=np.int64))
+
+
+def test_normalised_layouts_agree():
+    five = {
+        "model_type": "llama",
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0},
+    }
+    four = {
+        "model_type": "llama",
+        "rope_theta": 5e5,
+        "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
+    }
+    assert normalised_hf_config(five) == normalised_hf_config(four)
+    assert normalised_hf_config(five)["rope_scaling"]["rope_type"] == "llama3"
+    plain = normalised_hf_config(
+        {"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    )
+    assert plain["rope_theta"] == 1e6 and plain["rope_scaling"] is None and "rope_parameters" not in plain
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key"),
+    [
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "rope_type: 'longrope'"),
+        (
+            {"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
+            "rope_scaling.mscale_all_dim",
+        ),
+        (
+            {"model_type": "mistral", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling: 'llama3' scaling is dropped",
+        ),
+        ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"model_type": "qwen2", "attention_bias": False}, "attention_bias: false"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, "sliding_window: 64 tokens"),
+        ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 224}, "query_pre_attn_scalar: 224"),
+    ],
+)
+def test_unhonoured_settings_name_their_key(cfg, key):
+    assert key in (unhonoured_setting(cfg, 128) or "")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64},  # declared, not used
+        {"model_type": "mistral", "sliding_window": 4096},  # longer than the context: no effect
+        {"model_type": "gemma2", "attn_logit_softcapping": 50.0, "head_dim": 16, "query_pre_attn_scalar": 16},
+        {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+    ],
+)
+def test_honoured_settings_pass(cfg):
+    assert unhonoured_setting(cfg, 128) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "family"),
+    [
+        ("qwen2", "QwenLMHeadModel"),
+        ("olmo2", "Olmo2LMHeadModel"),
+        ("gemma2", "Gemma2LMHeadModel"),
+        ("gemma3", "Gemma3LMHeadModel"),
+    ],
+)
+def test_dense_engine_refuses_other_families_by_name(reference, name, family):
+    """The dense engine decodes Llama-family layers only; a checkpoint of another family is refused at start."""
+    from marin_rl.inference.dense_engine import check_supported
+
+    root, _ = reference
+    arch = architecture_from_hf(str(root / name))
+    model = arch.build(hax.Axis("vocab", _vocab(root / name)), key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=rf"decodes Llama-family models .*not {family} .*engine: paged"):
+        check_supported(model)

@@ -139,7 +139,7 @@ def test_local_run_killed_with_sigkill_resumes_exactly(tmp_path):
                 p.wait()
             _reap_session(p.pid)
     text = log.read_text()
-    assert f"resumed from step {first_resume}" in text and text.count("warm start:") == 1
+    assert f"resumed from step {first_resume}" in text and text.count("warm start done in") == 1
     assert [m["step"] for m in _markers(out)] == [first_resume]
     rows = read_metrics(str(out / "metrics.jsonl"))
     ref_rows = read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))

@@ -384,7 +384,7 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
     assert f"resumed from step {first_resume} at {ckpts / f'step-{first_resume}'}" in text
     assert f"resumed from step {stopped_at} at {ckpts / f'step-{stopped_at}'}" in text
     assert "stopping after the current learner step" in text
-    assert text.count("warm start:") == 1, "the warm start runs once, before the first checkpoint"
+    assert text.count("warm start done in") == 1, "the warm start runs once, before the first checkpoint"
 
     # every step is trained exactly once: the effective log has each step once, and each resumed process logged
     # exactly the steps after its checkpoint, in order, after its resume marker

@@ -69,7 +69,7 @@ class BatcherConfig:
     for (None: wait for ever)."""
     wait_log_min_s: float = bounded(5.0, ge=0)
     """While blocked, say nothing until the batcher has waited this long (short waits for the next groups are the
-    normal rhythm of the loop), then log which environment is awaited and the tokens missing."""
+    normal rhythm of the loop), then log which environment is awaited and the tokens missing (0: log every wait)."""
     wait_log_interval_s: float = bounded(10.0, gt=0)
     """After that, repeat the line at most this often while still blocked."""
     too_long: str = "drop"

@@ -1,7 +1,7 @@
 """The package's layers import one way: every module imports only from its own layer unit or those below it, and no
 set of modules imports itself in a circle. Imports inside functions and under `TYPE_CHECKING` count too.
 
-The order (bottom first) is the one the README's architecture section shows. A unit is a module or a package of
+The order (bottom first) is the one docs/architecture.md shows. A unit is a module or a package of
 `marin_rl`; the programs at the top are the entry points.
 """
 
@@ -156,7 +156,9 @@ def import_cycles(modules: dict[str, Path]) -> list[str]:
 def test_every_unit_is_in_a_layer():
     units = {unit_of(m) for m in all_modules()} - {""}
     known = {u for _, us in LAYERS for u in us}
-    assert units <= known, f"modules outside every layer (add them to LAYERS and the README): {sorted(units - known)}"
+    assert units <= known, (
+        f"modules outside every layer (add them to LAYERS and docs/architecture.md): {sorted(units - known)}"
+    )
 
 
 def test_imports_go_down_the_layers():

@@ -154,6 +154,7 @@ def test_reinforce_state_keeps_its_checkpoint_key_and_older_checkpoints_load():
         "evicted",
         "dropped",
         "truncated_too_long",
+        "segment",
         "reinforce_baseline",
     }
     assert buf.metrics(0)["replays/e/reinforce_baseline"] == buf.advantages.baseline

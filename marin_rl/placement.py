@@ -20,8 +20,12 @@ Layouts:
   schedule them.
 
 Before anything starts, `check_feasible` compares every request with the live nodes and fails at once with a
-message naming the role, the request and what the cluster has; `wait_for_actors` bounds the wait for actors that
-are feasible but stay pending (resources held by others) the same way.
+message naming the role, the request and what the cluster has. After that, `wait_for_actors` bounds every start and
+every replacement in two steps: a process has `placement.wait_timeout_s` to be placed (scheduled on a node, its
+process started), then its role's start-up limit to answer (a server: `inference.startup_timeout_s`, for vLLM's long
+start). When a node dies, the roles pinned to it wait for a node that offers their resources to join; once
+`placement.wait_timeout_s` passes without one, the run fails with a `PlacementError` naming the role, the resource
+that no live node offers and the dead node that had it (`lost_placement`).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ def apply_cpu_affinity(spec: str | None = None) -> list[int] | None:
 
 
 class PlacementError(RuntimeError):
-    """A role's resources cannot be had: the message names the role, its request and what the cluster has."""
+    """A role's resources cannot be had (or its process did not start in time): the message names the role, its
+    request and what the cluster has."""
 
 
 @dataclass
@@ -194,7 +199,10 @@ class PlacementConfig:
     """Run server i on learner host i's device (one placement-group bundle of the learner's resources, split in
     half); needs `inference.num_servers == learner.hosts` and, on accelerators, explicit `memory_fraction`s."""
     wait_timeout_s: float = bounded(300.0, gt=0)
-    """How long actors may stay pending for resources before the run fails, naming what it waits for."""
+    """How long a process of any role (at the start, or replacing one that died) may wait to be placed on a node
+    before the run fails, naming what it waits for. A role whose node died waits this long for a node that offers
+    its resources to join, then fails naming the resource and the lost node. Once placed, a process has its role's
+    start-up limit (a server: `inference.startup_timeout_s`; the learner and env actors: this same limit again)."""
 
     def __post_init__(self):
         check_fields(self, "placement")
@@ -270,27 +278,123 @@ def check_feasible(requests: dict[str, tuple[RoleResources, int]], nodes: list[d
         )
 
 
+def _is_alive(node: dict) -> bool:
+    return bool(node.get("Alive", node.get("alive", False)))
+
+
+_seen_resources: dict[str, dict[str, float]] = {}
+"""Node id -> the total resources of each live node that `cluster_nodes` saw in this process."""
+
+
+def cluster_nodes() -> list[dict]:
+    """`ray.nodes()`, with each dead node's resources as this process last saw them alive (Ray reports none for a
+    dead node), so that a message can say which node a lost resource was on."""
+    import ray
+
+    nodes = ray.nodes()
+    for n in nodes:
+        if _is_alive(n) and n.get("NodeID"):
+            _seen_resources[n["NodeID"]] = dict(n.get("Resources", {}))
+    return [
+        n if _is_alive(n) or n.get("Resources") else {**n, "Resources": _seen_resources.get(n.get("NodeID"), {})}
+        for n in nodes
+    ]
+
+
+def lost_placement(role: str, res: RoleResources, nodes: list[dict]) -> str | None:
+    """Why no live node can run one of the role's processes any more, or None when one could (by the nodes' total
+    resources, whatever others hold now): the resources no live node offers and the dead nodes that offered them.
+
+    `nodes`: `cluster_nodes()` (dead nodes with the resources they had).
+    """
+    want = res.ray_resources()
+    alive = [n for n in nodes if _is_alive(n)]
+    if not want or any(_fits(n, want) for n in alive):
+        return None
+    missing = {k: v for k, v in want.items() if not any(n.get("Resources", {}).get(k, 0.0) >= v for n in alive)}
+    missing = missing or want  # each resource exists somewhere, but no live node has them all
+    dead = [n for n in nodes if not _is_alive(n) and _fits(n, missing)]
+    lost = ", ".join(f"{n.get('NodeManagerAddress', '?')} (node id {n.get('NodeID', '?')})" for n in dead)
+    shown = ", ".join(f"{k}: {v:g}" for k, v in missing.items())
+    asks = "" if missing == want else f" (each of its processes asks for {{{res.describe()}}})"
+    where = f"the dead node {lost} offered it" if lost else "no node in the cluster's records offered it"
+    return f"placement.{role}: no live node offers {{{shown}}}{asks} any more; {where}"
+
+
+def _pending_error(pending: list[str], requests: dict[str, RoleResources], timeout_s: float) -> PlacementError:
+    """The error for processes of the roles `pending` (one entry per process) not placed within `timeout_s`."""
+    import ray
+
+    roles = sorted(set(pending))
+    nodes = cluster_nodes()
+    lost = [why for r in roles if (why := lost_placement(r, requests[r], nodes)) is not None]
+    if lost:
+        return PlacementError(
+            f"{'; '.join(lost)}; no node with it joined within placement.wait_timeout_s={timeout_s:g}s "
+            f"({len(pending)} process(es) of {', '.join(roles)} pending)"
+        )
+    waiting = "; ".join(f"{r} asks for {{{requests[r].describe()}}} per process" for r in roles)
+    available = _shown_resources(ray.available_resources())
+    return PlacementError(
+        f"placement: {len(pending)} process(es) of {', '.join(roles)} still pending after {timeout_s:.0f}s "
+        f"(placement.wait_timeout_s): {waiting}; available now: {available or 'nothing'}"
+    )
+
+
 def wait_for_actors(
-    pending: dict[str, list[tuple[Any, Any]]], requests: dict[str, RoleResources], timeout_s: float
+    pending: dict[str, list[tuple[Any, Any]]],
+    requests: dict[str, RoleResources],
+    timeout_s: float,
+    startup: dict[str, tuple[float, str]] | None = None,
+    since: float | None = None,
 ) -> dict[str, list[Any]]:
     """Wait until every actor answers its ready call; returns role -> the calls' results, in order.
 
-    `pending`: role -> [(actor, ready ObjectRef)]. Raises `PlacementError` naming the roles still pending, their
-    request and the resources available when `timeout_s` passes.
+    `pending`: role -> [(actor, ready ObjectRef)]. Two limits: every actor must be placed (on a node, its process
+    started and its constructor done: Ray's `__ray_ready__`, or its ready call, answers) within `timeout_s`
+    (`placement.wait_timeout_s`) of `since` (default: now; a replacement started again after one died keeps its
+    first start); then each role's ready calls have `startup[role]` = (seconds, the setting's name) more (default:
+    `timeout_s`, 'placement.wait_timeout_s'). Raises `PlacementError` naming what is still pending (the resource no
+    live node offers and the lost node, when that is why), or still starting; a dead actor's `RayActorError` and a
+    failed ready call's error as soon as they are seen.
     """
     import ray
 
-    refs = {ref: role for role, items in pending.items() for _, ref in items}
-    deadline = time.time() + timeout_s
-    remaining = list(refs)
+    # an actor is placed once either call answers (one that runs a call at a time answers `__ray_ready__` only
+    # after its ready call)
+    actors = [(role, (a.__ray_ready__.remote(), ref)) for role, items in pending.items() for a, ref in items]
+    owner = {ref: k for k, (_, refs) in enumerate(actors) for ref in refs}
+    deadline = (time.time() if since is None else since) + timeout_s
+    unplaced = set(range(len(actors)))
+    told = False  # whether a wait for a lost resource was logged
+    while unplaced:
+        left = max(0.0, deadline - time.time())
+        refs = [ref for k in unplaced for ref in actors[k][1]]
+        done, _ = ray.wait(refs, num_returns=1, timeout=left if told else min(left, 5.0))
+        ray.get(done)  # raises a dead actor's error
+        unplaced -= {owner[ref] for ref in done}
+        if unplaced and not done:
+            roles = sorted({actors[k][0] for k in unplaced})
+            if time.time() >= deadline:
+                raise _pending_error([actors[k][0] for k in unplaced], requests, timeout_s)
+            if not told:  # pending for a while: say so once when it is for a resource no live node offers
+                told, nodes = True, cluster_nodes()
+                for role in roles:
+                    if (why := lost_placement(role, requests[role], nodes)) is not None:
+                        logger.warning(
+                            "%s; waiting up to %.0fs more for a node that offers it", why, deadline - time.time()
+                        )
+    cluster_nodes()  # remembers the nodes they were placed on, to name them if they die
+    started = time.time()
+    limits = {role: (startup or {}).get(role, (timeout_s, "placement.wait_timeout_s")) for role in pending}
+    calls = {ref: role for role, items in pending.items() for _, ref in items}
+    remaining = list(calls)
     while remaining:
-        done, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=max(0.0, deadline - time.time()))
-        if remaining and time.time() >= deadline:
-            roles = sorted({refs[r] for r in remaining})
-            waiting = "; ".join(f"{r} asks for {{{requests[r].describe()}}} per process" for r in roles)
-            available = _shown_resources(ray.available_resources())
-            raise PlacementError(
-                f"placement: {len(remaining)} process(es) of {', '.join(roles)} still pending after {timeout_s:.0f}s "
-                f"(placement.wait_timeout_s): {waiting}; available now: {available or 'nothing'}"
-            )
+        deadline = started + min(limits[calls[r]][0] for r in remaining)
+        done, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.time()))
+        ray.get(done)
+        late = sorted({calls[r] for r in remaining if time.time() >= started + limits[calls[r]][0]})
+        if late:
+            detail = ", ".join(f"{r} ({limits[r][1]}={limits[r][0]:g}s)" for r in late)
+            raise PlacementError(f"placement: process(es) of {detail} placed but not started within their limit")
     return {role: ray.get([ref for _, ref in items]) for role, items in pending.items()}

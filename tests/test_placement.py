@@ -14,7 +14,15 @@ import ray
 
 from marin_rl.config import parse_config
 from marin_rl.orchestrator.launcher import Launcher
-from marin_rl.placement import PlacementConfig, PlacementError, RoleResources, check_feasible, tpu_slice_shape
+from marin_rl.placement import (
+    PlacementConfig,
+    PlacementError,
+    RoleResources,
+    check_feasible,
+    lost_placement,
+    tpu_slice_shape,
+    wait_for_actors,
+)
 
 
 def _config(*overrides: str):
@@ -119,6 +127,25 @@ def test_infeasible_request_names_role_request_and_cluster():
         check_feasible({"learner": (RoleResources(num_cpus=1), 1), "servers": (RoleResources(num_cpus=2), 1)}, nodes)
 
 
+def test_a_resource_lost_with_its_node_is_named_with_the_node():
+    head = {"Alive": True, "NodeID": "aa11", "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0, "learner": 1}}
+    lost = {"Alive": False, "NodeID": "bb22", "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 8.0, "rollout": 1}}
+    envs = RoleResources(num_cpus=1, resources={"rollout": 0.1})
+    message = lost_placement("envs", envs, [head, lost])
+    assert message == (
+        "placement.envs: no live node offers {rollout: 0.1} (each of its processes asks for {CPU: 1, rollout: 0.1}) "
+        "any more; the dead node 10.0.0.2 (node id bb22) offered it"
+    )
+    # a live node offers it (even if others hold it now): nothing is lost, the wait goes on
+    assert lost_placement("envs", envs, [head, dict(lost, Alive=True)]) is None
+    assert lost_placement("learner", RoleResources(resources={"learner": 1}), [head, lost]) is None
+    # every resource exists somewhere alive, but no live node has them all
+    both = RoleResources(resources={"learner": 1, "rollout": 1})
+    split = [head, dict(lost, Alive=True), dict(lost, NodeID="cc33", NodeManagerAddress="10.0.0.3")]
+    message = lost_placement("servers", both, split)
+    assert message.startswith("placement.servers: no live node offers {learner: 1, rollout: 1} any more; ")
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(num_cpus=2, resources={"rollout_node": 1}, include_dashboard=False, log_to_driver=False)
@@ -135,8 +162,6 @@ def test_run_without_the_requested_gpu_fails_fast(local_ray):
 
 
 def test_pending_actors_fail_after_the_wait_timeout(local_ray):
-    from marin_rl.placement import wait_for_actors
-
     @ray.remote
     class Holder:
         def ready(self):
@@ -152,6 +177,32 @@ def test_pending_actors_fail_after_the_wait_timeout(local_ray):
     assert time.time() - start < 10
     ray.kill(waiting)
     ray.kill(holder)
+
+
+def test_placement_and_start_up_have_their_own_limits(local_ray):
+    @ray.remote(max_concurrency=2)  # as the run's actors: answers `__ray_ready__` while it starts
+    class SlowStart:
+        def start(self, seconds: float) -> str:
+            time.sleep(seconds)
+            return "serving"
+
+    request = {"servers": RoleResources()}
+    startup = {"servers": (10.0, "inference.startup_timeout_s")}
+    # placed (its process up) before the wait; a start-up longer than the placement wait is within its own limit
+    a, b = SlowStart.remote(), SlowStart.remote()
+    ray.get([a.__ray_ready__.remote(), b.__ray_ready__.remote()])
+    assert wait_for_actors({"servers": [(a, a.start.remote(3.0))]}, request, 1.0, startup) == {"servers": ["serving"]}
+    startup = {"servers": (1.0, "inference.startup_timeout_s")}
+    with pytest.raises(PlacementError, match=r"servers \(inference.startup_timeout_s=1s\) placed but not started"):
+        wait_for_actors({"servers": [(b, b.start.remote(5.0))]}, request, 10.0, startup)
+    # a resource no live node has: the wait ends naming it
+    c = SlowStart.options(resources={"gone_node": 1}).remote()
+    start = time.time()
+    with pytest.raises(PlacementError, match=r"placement.envs: no live node offers \{gone_node: 1\} any more; "):
+        wait_for_actors({"envs": [(c, c.start.remote(0.0))]}, {"envs": RoleResources(resources={"gone_node": 1})}, 1)
+    assert time.time() - start < 5
+    for actor in (a, b, c):
+        ray.kill(actor)
 
 
 def test_colocated_learner_and_server_share_one_bundle(local_ray):

@@ -1,10 +1,14 @@
 """The restart bound per role: replacements up to `orchestrator.max_restarts_per_role` go through, the next one
-stops the run with an error that names the role, the limit and the way back."""
+stops the run with an error that names the role, the limit and the way back. How a replacement is awaited: a bounded
+wait to be placed that names a resource no live node offers, and no waiting at all for one whose constructor raises."""
+
+import time
 
 import pytest
 
 from marin_rl.config import parse_config
-from marin_rl.orchestrator.restarts import RestartBudget, RestartLimitExceeded
+from marin_rl.orchestrator.restarts import RestartBudget, RestartLimitExceeded, start_replacement
+from marin_rl.placement import PlacementError, RoleResources
 
 
 def test_the_replacement_past_the_limit_raises_and_names_role_limit_and_resume():
@@ -25,6 +29,50 @@ def test_zero_means_a_dead_actor_ends_the_run_and_negative_is_refused():
         RestartBudget("inference servers", 0).spend("inference server 0")
     with pytest.raises(SystemExit, match="orchestrator.max_restarts_per_role: must be >= 0"):
         parse_config(["--config", "experiments/quickstart.yaml", "--orchestrator.max_restarts_per_role", "-1"])
+
+
+def test_a_replacement_fails_at_once_when_it_cannot_be_built_and_after_the_wait_when_it_cannot_be_placed():
+    import ray
+    from ray.exceptions import RayActorError
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Replica:
+            def __init__(self, broken: bool = False):
+                if broken:
+                    raise ValueError("no training problems")
+
+            def ready(self) -> str:
+                return "ready"
+
+        def ready(actor):
+            return actor.ready.remote()
+
+        actor, answer = start_replacement("env actor a/0", "envs", Replica.remote, ready, RoleResources(), 60)
+        assert answer == "ready"
+        start = time.time()
+        with pytest.raises(RayActorError, match="no training problems"):  # not started again until the wait ends
+            start_replacement("env actor a/0", "envs", lambda: Replica.remote(True), ready, RoleResources(), 60)
+        assert time.time() - start < 20
+        spawned = []
+
+        def spawn_on_a_lost_node():
+            spawned.append(Replica.options(resources={"gone_node": 1}).remote())
+            return spawned[-1]
+
+        start = time.time()
+        with pytest.raises(PlacementError, match=r"placement.envs: no live node offers \{gone_node: 1\} any more"):
+            start_replacement(
+                "env actor a/0", "envs", spawn_on_a_lost_node, ready, RoleResources(resources={"gone_node": 1}), 2
+            )
+        assert 2 <= time.time() - start < 10 and len(spawned) == 1
+        with pytest.raises(RayActorError):  # the pending replacement was killed: nothing waits for it at shutdown
+            ray.get(spawned[0].ready.remote(), timeout=10)
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.slow

@@ -124,7 +124,7 @@ def served(vllm_env, tmp_path_factory):
     shm_at_start = _shm_entries()
     started = time.time()
     actor = ServerActor.remote(config, "vllm-test")
-    address = ray.get(actor.get_address.remote())
+    address = ray.get(actor.start.remote())
     startup_s = time.time() - started
     transport = make_transport("in_process")
 

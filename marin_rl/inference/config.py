@@ -133,7 +133,8 @@ class InferenceConfig:
     request_timeout_s: float = bounded(600.0, gt=0)
     """Client-side timeout of one request."""
     startup_timeout_s: float = bounded(900.0, gt=0)
-    """How long to wait for a server to become healthy after starting it (vLLM takes minutes to start)."""
+    """How long a server may take to start serving once it is placed on a node (vLLM takes minutes to start); the
+    wait to be placed is `placement.wait_timeout_s`."""
     health_check_every_s: float = bounded(15.0, gt=0)
     """How often the driver asks every server for a sign of life (also whenever a group fails or an env actor
     dies); a server that does not answer within 10 s is replaced and gets the latest weights."""

@@ -94,6 +94,9 @@ class ServerActor:
     Both start from the run's initial policy (`config.model`: `init_from_hf` or its seeded random initialisation)
     labelled version -1; weights arrive through `apply_update`. vLLM starts from that policy exported as a Hugging
     Face checkpoint to a private directory (or from `hf_checkpoint` when given).
+
+    Built in two calls, so that the driver can tell a server that waits for a node from one that is starting (vLLM
+    takes minutes): the actor is created (placed), then `start()` builds and starts the server.
     """
 
     def __init__(
@@ -101,16 +104,28 @@ class ServerActor:
     ):
         configure_logging()
         config.enable_compilation_cache()
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        self.server = make_policy_server(config, self.tokenizer, name, hf_checkpoint=hf_checkpoint)
-        self.transport = make_transport(config.broadcast)
-        self.subscriber = WeightSubscriber(self.transport, self.server.apply_weights)
-        self.server.control_secret = control_secret or config.inference.control_secret
-        self.server.weights_source = self.subscriber.poll
-        self.address = self.server.start()
+        self.config, self.name, self.hf_checkpoint = config, name, hf_checkpoint
+        self.control_secret = control_secret or config.inference.control_secret
+        self.server = self.transport = self.subscriber = None
+        self.address: str | None = None
 
-    def get_address(self) -> str:
-        """'host:port' that clients (on any node, when `inference.host` allows) send requests to."""
+    def start(self) -> str:
+        """Build the server and start serving (once; a second call returns the same address); returns its
+        'host:port'."""
+        if self.address is None:
+            config = self.config
+            tokenizer = load_tokenizer(config.tokenizer)
+            self.server = make_policy_server(config, tokenizer, self.name, hf_checkpoint=self.hf_checkpoint)
+            self.transport = make_transport(config.broadcast)
+            self.subscriber = WeightSubscriber(self.transport, self.server.apply_weights)
+            self.server.control_secret = self.control_secret
+            self.server.weights_source = self.subscriber.poll
+            self.address = self.server.start()
+        return self.address
+
+    def get_address(self) -> str | None:
+        """'host:port' that clients (on any node, when `inference.host` allows) send requests to (None before
+        `start`)."""
         return self.address
 
     def node_id(self) -> str:
@@ -126,9 +141,11 @@ class ServerActor:
         return self.server.stats()
 
     def stop(self) -> None:
-        """Stop the server (and vLLM's processes) and remove the exported checkpoint."""
-        self.server.stop()
-        self.transport.close()
+        """Stop the server (and vLLM's processes) and remove the exported checkpoint (nothing before `start`)."""
+        if self.server is not None:
+            self.server.stop()
+        if self.transport is not None:
+            self.transport.close()
 
 
 @ray.remote(num_cpus=0)

@@ -134,7 +134,8 @@ class RunComponents:
                 "servers": self.servers.ready_calls(),
             },
             {"learner": cfg.placement.learner, "servers": cfg.placement.servers},
-            self.servers.start_timeout_s,
+            cfg.placement.wait_timeout_s,
+            {"servers": self.servers.startup},
         )
         addresses = ready["servers"]
         self.servers.addresses = list(addresses)
@@ -151,7 +152,8 @@ class RunComponents:
 
     def start_learner(self, wait: bool) -> list[ray.ObjectRef]:
         """Start the learner's processes (in the placement's bundles); their ready calls, awaited when `wait`
-        (bounded by `placement.wait_timeout_s`)."""
+        (`placement.wait_timeout_s` to be placed, naming a resource lost with its node, and as long again to
+        start)."""
         self.learner = LearnerGroup(self.config, self.launcher)
         ready = self.learner.start()
         if wait:

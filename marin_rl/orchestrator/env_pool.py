@@ -1,4 +1,10 @@
-"""The env actors of one environment: the problem order, the groups in flight, replacing a dead actor."""
+"""The env actors of one environment: the problem order, the groups in flight, replacing a dead actor.
+
+An env actor dies with its process or its node; the driver sees it when one of its groups (or an evaluation) fails
+with `RayActorError`, hands the group's problem out again and starts a replacement with the same placement, as
+`ServerPool` does for a server: at most `placement.wait_timeout_s` to be placed (a node offering its resources may
+have to join), then as long again to start (`marin_rl.orchestrator.restarts.start_replacement`).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
 from marin_rl.orchestrator.actors import EnvActor
 from marin_rl.orchestrator.launcher import Launcher
-from marin_rl.orchestrator.restarts import RestartBudget
+from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement
 from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")
@@ -200,12 +206,24 @@ class EnvPool(WorkerPool):
             self.restart(replica)
 
     def restart(self, replica: int) -> None:
-        """Replace a dead env actor (`RestartLimitExceeded` once this environment's actors used up
-        `orchestrator.max_restarts_per_role`)."""
-        self.budget.spend(f"env actor {self.env.name}/{replica}")
-        logger.error("env actor %s/%d died; restarting it", self.env.name, replica)
+        """Replace a dead env actor and wait until it answers (`start_replacement`: `PlacementError` when no node
+        can take it within `placement.wait_timeout_s`; `RestartLimitExceeded` once this environment's actors used
+        up `orchestrator.max_restarts_per_role`)."""
+        what = f"env actor {self.env.name}/{replica}"
+        self.budget.spend(what)
+        logger.error("%s died; replacing it", what)
         self.restarts += 1
-        self.actors[replica] = self._spawn(replica)
+        t = time.time()
+        kill_quietly(self.actors[replica])
+        self.actors[replica], _ = start_replacement(
+            what,
+            "envs",
+            lambda: self._spawn(replica),
+            lambda actor: actor.num_problems.remote(),
+            self.config.placement.envs,
+            self.config.placement.wait_timeout_s,
+        )
+        logger.info("%s replaced (%.1fs)", what, time.time() - t)
 
     def drop_in_flight(self) -> int:
         """Cancel the groups in flight and forget them (the run rolled back: the restored problem order hands their

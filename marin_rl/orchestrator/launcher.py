@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marin_rl.config import RunConfig
-from marin_rl.placement import PlacementError, RoleResources, check_feasible, tpu_slice_shape
+from marin_rl.placement import PlacementError, RoleResources, check_feasible, cluster_nodes, tpu_slice_shape
 
 logger = logging.getLogger("marin_rl")
 
@@ -77,7 +77,7 @@ class Launcher:
             "servers": (p.servers, 0 if p.colocate else self.num_servers),  # colocated: inside the learner's bundles
             "envs": (p.envs, self.num_env_actors),
         }
-        check_feasible(requests, ray.nodes())
+        check_feasible(requests, cluster_nodes())
 
     def reserve(self) -> None:
         """Create the placement groups the layout needs and wait for them (`placement.wait_timeout_s`)."""

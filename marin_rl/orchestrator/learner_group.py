@@ -12,12 +12,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from marin_rl.config import RunConfig
 from marin_rl.orchestrator.actors import LearnerActor
 from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.placement import wait_for_actors
 
 
 class LearnerGroup:
     """`learner.hosts` `LearnerActor`s, one per host, started together (`start`) and called together."""
 
     def __init__(self, config: RunConfig, launcher: Launcher):
+        self.config = config
         n = config.learner.hosts
         self.actors = [
             LearnerActor.options(max_concurrency=2, **launcher.learner_options(i)).remote(config, i, n)
@@ -31,8 +33,16 @@ class LearnerGroup:
 
     def start(self) -> list[ray.ObjectRef]:
         """Join the processes in one distributed runtime (several hosts) and build the learner; refs of each
-        process's parameter count (ready calls)."""
-        coordinator = ray.get(self.primary.coordinator_address.remote()) if len(self.actors) > 1 else None
+        process's parameter count (ready calls). Several hosts: process 0 must be placed within
+        `placement.wait_timeout_s` to say where the runtime's coordinator is (`PlacementError` otherwise)."""
+        coordinator = None
+        if len(self.actors) > 1:
+            placement = self.config.placement
+            coordinator = wait_for_actors(
+                {"learner": [(self.primary, self.primary.coordinator_address.remote())]},
+                {"learner": placement.learner},
+                placement.wait_timeout_s,
+            )["learner"][0]
         return [a.start.remote(coordinator) for a in self.actors]
 
     def call(self, method: str, *args) -> list[ray.ObjectRef]:

@@ -28,7 +28,9 @@ that read data load it once in the driver, so a malformed row stops the run with
 
 Supervision: dead env actors and servers are replaced (`EnvPool`, `ServerPool`); a dead learner process is replaced
 with its peers and the run rolled back in-run to the latest checkpoint (`Orchestrator._replace_learner`); each role
-at most `orchestrator.max_restarts_per_role` times.
+at most `orchestrator.max_restarts_per_role` times. A replacement waits at most `placement.wait_timeout_s` to be
+placed (after a lost node, for a node with its resources to join), then its role's start-up limit
+(`marin_rl.orchestrator.restarts.start_replacement`); past that the run fails naming the resource and the lost node.
 """
 
 from __future__ import annotations

@@ -1,8 +1,26 @@
-"""How many dead actors of one role (the inference servers; the env actors of one environment) the driver replaces
-before it stops the run: replacing rides out a lost node, but an actor that dies again and again is a bug or a
-broken machine, and replacing it forever would hide that."""
+"""Replacing dead actors: how many of one role (the inference servers; the env actors of one environment) the driver
+replaces before it stops the run (replacing rides out a lost node, but an actor that dies again and again is a bug or
+a broken machine, and replacing it forever would hide that), and how a replacement is started and awaited.
+
+A replacement has `placement.wait_timeout_s` to be placed, whether its node is being restarted or a new node has to
+join; replacements placed on a node that is dying too are started again within that time. Once placed, it has its
+role's start-up limit. Past the wait, the run fails with a `PlacementError` naming the resource no live node offers
+and the node lost with it (`marin_rl.placement.wait_for_actors`).
+"""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from marin_rl.placement import PlacementError, RoleResources, cluster_nodes, lost_placement, wait_for_actors
+
+logger = logging.getLogger("marin_rl")
 
 
 class RestartLimitExceeded(RuntimeError):
@@ -26,3 +44,59 @@ class RestartBudget:
                 "for the cause in its log above; rerunning the command resumes from the latest checkpoint."
             )
         self.spent += 1
+
+
+def kill_quietly(actor: Any) -> None:
+    """Kill `actor`; nothing to do when it is already gone (with its node)."""
+    try:
+        ray.kill(actor)
+    except Exception:
+        pass
+
+
+def start_replacement(
+    what: str,
+    role: str,
+    spawn: Callable[[], Any],
+    ready: Callable[[Any], ray.ObjectRef],
+    request: RoleResources,
+    wait_timeout_s: float,
+    startup: tuple[float, str] | None = None,
+) -> tuple[Any, Any]:
+    """Start a replacement for `what` (e.g. 'inference server 0') with `spawn()` and wait until `ready(actor)`
+    answers; returns (the actor, the answer).
+
+    `role` ('servers', 'envs', ...) and `request` name it in errors. The replacement has `wait_timeout_s`
+    (`placement.wait_timeout_s`) from now to be placed; one that dies before it answers (placed on a node that is
+    dying too) is started again while that time lasts. Once placed, it has `startup` = (seconds, setting) to answer
+    (default: `wait_timeout_s`). Raises `PlacementError` when it is not placed in time (naming the resource no live
+    node offers and the node lost with it) or keeps dying; the `RayActorError` of a replacement whose constructor
+    raised at once. A replacement that did not start is killed, so that stopping the run does not wait for it.
+    """
+    began = time.time()
+    while True:
+        actor = spawn()
+        try:
+            answer = wait_for_actors(
+                {role: [(actor, ready(actor))]},
+                {role: request},
+                wait_timeout_s,
+                None if startup is None else {role: startup},
+                since=began,
+            )
+            return actor, answer[role][0]
+        except RayActorError as e:
+            kill_quietly(actor)
+            if e.actor_init_failed:  # its constructor raised: a bug or a bad config, not a lost node
+                raise
+            if time.time() >= began + wait_timeout_s:
+                why = lost_placement(role, request, cluster_nodes())
+                raise PlacementError(
+                    f"{what}: its replacements kept dying while starting for placement.wait_timeout_s="
+                    f"{wait_timeout_s:g}s ({type(e).__name__})" + (f"; {why}" if why else "")
+                ) from e
+            logger.warning("the replacement of %s died while starting (%s); starting another", what, type(e).__name__)
+            time.sleep(1.0)
+        except BaseException:
+            kill_quietly(actor)
+            raise

@@ -2,8 +2,8 @@
 
 A server dies with its process or its node. `ServerPool` notices when a weight update or a health check gets
 `RayActorError`, starts a replacement with the same placement (it may wait for a node to come back, at most
-`placement.wait_timeout_s`), re-sends the latest weights before it serves, and reports the new address list so
-the env actors send requests to it.
+`placement.wait_timeout_s`; then `inference.startup_timeout_s` to start serving), re-sends the latest weights
+before it serves, and reports the new address list so the env actors send requests to it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from marin_rl.broadcast.base import WeightUpdate
 from marin_rl.config import RunConfig
 from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.launcher import Launcher
-from marin_rl.orchestrator.restarts import RestartBudget
-from marin_rl.placement import wait_for_actors
+from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement
 
 logger = logging.getLogger("marin_rl")
 
@@ -44,8 +43,9 @@ class ServerPool:
         )
 
     def ready_calls(self) -> list:
-        """(actor, ready ref) per server, for `wait_for_actors` (the ref yields the server's address)."""
-        return [(s, s.get_address.remote()) for s in self.actors]
+        """(actor, ready ref) per server, for `wait_for_actors`: each server starts serving (the ref yields its
+        address)."""
+        return [(s, s.start.remote()) for s in self.actors]
 
     @property
     def restarts(self) -> int:
@@ -53,9 +53,9 @@ class ServerPool:
         return self.budget.spent
 
     @property
-    def start_timeout_s(self) -> float:
-        """How long a server may take to be placed and start serving."""
-        return max(self.config.placement.wait_timeout_s, self.config.inference.startup_timeout_s)
+    def startup(self) -> tuple[float, str]:
+        """How long a placed server may take to start serving, and the setting that says so (for `wait_for_actors`)."""
+        return self.config.inference.startup_timeout_s, "inference.startup_timeout_s"
 
     def broadcast(self, update: WeightUpdate) -> list[dict]:
         """Apply `update` on every server (a dead one is replaced and gets it); returns each server's apply stats."""
@@ -84,38 +84,30 @@ class ServerPool:
         return replaced
 
     def restart(self, index: int) -> dict:
-        """Replace server `index`: start a new one where the placement allows, wait until it serves, send it the
-        latest weights. A replacement that dies while starting (e.g. placed on a node that is dying too) is
-        replaced again until `placement.wait_timeout_s` passes. Raises `RestartLimitExceeded` once the servers
-        used up `orchestrator.max_restarts_per_role`. Returns the weight update's stats (empty when no
-        weights were published yet)."""
+        """Replace server `index`: start a new one where the placement allows (`start_replacement`: at most
+        `placement.wait_timeout_s` to be placed, then `inference.startup_timeout_s` to serve), send it the latest
+        weights. Raises `PlacementError` when no node can take it in time, `RestartLimitExceeded` once the servers
+        used up `orchestrator.max_restarts_per_role`. Returns the weight update's stats (empty when no weights were
+        published yet)."""
         self.budget.spend(f"inference server {index}")
         t = time.time()
-        deadline = t + self.start_timeout_s
-        while True:
+        kill_quietly(self.actors[index])
+        self.actors[index], self.addresses[index] = start_replacement(
+            f"inference server {index}",
+            "servers",
+            lambda: self._spawn(index),
+            lambda actor: actor.start.remote(),
+            self.config.placement.servers,
+            self.config.placement.wait_timeout_s,
+            self.startup,
+        )
+        result = {}
+        if self.last_update is not None:
             try:
-                ray.kill(self.actors[index])
-            except Exception:  # already gone with its node
-                pass
-            self.actors[index] = self._spawn(index)
-            try:
-                ready = wait_for_actors(
-                    {"servers": [(self.actors[index], self.actors[index].get_address.remote())]},
-                    {"servers": self.config.placement.servers},
-                    max(1.0, deadline - time.time()),
-                )
-                self.addresses[index] = ready["servers"][0]
-                result = {}
-                if self.last_update is not None:
-                    result = ray.get(self.actors[index].apply_update.remote(self.last_update))
-                break
-            except RayActorError as e:
-                if time.time() >= deadline:
-                    raise
-                logger.warning(
-                    "replacement of inference server %d died while starting (%s); trying again", index, type(e).__name__
-                )
-                time.sleep(1.0)
+                result = ray.get(self.actors[index].apply_update.remote(self.last_update))
+            except RayActorError as e:  # its node died too
+                logger.error("the replacement of inference server %d died (%s); replacing it", index, type(e).__name__)
+                return self.restart(index)
         logger.info(
             "inference server %d replaced at %s with version %s (%.1fs)",
             index,

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
-
-import ray
-from ray.exceptions import RayActorError
+from typing import TYPE_CHECKING, Any
 
 from marin_rl.placement import PlacementError, RoleResources, cluster_nodes, lost_placement, wait_for_actors
+
+if TYPE_CHECKING:
+    import ray
 
 logger = logging.getLogger("marin_rl")
 
@@ -48,6 +48,8 @@ class RestartBudget:
 
 def kill_quietly(actor: Any) -> None:
     """Kill `actor`; nothing to do when it is already gone (with its node)."""
+    import ray  # the local backend's driver imports this module without Ray
+
     try:
         ray.kill(actor)
     except Exception:
@@ -73,6 +75,8 @@ def start_replacement(
     node offers and the node lost with it) or keeps dying; the `RayActorError` of a replacement whose constructor
     raised at once. A replacement that did not start is killed, so that stopping the run does not wait for it.
     """
+    from ray.exceptions import RayActorError
+
     began = time.time()
     while True:
         actor = spawn()

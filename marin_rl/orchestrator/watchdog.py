@@ -36,6 +36,9 @@ RUN_TOKEN_VARIABLE = "MARIN_RL_RUN"
 GRACE_S = 3.0
 """How long processes get after SIGTERM before SIGKILL."""
 
+SETTLE_S = 1.5
+"""How long no process of a dead run must be seen before the watchdog stops looking for late ones."""
+
 
 def driver_alive(token: str) -> bool:
     """Whether the driver that a run token names still runs."""
@@ -94,21 +97,31 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def end_run_processes(token: str, grace_s: float = GRACE_S) -> int:
+def end_run_processes(token: str, grace_s: float = GRACE_S, settle_s: float = SETTLE_S) -> int:
     """SIGTERM every process of the run `token`, SIGKILL those left after `grace_s`; returns how many there were.
-    Repeats until none is left, as dying parents may still have started children (Ray's raylet restarts agents that
-    die while it shuts down): those later processes get SIGKILL at once, without another grace period."""
+    Keeps watching until none has been seen for `settle_s` (at most `grace_s` + 10 s in all), as dying parents may
+    still start children (Ray's raylet restarts its dashboard and runtime-env agents while it shuts down, seen up to a
+    second or more after it was signalled): those later processes get SIGKILL at once, without another grace period."""
     ended: set[int] = set()
-    for round_ in range(10):
+    give_up = time.time() + grace_s + 10.0
+    quiet_since: float | None = None
+    while time.time() < give_up:
         pids = processes_of(token)
         if not pids:
-            break
-        ended.update(pids)
-        if round_ == 0:
+            if not ended:
+                break  # the run had no process left at all
+            quiet_since = quiet_since or time.time()
+            if time.time() - quiet_since >= settle_s:
+                break
+            time.sleep(0.1)
+            continue
+        quiet_since = None
+        if not ended:
             _signal_all(pids, signal.SIGTERM)
             deadline = time.time() + grace_s
             while time.time() < deadline and processes_of(token):
                 time.sleep(0.1)
+        ended.update(pids)
         _signal_all(processes_of(token), signal.SIGKILL)
         time.sleep(0.1)
     return len(ended)

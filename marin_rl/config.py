@@ -399,6 +399,18 @@ class RunConfig:
         return {**fixed, **{n: rest / len(free) for n in free}}
 
 
+SECRET_FIELDS = (("inference", "control_secret"), ("inference", "api_key"), ("broadcast", "secret"))
+"""(section, field) of every setting that is a secret: never logged, nor written to a run directory."""
+
+
+def without_secrets(data: dict[str, Any], replacement: Any) -> dict[str, Any]:
+    """`data` (a config as a nested dict, changed in place) with every set `SECRET_FIELDS` value replaced."""
+    for section, key in SECRET_FIELDS:
+        if data.get(section, {}).get(key) is not None:
+            data[section][key] = replacement
+    return data
+
+
 def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: int | None = None) -> Environment:
     """Instantiate an environment from its config. An environment class whose constructor takes a `max_seq_len`
     keyword gets `max_seq_len` (a run passes its `batcher.max_seq_len`: the longest episode a batch row holds)

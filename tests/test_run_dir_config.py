@@ -41,10 +41,19 @@ def fake_checkpoint(out: Path, step: int = 50) -> str:
 
 
 def test_the_config_is_written_and_read_back_unchanged(tmp_path):
-    config = quickstart(tmp_path, "--inference.control_secret", "s3cret")
+    config = quickstart(
+        tmp_path,
+        "--inference.control_secret",
+        "s3cret",
+        "--inference.api_key",
+        "k3y-s3cret",
+        "--broadcast.secret",
+        "fl1ght-s3cret",
+    )
     path = remember_config(config)
     assert path == str(tmp_path / CONFIG_FILE)
-    assert "s3cret" not in Path(path).read_text()
+    for secret in ("s3cret", "k3y-s3cret", "fl1ght-s3cret"):  # no secret setting is written
+        assert secret not in Path(path).read_text()
     saved = remembered_config(config)
     assert saved["learner"]["optimizer"]["learning_rate"] == config.learner.optimizer.learning_rate
     assert differences(saved, config_dict(config)) == []

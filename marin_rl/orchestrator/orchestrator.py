@@ -42,7 +42,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from marin_rl.api.controller import RolloutController
-from marin_rl.config import RunConfig
+from marin_rl.config import RunConfig, without_secrets
 from marin_rl.learner.checkpoint import (
     RUN_STATE_FILE,
     checkpoint_step,
@@ -533,10 +533,7 @@ class Orchestrator:
 
 def _redacted(hparams: dict[str, Any]) -> dict[str, Any]:
     """The config as logged: secrets replaced."""
-    for section, key in (("inference", "control_secret"), ("inference", "api_key"), ("broadcast", "secret")):
-        if hparams.get(section, {}).get(key):
-            hparams[section][key] = "<redacted>"
-    return hparams
+    return without_secrets(hparams, "<redacted>")
 
 
 def _fmt(m: dict[str, float]) -> str:

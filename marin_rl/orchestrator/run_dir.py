@@ -22,7 +22,7 @@ import draccus
 import fsspec
 import yaml
 
-from marin_rl.config import RunConfig
+from marin_rl.config import RunConfig, without_secrets
 
 logger = logging.getLogger("marin_rl")
 
@@ -70,11 +70,8 @@ class RunDirConflict(ValueError):
 
 def config_dict(config: RunConfig) -> dict[str, Any]:
     """The config as its YAML file holds it (draccus's encoding, in plain JSON types; a value that has none, such as
-    an object in an env's `args` given from Python, as its text), without the control secret."""
-    data = json.loads(json.dumps(draccus.encode(config), default=str))
-    if data.get("inference", {}).get("control_secret") is not None:
-        data["inference"]["control_secret"] = None
-    return data
+    an object in an env's `args` given from Python, as its text), without its secrets (`SECRET_FIELDS`)."""
+    return without_secrets(json.loads(json.dumps(draccus.encode(config), default=str)), None)
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -17,22 +17,37 @@ from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, driver_alive, swe
 from marin_rl.processes import process_token
 
 # A driver as the orchestrator is one: it starts the watchdog, then processes that inherit its environment: a child,
-# a child in a session of its own with a grandchild (as vLLM servers and Ray's processes are), and a weight slot
-# directory owned by the child (as the learner's is).
+# a child in a session of its own with a grandchild (as vLLM servers and Ray's processes are), a grandchild without
+# the run's mark in its environment block whose parent exits a second later (as Ray's agents are: setproctitle
+# overwrites their environment block, and the raylet dies before them), and a weight slot directory owned by the
+# child (as the learner's is).
 DRIVER = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from marin_rl.orchestrator.watchdog import Watchdog
+    from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, Watchdog
     Watchdog(poll_s=0.2).start()
     sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
     child = subprocess.Popen(sleep)
     subprocess.Popen(["bash", "-c", " ".join(sleep[:2]) + ' "import time; time.sleep(600)" & wait'],
                      start_new_session=True)
+    subprocess.Popen(["bash", "-c", f"env -u {RUN_TOKEN_VARIABLE} " + " ".join(sleep[:2]) +
+                      ' "import time; time.sleep(600)" & sleep 1'])
     os.makedirs(os.path.join(sys.argv[1], f"{sys.argv[2]}{child.pid}-test"))
     print(child.pid, flush=True)
     time.sleep(600)
     """
 )
+
+
+def _orphans(pids: list[int]) -> list[int]:
+    """Those of `pids` whose parent is init (or the machine's subreaper), that is, not one of `pids`."""
+    parents = {p: int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) for p in pids}
+    return [p for p, parent in parents.items() if parent not in parents and parent != os.getpid()]
+
+
+def _carries_token(pid: int) -> bool:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return any(e.startswith(f"{RUN_TOKEN_VARIABLE}=".encode()) for e in f.read().split(b"\0"))
 
 
 def test_process_token_names_one_live_process_and_never_a_dead_or_zombie_one():
@@ -60,8 +75,10 @@ def test_a_sigkilled_driver_leaves_no_process_and_no_weight_slot(tmp_path):
     child = int(driver.stdout.readline())
     slot_dir = os.path.join(DEFAULT_ROOT, f"{PRIVATE_PREFIX}{child}-test")
     try:
-        wait_until(lambda: len(marked_processes(*mark)) == 5, 30)  # driver, watcher, child, bash, its sleeper
-        assert len(marked_processes(*mark)) == 5, marked_processes(*mark)
+        # driver, watcher, child, bash, its sleeper, the orphan (its parent gone)
+        wait_until(lambda: len(marked_processes(*mark)) == 6 and len(_orphans(marked_processes(*mark))) == 1, 30)
+        assert len(marked_processes(*mark)) == 6, describe(marked_processes(*mark))
+        assert [p for p in _orphans(marked_processes(*mark)) if not _carries_token(p)], "no unmarked orphan"
         assert os.path.isdir(slot_dir)
         driver.send_signal(signal.SIGKILL)
         driver.wait()
@@ -71,7 +88,7 @@ def test_a_sigkilled_driver_leaves_no_process_and_no_weight_slot(tmp_path):
         assert slot_dir not in dead_weight_slot_dirs(DEFAULT_ROOT, PRIVATE_PREFIX), "the dead child's slots are left"
         print(f"all gone {seconds:.1f}s after the driver's SIGKILL")
         _, report = driver.communicate(timeout=30)  # the watcher reports on the driver's stderr, which it inherits
-        assert f"driver {driver.pid} died; ended 3 processes of its run" in report, report
+        assert f"driver {driver.pid} died; ended 4 processes of its run" in report, report
     finally:
         for pid in marked_processes(*mark):
             os.kill(pid, signal.SIGKILL)

@@ -8,9 +8,12 @@ those that start sessions of their own, and a dead driver's children are reparen
 mark that survives.
 
 Watching: `Watchdog.start()` launches this module as a small separate process (its own session, so a Ctrl-C or a
-kill of the driver's group does not take it along). It polls the driver; once the driver is gone it sends SIGTERM,
-then SIGKILL after a grace period, to every process carrying the token, and then removes the shared-memory weight
-slots whose learner died. A driver that shuts down normally stops its watchdog (`Watchdog.stop()`).
+kill of the driver's group does not take it along). It polls the driver, and at each poll remembers the run's
+processes (those carrying the token, and every descendant of the driver): a process that renames itself may
+overwrite its environment block (Ray's agents do, through setproctitle), and once its parent dies it is findable only
+by that memory. Once the driver is gone it sends SIGTERM, then SIGKILL after a grace period, to every process
+carrying the token or remembered (pid and start time, so a reused pid is never hit), and then removes the
+shared-memory weight slots whose learner died. A driver that shuts down normally stops its watchdog (`Watchdog.stop()`).
 
 Sweeping: `sweep_orphans()` (run by every driver before it starts Ray) does the same for any token whose driver is
 gone, for the case where the watchdog was killed together with its driver.
@@ -75,11 +78,12 @@ def _children() -> dict[int, list[int]]:
     return children
 
 
-def processes_of(token: str) -> list[int]:
-    """The live processes (zombies excluded) that carry `token`, and their descendants (a process may not show the
-    token in /proc/<pid>/environ, e.g. one that rewrote its environment block; it is still the child of one that
-    does), this process excluded."""
+def processes_of(token: str, known: set[str] = frozenset()) -> list[int]:
+    """The live processes (zombies excluded) that carry `token`, or whose process token ('<pid>:<start time>') is in
+    `known`, and their descendants (a process may not show the run token in /proc/<pid>/environ, e.g. one that
+    rewrote its environment block; it is still the child of one that does), this process excluded."""
     found = [pid for pid, t in _run_tokens().items() if t == token]
+    found += [int(k.split(":", 1)[0]) for k in known if process_token(int(k.split(":", 1)[0])) == k]
     children, seen = _children(), set(found)
     while found:
         for child in children.get(found.pop(), []):
@@ -97,8 +101,17 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def end_run_processes(token: str, grace_s: float = GRACE_S, settle_s: float = SETTLE_S) -> int:
-    """SIGTERM every process of the run `token`, SIGKILL those left after `grace_s`; returns how many there were.
+def run_process_tokens(token: str) -> set[str]:
+    """Process tokens of the run `token`'s live processes: those `processes_of` finds, and the descendants of its
+    driver while the driver lives."""
+    return {t for pid in processes_of(token, {token}) if (t := process_token(pid))} - {token}
+
+
+def end_run_processes(
+    token: str, grace_s: float = GRACE_S, settle_s: float = SETTLE_S, known: set[str] = frozenset()
+) -> int:
+    """SIGTERM every process of the run `token` (and those in `known`, process tokens remembered while the driver
+    lived), SIGKILL those left after `grace_s`; returns how many there were.
     Keeps watching until none has been seen for `settle_s` (at most `grace_s` + 10 s in all), as dying parents may
     still start children (Ray's raylet restarts its dashboard and runtime-env agents while it shuts down, seen up to a
     second or more after it was signalled): those later processes get SIGKILL at once, without another grace period."""
@@ -106,7 +119,7 @@ def end_run_processes(token: str, grace_s: float = GRACE_S, settle_s: float = SE
     give_up = time.time() + grace_s + 10.0
     quiet_since: float | None = None
     while time.time() < give_up:
-        pids = processes_of(token)
+        pids = processes_of(token, known)
         if not pids:
             if not ended:
                 break  # the run had no process left at all
@@ -119,10 +132,10 @@ def end_run_processes(token: str, grace_s: float = GRACE_S, settle_s: float = SE
         if not ended:
             _signal_all(pids, signal.SIGTERM)
             deadline = time.time() + grace_s
-            while time.time() < deadline and processes_of(token):
+            while time.time() < deadline and processes_of(token, known):
                 time.sleep(0.1)
         ended.update(pids)
-        _signal_all(processes_of(token), signal.SIGKILL)
+        _signal_all(processes_of(token, known), signal.SIGKILL)
         time.sleep(0.1)
     return len(ended)
 
@@ -213,10 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slot-prefix", required=True, help="the name prefix of a weight slot directory")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the driver stopping us after a normal shutdown
+    known: set[str] = set()
     while driver_alive(args.driver):
+        known = {k for k in known if process_token(int(k.split(":", 1)[0])) == k} | run_process_tokens(args.driver)
         time.sleep(args.poll_s)
     t = time.time()
-    count = end_run_processes(args.driver)
+    count = end_run_processes(args.driver, known=known)
     removed = remove_dead_weight_slots((args.slot_root, args.slot_prefix))
     print(
         f"marin_rl watchdog: driver {args.driver.split(':')[0]} died; ended {count} processes of its run and "

@@ -86,21 +86,31 @@ def program() -> str:
     return f"python -m {name}" if name.startswith("marin_rl.") else "python -m marin_rl.run"
 
 
-def preflight(config_class: type, args: list[str], prog: str | None = None) -> None:
+RUN_EXAMPLE = ("experiments/quickstart.yaml", "--orchestrator.num_steps 50 --output_dir runs/short")
+"""`--help`'s example for `marin_rl.run`: a config file and overrides to try with it."""
+
+
+def preflight(
+    config_class: type, args: list[str], prog: str | None = None, example: tuple[str, str] = RUN_EXAMPLE
+) -> None:
     """Before draccus parses `args` into `config_class`: print the help and exit (0) for `--help`, `-h` or
     `--help-all`; exit with one line naming an unknown key (on the command line or in the `--config` file) and the
-    nearest valid one. Returns when there is nothing to say, and leaves everything else to draccus."""
+    nearest valid one. Returns when there is nothing to say, and leaves everything else to draccus. `example`: (a
+    config file, overrides) shown in the help's examples."""
     prog = prog or program()
     line = split_command_line(args)
     if line.help_all:
         draccus.parse(config_class, args=["--help"], prog=prog)  # prints draccus' listing and exits
     raw_file = _load_file(line.config_path)
     if line.help:
-        print(render_help(config_class, line, prog, raw_file))
+        print(render_help(config_class, line, prog, raw_file, example))
         raise SystemExit(0)
     if raw_file is None:
         return  # draccus names a missing or unreadable file
     merged = _merge(raw_file, line.overrides)
+    bad_choice = unknown_choice(config_class, merged)
+    if bad_choice:
+        raise SystemExit(f"marin_rl: invalid configuration: {bad_choice}")
     for key, _ in line.overrides:
         if not cli_key_known(config_class, key, merged):
             message = unknown_key_message(config_class, key, merged, prefix="--")
@@ -257,6 +267,30 @@ def _first_unknown_in_file(cls: type, raw: Any, merged: Any, prefix: str) -> str
                 bad = _first_unknown_in_file(sub, item, item, f"{prefix}{key}[{i}].")
                 if bad:
                     return bad
+    return None
+
+
+def unknown_choice(cls: type, raw: Any, prefix: str = "") -> str | None:
+    """'KEY.type: unknown type 'lama'; did you mean llama? (one of: ...)' for the first choice field (the model's
+    `architecture`) whose `type` in the merged config `raw` names no registered type; None when all are known."""
+    if not isinstance(raw, dict):
+        return None
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        t = _strip_optional(_field_types(cls)[f.name])
+        value = raw[f.name]
+        if _is_choice(t) and isinstance(value, dict) and value.get(CHOICE_TYPE_KEY) is not None:
+            name, known = str(value[CHOICE_TYPE_KEY]), sorted(t.get_known_choices())
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                return f"{prefix}{f.name}.{CHOICE_TYPE_KEY}: unknown type {name!r}{hint} (one of: {', '.join(known)})"
+        kind, sub, child_raw, _ = _child(cls, f.name, raw, None)
+        if kind in ("choice", "dataclass") and sub is not None:
+            found = unknown_choice(sub, child_raw, f"{prefix}{f.name}.")
+            if found:
+                return found
     return None
 
 
@@ -499,7 +533,13 @@ def _decode_for_help(config_class: type, line: CommandLine) -> tuple[Any, str | 
         return config_class(), reason
 
 
-def render_help(config_class: type, line: CommandLine, prog: str, raw_file: dict | None = None) -> str:
+def render_help(
+    config_class: type,
+    line: CommandLine,
+    prog: str,
+    raw_file: dict | None = None,
+    example: tuple[str, str] = RUN_EXAMPLE,
+) -> str:
     """The `--help` text: usage and examples, then every key of the config by section (or, with a topic, that
     section's keys with their whole descriptions)."""
     config, problem = _decode_for_help(config_class, line)
@@ -520,8 +560,8 @@ def render_help(config_class: type, line: CommandLine, prog: str, raw_file: dict
         "(name[*]) are set in the file.",
         "",
         "examples:",
-        f"  {prog} --config experiments/quickstart.yaml",
-        f"  {prog} --config experiments/quickstart.yaml --orchestrator.num_steps 50 --output_dir runs/short",
+        f"  {prog} --config {example[0]}",
+        f"  {prog} --config {example[0]} {example[1]}",
         f"  {prog} --config FILE --help          this listing, with FILE's values",
         f"  {prog} --help orchestrator           a section's descriptions in full",
         f"  {prog} --help-all                    every key of every model type (draccus)",

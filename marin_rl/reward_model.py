@@ -40,6 +40,7 @@ import haliax as hax
 import jax.numpy as jnp
 import numpy as np
 
+from marin_rl.cli_help import preflight
 from marin_rl.config import EnvConfig, make_environment
 from marin_rl.envs.base import Problem, SingleTurnEnvironment
 from marin_rl.envs.rewards import combine_rewards
@@ -635,6 +636,8 @@ def _write_history(output_dir: str, history: list[dict]) -> None:
 def parse_config(args: list[str] | None = None) -> RewardModelTrainConfig:
     """`--config FILE` plus dotted overrides (default: the command line); exits with a message naming a bad key."""
     args = list(sys.argv[1:] if args is None else args)
+    example = ("experiments/addition_reward_model.yaml", "--steps 100 --output_dir runs/short_rm")
+    preflight(RewardModelTrainConfig, args, "python -m marin_rl.reward_model", example)  # --help, unknown keys
     config_path = None
     for i, a in enumerate(args):
         if a == "--config" and i + 1 < len(args):

@@ -101,6 +101,30 @@ def test_help_on_a_section_prints_its_descriptions_whole(capsys):
         preflight(RunConfig, ["--help", "orchestrator.num_stepz"])
 
 
+def test_reward_model_help_lists_its_own_keys_and_an_unknown_key_is_one_line(capsys):
+    from marin_rl.reward_model import parse_config as parse_reward_model_config
+
+    with pytest.raises(SystemExit) as e:
+        parse_reward_model_config(["--config", str(ROOT / "experiments" / "addition_reward_model.yaml"), "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 300 and "usage: python -m marin_rl.reward_model --config FILE" in out
+    assert "--config experiments/addition_reward_model.yaml --steps 100" in out  # its own example, not run's
+    steps = [line for line in out.splitlines() if line.startswith("  --steps ")]
+    assert steps and "Optimizer steps." in steps[0]
+    assert "--orchestrator" not in out and "hyena" not in out
+    with pytest.raises(SystemExit, match="^marin_rl: invalid configuration: unknown key --stepz; did you mean --steps"):
+        parse_reward_model_config(["--stepz", "3"])
+
+
+def test_a_misspelled_model_type_is_one_line_with_the_nearest_type():
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--config", QUICKSTART, "--model.architecture.type", "lama"])
+    message = str(e.value.code)
+    assert message.startswith("marin_rl: invalid configuration: model.architecture.type: unknown type 'lama'; ")
+    assert "did you mean llama?" in message and "qwen3" in message and "\n" not in message
+
+
 def test_help_all_is_draccus_listing_of_every_type(capsys):
     out = _help(capsys, ["--help-all"])
     assert "--model.architecture.hyena" in out and "whisper" in out and "--orchestrator.num_steps" in out

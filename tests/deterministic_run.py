@@ -80,3 +80,8 @@ def stored_timeline(output: Path, env: str = "addition") -> tuple[int, int, Coun
     assert sorted(index for index, _ in groups.values()) == list(range(1, summary["accepted_groups"] + 1))
     assert surviving.num_groups == summary["accepted_groups"]
     return everything.num_groups, surviving.num_groups, Counter(problem for _, problem in groups.values())
+
+
+def warm_starts(log_text: str) -> int:
+    """How many warm starts a run's log reports: trained, or reused from the warm-start cache."""
+    return log_text.count("warm start done in") + log_text.count("warm start: reused an identical earlier one")

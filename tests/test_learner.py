@@ -1,5 +1,7 @@
 """The learner: versions, the on-policy ratio, and that its updates move probability the right way."""
 
+from pathlib import Path
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -87,6 +89,55 @@ def test_warm_start_reduces_supervised_loss():
     assert len(losses) == 60
     assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:5])
     assert learner.version == 0, "the warm start does not create policy versions"
+
+
+def _arrays(model) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]
+
+
+def test_a_warm_start_is_reused_bit_identical_from_its_cache_and_only_when_identical(tmp_path, caplog):
+    tok = build_char_tokenizer()
+    examples = [(tok(f"{a}+{a}=")["input_ids"], tok(str(2 * a))["input_ids"] + [tok.eos_token_id]) for a in range(30)]
+
+    def warm(examples=examples, **changes):
+        ws = dict(steps=12, batch_rows=4, learning_rate=3e-3, cache_dir=str(tmp_path / "cache")) | changes
+        learner = Learner(
+            ModelConfig(architecture=tiny_llama()), LearnerConfig(warm_start=WarmStartConfig(**ws)), len(tok)
+        )
+        return learner, learner.warm_start(examples, 32, seed=0)
+
+    entries = lambda: sorted((tmp_path / "cache").rglob("*.eqx"))  # noqa: E731
+    trained, first = warm(cache_dir=None)  # no cache: trained
+    assert "cached" not in first and entries() == []
+    stored, second = warm()  # trained and stored
+    assert "cached" not in second and len(entries()) == 1
+    reused, third = warm()  # loaded
+    assert third["cached"] == str(entries()[0]) and third["losses"] == first["losses"]
+    for a, b, c in zip(_arrays(trained.model), _arrays(stored.model), _arrays(reused.model), strict=True):
+        assert a.dtype == c.dtype and np.array_equal(a, b) and np.array_equal(a, c), "not bit-identical"
+    untrained = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(), len(tok))
+    assert any(not np.array_equal(a, u) for a, u in zip(_arrays(reused.model), _arrays(untrained.model), strict=True))
+
+    # anything the result depends on is a new entry: a demonstration, a setting, the seed of the initial weights
+    changed = [(examples[0][0], examples[0][1][:-2] + examples[0][1][-1:]), *examples[1:]]
+    assert "cached" not in warm(changed)[1]
+    assert "cached" not in warm(learning_rate=2e-3)[1]
+    assert len(entries()) == 3
+    learner = Learner(
+        ModelConfig(architecture=tiny_llama(), seed=1),
+        LearnerConfig(warm_start=WarmStartConfig(steps=12, batch_rows=4, cache_dir=str(tmp_path / "cache"))),
+        len(tok),
+    )
+    assert "cached" not in learner.warm_start(examples, 32, seed=0) and len(entries()) == 4
+
+    # an unreadable entry is trained again (and rewritten); a cap below the model's size caches nothing
+    Path(third["cached"]).write_bytes(b"not an entry")
+    with caplog.at_level("WARNING"):
+        retrained, again = warm()
+    assert "cached" not in again and "could not read" in caplog.text
+    assert warm()[1]["cached"] == third["cached"]
+    assert all(np.array_equal(a, b) for a, b in zip(_arrays(trained.model), _arrays(retrained.model), strict=True))
+    assert "cached" not in warm(cache_max_mb=0, steps=13)[1] and len(entries()) == 4
 
 
 def test_weights_round_trip_shapes():

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from deterministic_run import deterministic_config, final_learner_arrays, stored_timeline
+from deterministic_run import deterministic_config, final_learner_arrays, stored_timeline, warm_starts
 from marked_processes import dead_weight_slot_dirs, describe, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
@@ -384,7 +384,7 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
     assert f"resumed from step {first_resume} at {ckpts / f'step-{first_resume}'}" in text
     assert f"resumed from step {stopped_at} at {ckpts / f'step-{stopped_at}'}" in text
     assert "stopping after the current learner step" in text
-    assert text.count("warm start done in") == 1, "the warm start runs once, before the first checkpoint"
+    assert warm_starts(text) == 1, "the warm start runs once, before the first checkpoint"
 
     # every step is trained exactly once: the effective log has each step once, and each resumed process logged
     # exactly the steps after its checkpoint, in order, after its resume marker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -112,9 +113,7 @@ class TrainEngine:
             examples = list(source)
         cfg = self.learner.config.warm_start
         if steps is not None:
-            self.learner.config.warm_start = type(cfg)(
-                steps=steps, learning_rate=cfg.learning_rate, batch_rows=cfg.batch_rows
-            )
+            self.learner.config.warm_start = dataclasses.replace(cfg, steps=steps)
         try:
             return self.learner.warm_start(
                 examples, self.config.batcher.max_seq_len, seed=self.config.orchestrator.seed

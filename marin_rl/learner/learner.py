@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from marin_rl.bounds import bounded, check_fields
+from marin_rl.learner import warm_start_cache
 from marin_rl.learner.algorithm import get_algorithm, learner_call, register_learner_call
 from marin_rl.learner.critic import Critic, CriticConfig
 from marin_rl.learner.distributed import host_arrays, is_primary
@@ -55,6 +56,12 @@ class WarmStartConfig:
     """Learning rate of the warm start (AdamW, constant)."""
     batch_rows: int = bounded(32, ge=1)
     """Rows of `max_seq_len` tokens per supervised batch."""
+    cache_dir: str | None = "~/.cache/marin_rl/warm_start"
+    """Where warm-started weights are kept for reuse (local path or fsspec URL): a later warm start with the same
+    initial weights, demonstrations, settings, device layout and code (library versions and marin_rl's source) loads
+    them instead of training again, bit-identical (`marin_rl.learner.warm_start_cache`). null: always train."""
+    cache_max_mb: int = bounded(1024, ge=0)
+    """Largest policy (MB of weights) whose warm start is cached; larger ones always train (0: none is cached)."""
 
     def __post_init__(self):
         check_fields(self, "learner.warm_start")
@@ -354,6 +361,7 @@ class Learner:
 
     def __init__(self, model_config: ModelConfig, config: LearnerConfig, vocab_size: int, temperature: float = 1.0):
         self.config = config
+        self.model_config = model_config
         self.temperature = float(temperature)
         self.mesh = config.mesh.build()
         """The device mesh, or None on a single device (no sharding at all)."""
@@ -827,6 +835,56 @@ class Learner:
             return {"losses": []}
         if self.mesh is not None:
             self._check_rows(cfg.batch_rows, "learner.warm_start.batch_rows")
+        cached = self._warm_start_cache_path(examples, max_seq_len, seed)
+        stored = warm_start_cache.load(cached, self.model) if cached else None
+        if stored is not None:
+            model, result = stored
+            with self._sharding():
+                self.model = self._shard_params(model)
+            logger.info(
+                "warm start: reused the weights of an identical warm start (%d steps, %.1f s when trained) from %s",
+                cfg.steps,
+                result["seconds"],
+                cached,
+            )
+            result = {**result, "cached": cached}
+        else:
+            result = self._train_warm_start(examples, max_seq_len, seed)
+            if cached:
+                warm_start_cache.save(cached, self.model, result)
+        self.freeze_reference()  # the KL penalty's reference is the warm-started policy
+        if self.critic is not None:
+            self.critic.reset_from(self.model)  # a critic from the policy starts from the warm-started trunk
+        return result
+
+    def _warm_start_cache_path(self, examples: list[tuple[list[int], list[int]]], max_seq_len: int, seed: int):
+        """Where this warm start's result is cached (`warm_start.cache_dir`), or None when it is not: no cache
+        directory, several processes, or a policy above `cache_max_mb`."""
+        cfg = self.config.warm_start
+        size_mb = sum(x.nbytes for x in jax.tree_util.tree_leaves(eqx.filter(self.model, eqx.is_array))) / 2**20
+        if not cfg.cache_dir or jax.process_count() > 1 or size_mb > cfg.cache_max_mb:
+            return None
+        devices = jax.devices()
+        layout = {
+            "platform": devices[0].platform,
+            "device_kind": devices[0].device_kind,
+            "devices": len(devices),
+            "mesh": None if self.mesh is None else dict(self.mesh.shape),
+            "mesh_config": repr(self.config.mesh),
+        }
+        settings = {
+            "steps": cfg.steps,
+            "learning_rate": cfg.learning_rate,
+            "batch_rows": cfg.batch_rows,
+            "max_seq_len": max_seq_len,
+            "seed": seed,
+        }
+        key = warm_start_cache.cache_key(self.model, repr(self.model_config), examples, settings, layout)
+        return warm_start_cache.entry_path(cfg.cache_dir, key)
+
+    def _train_warm_start(self, examples: list[tuple[list[int], list[int]]], max_seq_len: int, seed: int) -> dict:
+        """The warm start's supervised steps (see `warm_start`); returns the loss curve and the seconds taken."""
+        cfg = self.config.warm_start
         opt = optax.adamw(cfg.learning_rate, b1=0.9, b2=0.99)
         opt_state = self.supervised_optimizer_state(opt)
         rng = np.random.default_rng(seed)
@@ -843,9 +901,6 @@ class Learner:
                 opt_state, metrics = self.supervised_step(batch, opt, opt_state)
                 losses.append(float(metrics["loss"]))
                 progress.advance_to(i + 1, f"loss {losses[-1]:.4f}")
-        self.freeze_reference()  # the KL penalty's reference is the warm-started policy
-        if self.critic is not None:
-            self.critic.reset_from(self.model)  # a critic from the policy starts from the warm-started trunk
         return {"losses": losses, "seconds": time.time() - start}
 
 

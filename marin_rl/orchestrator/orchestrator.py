@@ -362,7 +362,9 @@ class Orchestrator:
             "warm start: %d supervised steps on %d demonstrations", self.config.learner.warm_start.steps, len(examples)
         )
         result = self.learner.run("warm_start", examples)
-        if result["losses"]:
+        if result.get("cached"):
+            logger.info("warm start: reused an identical earlier one (final loss %.4f)", result["losses"][-1])
+        elif result["losses"]:
             logger.info("warm start done in %.1fs, final loss %.4f", result["seconds"], result["losses"][-1])
         return result
 

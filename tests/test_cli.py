@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -234,6 +235,26 @@ def test_infeasible_placement_is_one_line_without_a_traceback(tmp_path):
     ours = [line for line in text.splitlines() if line.startswith("marin_rl:")]
     assert len(ours) == 1 and ours[0].startswith("marin_rl: placement.envs: no node can run one of its processes")
     assert "{no_such_node: 1}" in ours[0]
+
+
+def test_an_experiment_sized_for_a_gpu_is_refused_in_one_line_where_jax_finds_none(tmp_path):
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("this machine has an accelerator")
+    start = time.time()
+    out = _run(["--config", str(ROOT / "experiments" / "gpu_local.yaml"), "--output_dir", str(tmp_path / "run")])
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Traceback" not in text and time.time() - start < 60
+    ours = [line for line in text.splitlines() if line.startswith("marin_rl:")]
+    assert ours == [
+        "marin_rl: invalid configuration: learner.platform: this experiment is sized for gpu, but JAX finds only cpu "
+        "devices (1 cpu); run it where JAX sees a gpu (check the jax install's gpu support), or set learner.platform: "
+        "null to run it here anyway"
+    ], text[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before anything started"
+    with pytest.raises(ValueError, match="learner.platform must be one of"):
+        parse_config(["--config", QUICKSTART, "--learner.platform", "cuda"])
 
 
 def test_pipeline_without_marin_names_the_extra_to_install(tmp_path):

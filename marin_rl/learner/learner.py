@@ -68,6 +68,24 @@ class WarmStartConfig:
 
 
 LEARNER_MODES = ("rl", "sft")
+PLATFORMS = ("cpu", "gpu", "tpu")
+"""The values of `learner.platform`."""
+
+
+def check_platform(platform: str | None) -> None:
+    """Raise ValueError, naming the devices JAX finds, when they are not of `platform` ('gpu' also matches JAX's
+    'cuda' and 'rocm'); None accepts any."""
+    if platform is None:
+        return
+    devices = jax.devices()
+    found = devices[0].platform
+    if found == platform or (platform == "gpu" and found in ("cuda", "rocm")):
+        return
+    raise ValueError(
+        f"learner.platform: this experiment is sized for {platform}, but JAX finds only {found} devices "
+        f"({len(devices)} {devices[0].device_kind}); run it where JAX sees a {platform} (check the jax install's "
+        f"{platform} support), or set learner.platform: null to run it here anyway"
+    )
 
 
 @dataclass
@@ -244,6 +262,10 @@ class LearnerConfig:
     'reinforce', 'remax', 'ppo' (critic and GAE), a name registered with `register_algorithm`, or
     'package.module:NAME'. It also sets `replay.advantage_estimator` and `critic.enabled`. None: chosen by those two
     fields ('ppo' with a critic, else the replay's estimator)."""
+    platform: str | None = None
+    """The accelerator the experiment is sized for: 'gpu', 'tpu' or 'cpu'. A learner whose JAX devices are another
+    platform refuses to start, in one line naming what it found (a ~100M-parameter experiment would take hours on a
+    laptop's CPU); the local backend checks it before anything starts. null: whatever JAX finds."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """PPO's value model and GAE (`enabled: true`, with `replay.advantage_estimator: gae`): each train step computes
     the critic's values of the batch, GAE advantages and returns, the policy's steps, then one critic step on the
@@ -253,6 +275,8 @@ class LearnerConfig:
         check_fields(self, "learner")
         if self.mode not in LEARNER_MODES:
             raise ValueError(f"learner.mode must be one of {LEARNER_MODES}, got {self.mode!r}")
+        if self.platform is not None and self.platform not in PLATFORMS:
+            raise ValueError(f"learner.platform must be one of {PLATFORMS} or null, got {self.platform!r}")
         if self.algorithm is not None:
             try:
                 algorithm = get_algorithm(self.algorithm)
@@ -360,6 +384,7 @@ class Learner:
     """
 
     def __init__(self, model_config: ModelConfig, config: LearnerConfig, vocab_size: int, temperature: float = 1.0):
+        check_platform(config.platform)
         self.config = config
         self.model_config = model_config
         self.temperature = float(temperature)

@@ -12,6 +12,7 @@ import time
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import load_environment_class
 from marin_rl.envs.data import DataFormatError
+from marin_rl.learner.learner import check_platform
 from marin_rl.orchestrator.run_dir import RunDirConflict, check_resume_config, remember_config
 
 logger = logging.getLogger("marin_rl")
@@ -56,9 +57,15 @@ def check_environment_data(config: RunConfig) -> dict[str, float]:
 
 
 def preflight(config: RunConfig, resume_path: str | None) -> dict[str, float]:
-    """Everything checked before the run starts, in order of cost: the remembered configuration when resuming from
+    """Everything checked before the run starts, in order of cost: the learner's platform (`learner.platform`, on the
+    local backend, whose driver is the learner), the remembered configuration when resuming from
     `resume_path`, then the environments' data; then `config` is remembered in `output_dir`. Returns the data report
     (`check_environment_data`); raises `RunRefused`."""
+    if config.orchestrator.backend == "local":  # this process is the learner's: its devices are the learner's
+        try:
+            check_platform(config.learner.platform)
+        except ValueError as err:
+            raise RunRefused(f"invalid configuration: {err}") from None
     try:
         check_resume_config(config, resume_path)
     except RunDirConflict as err:

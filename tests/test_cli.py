@@ -253,7 +253,7 @@ def test_an_experiment_sized_for_a_gpu_is_refused_in_one_line_where_jax_finds_no
         "null to run it here anyway"
     ], text[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before anything started"
-    with pytest.raises(ValueError, match="learner.platform must be one of"):
+    with pytest.raises(SystemExit, match="learner.platform must be one of"):
         parse_config(["--config", QUICKSTART, "--learner.platform", "cuda"])
 
 

@@ -140,6 +140,26 @@ def test_a_warm_start_is_reused_bit_identical_from_its_cache_and_only_when_ident
     assert "cached" not in warm(cache_max_mb=0, steps=13)[1] and len(entries()) == 4
 
 
+def test_a_warm_start_in_progress_ends_after_its_current_step_when_interrupted():
+    # the local backend's learner runs in a thread; a stopped run sets `interrupted` and waits for that thread
+    import concurrent.futures
+    import time
+
+    tok = build_char_tokenizer()
+    cfg = LearnerConfig(warm_start=WarmStartConfig(steps=1_000_000, batch_rows=4, cache_dir=None))
+    learner = Learner(ModelConfig(architecture=tiny_llama()), cfg, len(tok))
+    examples = [(tok(f"{a}+{a}=")["input_ids"], tok(str(2 * a))["input_ids"] + [tok.eos_token_id]) for a in range(30)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(learner.warm_start, examples, 32)
+        time.sleep(3)
+        assert not future.done()
+        learner.interrupted.set()
+        start = time.time()
+        with pytest.raises(KeyboardInterrupt, match=r"warm start interrupted after \d+ of 1000000 steps"):
+            future.result(timeout=30)
+        assert time.time() - start < 5
+
+
 def test_weights_round_trip_shapes():
     tok, learner = _learner()
     leaves = learner.weights()

@@ -8,6 +8,7 @@ import functools
 import logging
 import math
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -411,6 +412,9 @@ class Learner:
         self._offloaded: tuple | None = None  # (treedef, shardings) while the optimizer state is in host memory
         self.step_metrics: list[dict[str, float]] = []
         """Metrics of each optimizer step of the last `train_step`."""
+        self.interrupted = threading.Event()
+        """Set from another thread to end a warm start in progress after its current step (it raises
+        KeyboardInterrupt): a run stopped during a long warm start stops within a step, not at its end."""
         # Only the optimizer state is donated: the reference model must survive the step, and so must the batch
         # (several epochs reuse it).
         self._train_step = eqx.filter_jit(self._train_step_impl, donate="all-except-first")
@@ -921,6 +925,8 @@ class Learner:
         # a bar on a terminal; elsewhere a line every tenth of the way (and every 30 s) with the rate and ETA
         with StepProgress("warm start", cfg.steps, every=max(1, cfg.steps // 10), log=logger) as progress:
             for i in range(cfg.steps):
+                if self.interrupted.is_set():
+                    raise KeyboardInterrupt(f"warm start interrupted after {i} of {cfg.steps} steps")
                 idx = rng.choice(len(seqs), size=min(per_batch, len(seqs)), replace=False)
                 batch, _ = pack([seqs[j] for j in idx], cfg.batch_rows, max_seq_len)
                 opt_state, metrics = self.supervised_step(batch, opt, opt_state)

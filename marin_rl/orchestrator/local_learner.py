@@ -101,7 +101,9 @@ class LocalLearner:
         return False
 
     def kill(self) -> None:
-        """Stop the learner's thread (after the call in progress)."""
+        """Stop the learner's thread: a warm start in progress ends after its current step, any other call after it
+        finishes."""
+        self.engine.learner.interrupted.set()
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     # ---- the LearnerActor methods ---------------------------------------------------------------------------

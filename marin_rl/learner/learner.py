@@ -871,9 +871,10 @@ class Learner:
             with self._sharding():
                 self.model = self._shard_params(model)
             logger.info(
-                "warm start: reused the weights of an identical warm start (%d steps, %.1f s when trained) from %s",
+                "warm start: reused an identical earlier one (%d steps, %.1f s when trained, final loss %.4f) from %s",
                 cfg.steps,
                 result["seconds"],
+                result["losses"][-1],
                 cached,
             )
             result = {**result, "cached": cached}

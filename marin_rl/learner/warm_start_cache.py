@@ -112,12 +112,9 @@ def load(path: str, like: Any) -> tuple[Any, dict[str, Any]] | None:
         if not fs.exists(p):
             return None
         with fs.open(p, "rb") as f:
-            data = f.read()
-        buf = io.BytesIO(data)
-        header_len = int.from_bytes(buf.read(8), "little")
-        result = json.loads(buf.read(header_len))
-        model = eqx.tree_deserialise_leaves(buf, like)
-        return model, result
+            header_len = int.from_bytes(f.read(8), "little")
+            result = json.loads(f.read(header_len))
+            return eqx.tree_deserialise_leaves(f, like), result
     except Exception as e:  # a truncated or foreign file: recompute (and overwrite it)
         name = type(e).__name__
         logger.warning("warm start cache: could not read %s (%s: %s); training the warm start", path, name, e)

@@ -362,9 +362,7 @@ class Orchestrator:
             "warm start: %d supervised steps on %d demonstrations", self.config.learner.warm_start.steps, len(examples)
         )
         result = self.learner.run("warm_start", examples)
-        if result.get("cached"):
-            logger.info("warm start: reused an identical earlier one (final loss %.4f)", result["losses"][-1])
-        elif result["losses"]:
+        if result["losses"] and not result.get("cached"):  # a reused one: the learner's line says so
             logger.info("warm start done in %.1fs, final loss %.4f", result["seconds"], result["losses"][-1])
         return result
 

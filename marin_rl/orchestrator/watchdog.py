@@ -83,7 +83,7 @@ def processes_of(token: str, known: set[str] = frozenset()) -> list[int]:
     `known`, and their descendants (a process may not show the run token in /proc/<pid>/environ, e.g. one that
     rewrote its environment block; it is still the child of one that does), this process excluded."""
     found = [pid for pid, t in _run_tokens().items() if t == token]
-    found += [int(k.split(":", 1)[0]) for k in known if process_token(int(k.split(":", 1)[0])) == k]
+    found += live_pids(known)
     children, seen = _children(), set(found)
     while found:
         for child in children.get(found.pop(), []):
@@ -99,6 +99,13 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def live_pids(known: set[str]) -> list[int]:
+    """The pids of those process tokens ('<pid>:<start time>') in `known` whose process still runs (a reused pid has
+    another start time)."""
+    pids = [int(k.split(":", 1)[0]) for k in known]
+    return [pid for pid, k in zip(pids, known, strict=True) if process_token(pid) == k]
 
 
 def run_process_tokens(token: str) -> set[str]:
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the driver stopping us after a normal shutdown
     known: set[str] = set()
     while driver_alive(args.driver):
-        known = {k for k in known if process_token(int(k.split(":", 1)[0])) == k} | run_process_tokens(args.driver)
+        known = {process_token(pid) for pid in live_pids(known)} | run_process_tokens(args.driver)
         time.sleep(args.poll_s)
     t = time.time()
     count = end_run_processes(args.driver, known=known)

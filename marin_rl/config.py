@@ -344,6 +344,11 @@ class RunConfig:
                 " per-token rewards ('gae') are for an algorithm whose learner estimates advantages, such as 'ppo' "
                 "(or critic.enabled: true); choose learner.algorithm: ppo, or a group estimator without a critic"
             )
+        if self.replay.dynamic_sampling and estimator == "gae":
+            raise ValueError(
+                f"replay.dynamic_sampling drops groups whose advantages are all zero, but algorithm {algorithm.name!r} "
+                "computes them with the learner's critic (replay.advantage_estimator 'gae'): turn one of them off"
+            )
         if self.replay.max_age < self.orchestrator.max_staleness:
             raise ValueError(
                 f"replay.max_age: must be >= orchestrator.max_staleness ({self.orchestrator.max_staleness}), got "

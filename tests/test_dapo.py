@@ -269,3 +269,11 @@ def test_worker_pool_applies_the_penalty_and_dynamic_sampling_drops_what_stays_u
     assert trained == {"p0", "p2"}
     assert metrics[f"replays/{ENV}/rejected/zero_advantage"] == 2
     assert metrics[f"replays/{ENV}/oversampling/groups"] == pytest.approx(4 / 2)
+
+
+def test_a_run_config_refuses_dynamic_sampling_with_a_critic(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("replay: {dynamic_sampling: true}\nlearner: {algorithm: ppo}\n")
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--config", str(cfg)])
+    assert "replay.dynamic_sampling" in str(e.value) and "critic" in str(e.value) and "\n" not in str(e.value)

@@ -166,7 +166,7 @@ class OverlongPenalty:
     cache_tokens: int = bounded(0, ge=0)
     """L_cache: the penalty falls linearly from 0 at |y| = L_max - L_cache to -1 at L_max (0: a hard cut at L_max)."""
     weight: float = bounded(1.0, ge=0)
-    """The penalty's weight in the reward (DAPO adds it as it is: 1)."""
+    """The penalty's weight in the reward (DAPO adds it as it is: 1; 0 records it as a named reward only)."""
 
     def __post_init__(self):
         check_fields(self, "overlong_penalty")

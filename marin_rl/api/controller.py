@@ -150,6 +150,10 @@ class RolloutController:
         """Start, in every environment, the groups its gate allows (v = `served_version`, b = `batches_formed`,
         the batch in training included); returns how many started."""
         started = 0
+        if self.batcher.schedule.varies:  # the next batch trains at step b + 1: B follows the share it will take
+            shares = self.batcher.schedule.at(batches_formed + 1)
+            for name, pool in self.pools.items():
+                pool.batch_size.set_share(shares[name] * self.batcher.budget)
         for name, pool in self.pools.items():
             state = GateInputs(
                 served_version=served_version,
@@ -178,7 +182,7 @@ class RolloutController:
                     if admission.sampled_by_future_version:  # weights this learner never had (before a restore)
                         pool.iterator.requeue(ticket)
                     else:
-                        pool.iterator.done(ticket)
+                        pool.iterator.done(ticket, admission.rewards)
         return Admitted(sampled_tokens=sampled, failures=failures)
 
     def try_make_batch(self, learner_version: int) -> FormedBatch | None:
@@ -195,6 +199,7 @@ class RolloutController:
         if result is not None:
             for name, usage in result.usage.items():
                 self.pools[name].batch_size.observe_batch(usage.rollouts)
+                self.pools[name].iterator.refresh()  # a pass-rate sampler applies the results reported so far
         return result
 
     # ---- per step, rollbacks and checkpoints --------------------------------------------------------------------
@@ -207,6 +212,7 @@ class RolloutController:
             buffer.start_window()
             buffer.flush()
         for name, pool in self.pools.items():  # counted, never silent: actors replaced, groups handed out again
+            metrics.update(pool.iterator.metrics(name))  # a pass-rate sampler's `problems/...` buckets
             metrics[f"envs/{name}/actor_restarts"] = float(pool.restarts)
             metrics[f"envs/{name}/failed_groups"] = float(pool.failed_groups)
             metrics[f"envs/{name}/retried_requests"] = float(pool.retried_requests)
@@ -295,7 +301,7 @@ def run_rollout_controller(
     return RolloutController(
         pools,
         buffers,
-        Batcher(config.batcher, buffers, config.env_fractions()),
+        Batcher(config.batcher, buffers, schedule=config.fraction_schedule()),
         config.orchestrator.max_staleness,
         deterministic=config.orchestrator.deterministic,
         section=section,

@@ -44,7 +44,8 @@ class PassRateConfig:
     smoothing: float = bounded(0.5, gt=0, le=1)
     """Weight of a problem's newest group in its pass-rate moving average, in (0, 1] (1: the last group only)."""
     unseen_weight: float = bounded(1.0, ge=0)
-    """Sampling weight of a problem never reported yet (the prior), relative to a learnable problem's 1."""
+    """Sampling weight of a problem never reported yet (the prior), relative to a learnable problem's 1 (0: never
+    drawn while others are)."""
     easy_weight: float = bounded(0.1, ge=0)
     """Sampling weight of an easy problem, relative to a learnable problem's 1 (0: never drawn while others are)."""
     hard_weight: float = bounded(0.1, ge=0)
@@ -57,7 +58,7 @@ class PassRateConfig:
         check_fields(self, "curriculum.pass_rate")
         if self.low > self.high:
             raise ValueError(
-                f"curriculum.pass_rate.low ({self.low}) must not exceed curriculum.pass_rate.high ({self.high})"
+                f"curriculum.pass_rate.high: must be >= curriculum.pass_rate.low ({self.low}), got {self.high}"
             )
 
     def reward_to_pass(self, env: str) -> float:

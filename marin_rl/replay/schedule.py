@@ -53,7 +53,8 @@ class FractionSchedule:
             check_points(f"curriculum.fractions[{name}]", points)
         self.free = [n for n in self.names if n not in self.scheduled and n not in self.fixed]
         for step in self.breakpoints():
-            shares = {**self.fixed, **self._scheduled_at(step)}
+            given = {**self.fixed, **self._scheduled_at(step)}
+            shares = {n: given[n] for n in self.names if n in given}
             total = sum(shares.values())
             if total > 1 + 1e-6:
                 detail = ", ".join(f"{n} {f:g}" for n, f in shares.items())

@@ -148,8 +148,12 @@ class RolloutController:
     # ---- the loop's three calls ---------------------------------------------------------------------------------
     def launch(self, served_version: int, batches_formed: int) -> int:
         """Start, in every environment, the groups its gate allows (v = `served_version`, b = `batches_formed`,
-        the batch in training included); returns how many started."""
+        the batch in training included); returns how many started. Deterministic runs apply the starvation rule
+        only while no group is in flight anywhere: the batcher's `waiting_for` is then current (it is not asked while
+        groups are in flight), so environments that wait together start their groups together, instead of one
+        starting a group whenever the other's is in flight, for as long as timing lets them alternate."""
         started = 0
+        verdict_current = not self.deterministic or not self.busy
         if self.batcher.schedule.varies:  # the next batch trains at step b + 1: B follows the share it will take
             shares = self.batcher.schedule.at(batches_formed + 1)
             for name, pool in self.pools.items():
@@ -161,7 +165,7 @@ class RolloutController:
                 in_flight=pool.in_flight_rollouts,
                 buffered=len(self.buffers[name]),
                 rollouts_per_batch=pool.batch_size.value,
-                starved=name in self.waiting_for,
+                starved=name in self.waiting_for and verdict_current,
             )
             started += pool.launch(self.gates[name].groups_allowed(state))
         return started

@@ -58,7 +58,8 @@ class EnvConfig:
     group_size: int = bounded(8, ge=1)
     """Episodes per problem in a group (advantages are computed within it)."""
     fraction: float | None = bounded(None, gt=0, le=1)
-    """Share of each batch's token budget, in (0, 1]; None splits what the others leave equally."""
+    """Share of each batch's token budget, in (0, 1]; None splits what the others leave equally, unless
+    `curriculum.fractions` gives this environment a schedule."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Sampling parameters of the policy in this environment."""
     eval_samples_per_problem: int = bounded(4, ge=1)

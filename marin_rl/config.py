@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import re
 import sys
@@ -21,6 +22,7 @@ from marin_rl.bounds import bounded, check_fields, deferred_checks, field_errors
 from marin_rl.broadcast.base import BroadcastConfig
 from marin_rl.cli_help import preflight
 from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
+from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.reward_server import RewardModelConfig
@@ -30,6 +32,7 @@ from marin_rl.model.build import ModelConfig
 from marin_rl.placement import PlacementConfig, tpu_slice_shape
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.buffer import ReplayConfig
+from marin_rl.replay.schedule import FractionSchedule
 from marin_rl.tokenizer import TokenizerConfig
 
 # draccus builds a new argparse parser for every parse and reads each field's docstring from its class's source
@@ -56,7 +59,8 @@ class EnvConfig:
     group_size: int = bounded(8, ge=1)
     """Episodes per problem in a group (advantages are computed within it)."""
     fraction: float | None = bounded(None, gt=0, le=1)
-    """Share of each batch's token budget, in (0, 1]; None splits what the others leave equally."""
+    """Share of each batch's token budget, in (0, 1]; None splits what the others leave equally, unless
+    `curriculum.fractions` gives this environment a schedule."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Sampling parameters of the policy in this environment."""
     eval_samples_per_problem: int = bounded(4, ge=1)
@@ -156,6 +160,42 @@ class CheckpointConfig:
         check_fields(self, "checkpoint")
 
 
+PROBLEM_SAMPLERS = ("order", "pass_rate")
+
+
+@dataclass
+class CurriculumConfig:
+    """What a run trains on over time: environment shares that follow a schedule, and problems drawn by difficulty."""
+
+    fractions: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Per environment name, its share of each batch's token budget as [step, fraction] points over learner steps:
+    linear in between, constant before the first point and after the last (`marin_rl.replay.schedule`), e.g.
+    `addition: [[0, 0.8], [50, 0.2]]`. Steps strictly increase, fractions are in [0, 1], and the shares (with the
+    environments' fixed `fraction`s) may not sum above 1 at any step; environments with neither share what is
+    left equally. Empty: the shares are fixed (`envs[*].fraction`)."""
+    problems: str = "order"
+    """How each environment's next training problem is chosen: 'order' (a seeded shuffle, each problem once per
+    epoch) or 'pass_rate' (drawn with weights from the problem's recent pass rate, favouring a learnable band:
+    `pass_rate`, `marin_rl.envs.difficulty`)."""
+    pass_rate: PassRateConfig = field(default_factory=PassRateConfig)
+    """The pass-rate sampler's band, weights and moving average (with `problems: pass_rate`)."""
+
+    def validate(self, names: list[str], fixed: dict[str, float]) -> None:
+        """Check the curriculum against the environments `names` (with fixed shares `fixed`); ValueError naming
+        the field."""
+        FractionSchedule(names, self.fractions, fixed)
+        if self.problems not in PROBLEM_SAMPLERS:
+            raise ValueError(f"curriculum.problems must be one of {PROBLEM_SAMPLERS}, got {self.problems!r}")
+        unknown = sorted(set(self.pass_rate.pass_reward) - set(names))
+        if unknown:
+            raise ValueError(
+                f"curriculum.pass_rate.pass_reward names {unknown}, which are not environments (known: {names})"
+            )
+        for env, reward in self.pass_rate.pass_reward.items():
+            if not math.isfinite(reward):
+                raise ValueError(f"curriculum.pass_rate.pass_reward[{env}]: must be finite, got {reward}")
+
+
 @dataclass
 class RunConfig:
     """A whole RL experiment."""
@@ -189,6 +229,8 @@ class RunConfig:
     reward_models: list[RewardModelConfig] = field(default_factory=list)
     """Reward models served to the environments (each a checkpoint of `python -m marin_rl.reward_model`, served by
     its own reward servers); an environment uses one by naming it in its `reward_models`."""
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Environment shares over learner steps and difficulty-aware problem sampling (off by default)."""
 
     @property
     def sampling_temperature(self) -> float:
@@ -325,6 +367,7 @@ class RunConfig:
         fixed = sum(e.fraction for e in self.envs if e.fraction is not None)
         if fixed > 1 + 1e-6:
             raise ValueError(f"envs[*].fraction sum to {fixed} > 1")
+        self.curriculum.validate(names, {e.name: e.fraction for e in self.envs if e.fraction is not None})
         for e in self.envs:
             e.overlong_penalty.check(f"envs[{e.name}].overlong_penalty")
             if e.group_size < self.replay.min_group_size:
@@ -402,12 +445,20 @@ class RunConfig:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-    def env_fractions(self) -> dict[str, float]:
-        """Each environment's share of a batch (unset shares split the remainder equally)."""
+    def fraction_schedule(self) -> FractionSchedule:
+        """Each environment's share of a batch at a learner step: `curriculum.fractions` for the environments it
+        names, `envs[*].fraction` for those that set one, an equal split of the remainder for the others."""
         fixed = {e.name: e.fraction for e in self.envs if e.fraction is not None}
-        free = [e.name for e in self.envs if e.fraction is None]
-        rest = max(0.0, 1.0 - sum(fixed.values()))
-        return {**fixed, **{n: rest / len(free) for n in free}}
+        return FractionSchedule([e.name for e in self.envs], self.curriculum.fractions, fixed)
+
+    def env_fractions(self) -> dict[str, float]:
+        """Each environment's share of the first batch (unset shares split the remainder equally)."""
+        return self.fraction_schedule().at(1)
+
+    def problem_sampling(self) -> PassRateConfig | None:
+        """The pass-rate sampler's settings when `curriculum.problems` is 'pass_rate', else None (the fixed
+        order)."""
+        return self.curriculum.pass_rate if self.curriculum.problems == "pass_rate" else None
 
 
 SECRET_FIELDS = (("inference", "control_secret"), ("inference", "api_key"), ("broadcast", "secret"))

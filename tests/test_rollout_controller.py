@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 from test_validation_paths import ENV, GROUP_SIZE, VOCAB, ScriptedWorkflow, make_group
 
-from marin_rl.api.controller import RolloutController
+from marin_rl.api.controller import RolloutController, WorkerPool
 from marin_rl.api.local_pool import LocalWorkerPool
 from marin_rl.api.rollouts import RolloutWorker
+from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.envs.base import SamplingParams
+from marin_rl.envs.iteration import ProblemIterator
 from marin_rl.replay.batcher import Batcher, BatcherConfig
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 
@@ -115,3 +117,47 @@ def test_a_failed_group_is_handed_out_again_and_the_state_round_trips(loop):
     again.load_state_dict(state)
     assert again.state_dict() == state
     assert rollouts.drop_in_flight() >= 0 and not rollouts.busy
+
+
+class HeldPool(WorkerPool):
+    """Groups start and stay in flight until the test finishes them (`finish`); nothing is ever collected."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name, self.group_size = name, 2
+        self.iterator = ProblemIterator(10, seed=0)
+        self.batch_size = RolloutsPerBatch(tokens_per_batch=32, initial_rollout_tokens=16)
+
+    def launch(self, groups: int) -> int:
+        for _ in range(groups):
+            self.inflight[self.iterator.next()] = None
+        return groups
+
+    def finish(self) -> None:
+        for ticket in list(self.inflight):
+            self.iterator.done(ticket)
+        self.inflight.clear()
+
+    def collect(self):
+        return []
+
+    def drop_in_flight(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_environments_that_wait_together_start_their_starvation_groups_together(deterministic):
+    """Two environments the batcher waits for, no room under the gate (a batch in training): each may start one
+    group while none of its own is in flight. Deterministic runs start them only while nothing at all is in flight
+    (the batcher's verdict is current), so one cannot start a group each time the other's is still running."""
+    pools = {n: HeldPool(n) for n in ("a", "b")}
+    buffers = {n: ReplayBuffer(n, ReplayConfig()) for n in pools}
+    batcher = Batcher(BatcherConfig(total_token_budget=64, max_seq_len=16), buffers)
+    rollouts = RolloutController(pools, buffers, batcher, max_staleness=0, deterministic=deterministic)
+    rollouts.waiting_for = {"a": 16, "b": 16}
+    assert rollouts.launch(served_version=0, batches_formed=1) == 2, "both start one group together"
+    pools["a"].finish()  # a's group is in; b's still runs
+    assert rollouts.launch(served_version=0, batches_formed=1) == (0 if deterministic else 1)
+    pools["b"].finish()
+    rollouts.waiting_for = {"a": 8, "b": 8}  # the batcher's verdict once nothing is in flight
+    assert rollouts.launch(served_version=0, batches_formed=1) == (2 if deterministic else 1)

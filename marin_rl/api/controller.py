@@ -148,8 +148,16 @@ class RolloutController:
     # ---- the loop's three calls ---------------------------------------------------------------------------------
     def launch(self, served_version: int, batches_formed: int) -> int:
         """Start, in every environment, the groups its gate allows (v = `served_version`, b = `batches_formed`,
-        the batch in training included); returns how many started."""
+        the batch in training included); returns how many started. Deterministic runs apply the starvation rule
+        only while no group is in flight anywhere: the batcher's `waiting_for` is then current (it is not asked while
+        groups are in flight), so environments that wait together start their groups together, instead of one
+        starting a group whenever the other's is in flight, for as long as timing lets them alternate."""
         started = 0
+        verdict_current = not self.deterministic or not self.busy
+        if self.batcher.schedule.varies:  # the next batch trains at step b + 1: B follows the share it will take
+            shares = self.batcher.schedule.at(batches_formed + 1)
+            for name, pool in self.pools.items():
+                pool.batch_size.set_share(shares[name] * self.batcher.budget)
         for name, pool in self.pools.items():
             state = GateInputs(
                 served_version=served_version,
@@ -157,7 +165,7 @@ class RolloutController:
                 in_flight=pool.in_flight_rollouts,
                 buffered=len(self.buffers[name]),
                 rollouts_per_batch=pool.batch_size.value,
-                starved=name in self.waiting_for,
+                starved=name in self.waiting_for and verdict_current,
             )
             started += pool.launch(self.gates[name].groups_allowed(state))
         return started
@@ -178,7 +186,7 @@ class RolloutController:
                     if admission.sampled_by_future_version:  # weights this learner never had (before a restore)
                         pool.iterator.requeue(ticket)
                     else:
-                        pool.iterator.done(ticket)
+                        pool.iterator.done(ticket, admission.rewards)
         return Admitted(sampled_tokens=sampled, failures=failures)
 
     def try_make_batch(self, learner_version: int) -> FormedBatch | None:
@@ -195,6 +203,7 @@ class RolloutController:
         if result is not None:
             for name, usage in result.usage.items():
                 self.pools[name].batch_size.observe_batch(usage.rollouts)
+                self.pools[name].iterator.refresh()  # a pass-rate sampler applies the results reported so far
         return result
 
     # ---- per step, rollbacks and checkpoints --------------------------------------------------------------------
@@ -207,6 +216,7 @@ class RolloutController:
             buffer.start_window()
             buffer.flush()
         for name, pool in self.pools.items():  # counted, never silent: actors replaced, groups handed out again
+            metrics.update(pool.iterator.metrics(name))  # a pass-rate sampler's `problems/...` buckets
             metrics[f"envs/{name}/actor_restarts"] = float(pool.restarts)
             metrics[f"envs/{name}/failed_groups"] = float(pool.failed_groups)
             metrics[f"envs/{name}/retried_requests"] = float(pool.retried_requests)
@@ -295,7 +305,7 @@ def run_rollout_controller(
     return RolloutController(
         pools,
         buffers,
-        Batcher(config.batcher, buffers, config.env_fractions()),
+        Batcher(config.batcher, buffers, schedule=config.fraction_schedule()),
         config.orchestrator.max_staleness,
         deterministic=config.orchestrator.deterministic,
         section=section,

@@ -16,7 +16,8 @@ from marin_rl.api.controller import WorkerPool
 from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.envs.base import Environment, SamplingParams
-from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
+from marin_rl.envs.difficulty import PassRateConfig, problem_order
+from marin_rl.envs.iteration import ProblemTicket
 from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.types import RolloutGroup
 
@@ -28,7 +29,8 @@ class LocalWorkerPool(WorkerPool):
     running in another thread). `tokens_per_batch`: this environment's share of a batch, for the rollouts-per-batch
     estimate. `deterministic`: each group is sampled with a seed derived from its ticket and groups are collected in
     hand-out order; a failed group is sampled again, with the same seed, in its place. `overlong`: the environment's
-    soft overlong penalty (`marin_rl.envs.rewards.add_overlong_penalty`)."""
+    soft overlong penalty (`marin_rl.envs.rewards.add_overlong_penalty`). `pass_rate`: draw problems by their recent
+    pass rate (`marin_rl.envs.difficulty`) instead of the seeded shuffle."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class LocalWorkerPool(WorkerPool):
         deterministic: bool = False,
         greedy_baseline: bool = False,
         overlong: OverlongPenalty | None = None,
+        pass_rate: PassRateConfig | None = None,
     ):
         self.env = env
         self.overlong = overlong
@@ -57,7 +60,7 @@ class LocalWorkerPool(WorkerPool):
         self.problems = env.train_problems()
         if not self.problems:
             raise ValueError(f"environment {env.name} has no training problems")
-        self.iterator = ProblemIterator(len(self.problems), seed, stream_id(env.name))
+        self.iterator = problem_order(len(self.problems), seed, env.name, pass_rate)
         self.batch_size = RolloutsPerBatch(tokens_per_batch, sampling.max_tokens + 16)
         super().__init__()
         self._launched_at: dict[concurrent.futures.Future, float] = {}

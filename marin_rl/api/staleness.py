@@ -99,6 +99,17 @@ class RolloutsPerBatch:
         if tokens:
             self.mean_rollout_tokens = 0.9 * self.mean_rollout_tokens + 0.1 * (sum(tokens) / len(tokens))
 
+    def set_share(self, tokens_per_batch: float) -> None:
+        """The environment's share of a batch became `tokens_per_batch` tokens (a fraction schedule): the measured
+        estimate scales with it (from a share of 0 there is nothing to scale: the estimate starts again from the
+        token share)."""
+        tokens_per_batch = float(tokens_per_batch)
+        if tokens_per_batch == self.tokens_per_batch:
+            return
+        if self.measured is not None:
+            self.measured = self.measured * tokens_per_batch / self.tokens_per_batch if self.tokens_per_batch else None
+        self.tokens_per_batch = tokens_per_batch
+
     def observe_batch(self, rollouts_used: int) -> None:
         """Refine the estimate from a batch that took `rollouts_used` rollouts of this environment."""
         if self.measured is None:
@@ -107,9 +118,14 @@ class RolloutsPerBatch:
             self.measured = 0.8 * self.measured + 0.2 * rollouts_used
 
     def state_dict(self) -> dict[str, float | None]:
-        return {"mean_rollout_tokens": self.mean_rollout_tokens, "consumed_per_batch": self.measured}
+        return {
+            "mean_rollout_tokens": self.mean_rollout_tokens,
+            "consumed_per_batch": self.measured,
+            "tokens_per_batch": self.tokens_per_batch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.mean_rollout_tokens = float(state["mean_rollout_tokens"])
+        self.tokens_per_batch = float(state.get("tokens_per_batch", self.tokens_per_batch))
         c = state["consumed_per_batch"]
         self.measured = None if c is None else float(c)

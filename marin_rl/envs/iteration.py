@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,8 @@ class ProblemTicket:
     index: int
     """Index into the environment's `train_problems()`."""
     epoch: int
-    """Epoch (pass over all problems) it was handed out in."""
+    """Epoch (pass over all problems) it was handed out in; the pass-rate sampler (`marin_rl.envs.difficulty`)
+    numbers its draws here instead, so every ticket, and the sampling seed derived from it, is distinct."""
 
 
 def stream_id(name: str) -> int:
@@ -74,24 +76,35 @@ class ProblemIterator:
         return rng.permutation(self.num_problems)
 
     def next(self) -> ProblemTicket:
-        """The next problem to sample: a requeued ticket if any, else the next index of the current epoch."""
-        if self._requeued:
-            ticket = self._requeued.popleft()
-        else:
-            if self.position >= self.num_problems:
-                self.epoch += 1
-                self.position = 0
-                self._order = self._permutation(self.epoch)
-            ticket = ProblemTicket(int(self._order[self.position]), self.epoch)
-            self.position += 1
+        """The next problem to sample: a requeued ticket if any, else a new one (`_draw`)."""
+        ticket = self._requeued.popleft() if self._requeued else self._draw()
         self._outstanding[ticket] = self._handed_out
         self._handed_out += 1
         return ticket
 
-    def done(self, ticket: ProblemTicket) -> None:
-        """The ticket's group was delivered (into the replay buffer, or rejected there): never hand it out again."""
+    def _draw(self) -> ProblemTicket:
+        """A new problem: the next index of the current epoch's permutation."""
+        if self.position >= self.num_problems:
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation(self.epoch)
+        ticket = ProblemTicket(int(self._order[self.position]), self.epoch)
+        self.position += 1
+        return ticket
+
+    def done(self, ticket: ProblemTicket, rewards: Sequence[float] = ()) -> None:
+        """The ticket's group was delivered (into the replay buffer, or rejected there): never hand it out again.
+        `rewards`: its rollouts' rewards, when the group could be read (this order does not depend on them; a
+        sampler that weights problems by results, `marin_rl.envs.difficulty`, records them)."""
         if self._outstanding.pop(ticket, None) is None:
             raise KeyError(f"{ticket} is not outstanding")
+
+    def refresh(self) -> None:
+        """A batch was formed (the driver calls this once per batch). The fixed order has nothing to update."""
+
+    def metrics(self, env: str) -> dict[str, float]:
+        """Metrics of the problem order since the last call, under `problems/{env}/...` (none for the fixed order)."""
+        return {}
 
     def requeue(self, ticket: ProblemTicket) -> None:
         """The ticket's episode failed: hand it out again before any new problem."""
@@ -121,8 +134,16 @@ class ProblemIterator:
             "redo": [[t.index, t.epoch] for t in redo],
         }
 
+    SAMPLER = "order"
+    """How new problems are chosen, as a checkpoint records it (`state_dict()['sampler']`; absent means this)."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`'s output; raises ValueError if it describes a different problem order."""
+        if state.get("sampler", "order") != self.SAMPLER:
+            raise ValueError(
+                f"the checkpointed problem order was drawn by the {state.get('sampler', 'order')!r} sampler but this "
+                f"run uses {self.SAMPLER!r} (curriculum.problems changed); it cannot be resumed exactly"
+            )
         for key in ("num_problems", "seed", "stream"):
             if int(state[key]) != getattr(self, key):
                 raise ValueError(

@@ -18,7 +18,8 @@ from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 from marin_rl.api.controller import WorkerPool
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
-from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
+from marin_rl.envs.difficulty import problem_order
+from marin_rl.envs.iteration import ProblemTicket
 from marin_rl.orchestrator.actors import EnvActor
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement
@@ -28,7 +29,8 @@ logger = logging.getLogger("marin_rl")
 
 
 class EnvPool(WorkerPool):
-    """`envs[index].replicas` env actors, the driver-owned problem order (`ProblemIterator`) and the groups in flight.
+    """`envs[index].replicas` env actors, the driver-owned problem order (`ProblemIterator`, or the pass-rate
+    sampler of `curriculum.problems`) and the groups in flight.
 
     `launch(n)` hands out up to `n` problems (each replica runs at most `concurrency` groups at once); `collect()`
     returns the finished groups. Deterministic runs (`orchestrator.deterministic`) sample each group with a seed
@@ -61,7 +63,7 @@ class EnvPool(WorkerPool):
             config.placement.wait_timeout_s,
         )
         num_problems = ready["envs"][0]
-        self.iterator = ProblemIterator(num_problems, config.orchestrator.seed, stream_id(self.env.name))
+        self.iterator = problem_order(num_problems, config.orchestrator.seed, self.env.name, config.problem_sampling())
         self.inflight: dict[ray.ObjectRef, tuple[int, ProblemTicket, Any]] = {}
         """ref -> (replica, ticket, actor), in hand-out order."""
         self.to_resample: list[tuple[int, ProblemTicket]] = []

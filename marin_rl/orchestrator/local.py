@@ -159,6 +159,7 @@ class LocalComponents:
                 deterministic=cfg.orchestrator.deterministic,
                 greedy_baseline=greedy,
                 overlong=e.overlong_penalty,
+                pass_rate=cfg.problem_sampling(),
             )
         self.rollouts = run_rollout_controller(cfg, self.pools, vocab_size, self._section, self._count)
         logger.info(

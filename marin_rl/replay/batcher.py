@@ -5,8 +5,9 @@ Algorithm (v0, one call of `Batcher.try_make_batch`):
 1. Every buffer drops rollouts older than `max_age` (so every trained token is at most `replay.max_age` versions
    older than the learner that trains on it). Rollouts longer than `max_seq_len` never reach the batcher: the
    buffers drop or truncate them on admission (`too_long`).
-2. Targets (`selection.env_targets`): environment e gets `fraction_e × budget` tokens. What the fractions leave over
-   (they may sum to less than 1) is shared by the `remainder` strategy.
+2. Targets (`selection.env_targets`): environment e gets `fraction_e × budget` tokens, `fraction_e` from the
+   shares' schedule at the learner step that trains the batch (`marin_rl.replay.schedule`; constant without one).
+   What the fractions leave over (they may sum to less than 1) is shared by the `remainder` strategy.
 3. Shortfall: an environment holding less than `min_fill` of its share blocks the batch (`shortfall='block'`):
    `try_make_batch` returns a `BatchWait` naming the environments and the tokens they lack (a log line says the
    same), and after `block_timeout_s` it raises `BatchTimeoutError`. With `shortfall='fill'` the short environment
@@ -35,6 +36,7 @@ import numpy as np
 from marin_rl.bounds import bounded, check_fields
 from marin_rl.replay.buffer import TOO_LONG_POLICIES, ReplayBuffer, ReplayItem
 from marin_rl.replay.packing import pack, pack_rows
+from marin_rl.replay.schedule import FractionSchedule
 from marin_rl.replay.selection import env_targets, fill_gaps, select_within_targets
 from marin_rl.types import PackedBatch
 
@@ -139,19 +141,28 @@ class Batcher:
     """Builds packed batches from the replay buffers (algorithm in the module docstring)."""
 
     def __init__(
-        self, config: BatcherConfig, buffers: dict[str, ReplayBuffer], fractions: dict[str, float] | None = None
+        self,
+        config: BatcherConfig,
+        buffers: dict[str, ReplayBuffer],
+        fractions: dict[str, float] | None = None,
+        schedule: FractionSchedule | None = None,
     ):
         self.config = config
         self.buffers = buffers
         names = list(buffers)
         if not names:
             raise ValueError("batcher: at least one replay buffer is required")
+        if schedule is not None:
+            fractions = schedule.at(1)
         fractions = fractions or {n: 1.0 / len(names) for n in names}
         if set(fractions) != set(names):
             raise ValueError(f"batch shares {sorted(fractions)} do not match the environments {sorted(names)}")
         if any(f < 0 for f in fractions.values()) or sum(fractions.values()) > 1 + 1e-6:
             raise ValueError(f"batch shares must be non-negative and sum to at most 1, got {fractions}")
+        self.schedule = schedule if schedule is not None else FractionSchedule.constant(fractions)
+        """Each environment's share at a learner step (`curriculum.fractions`; constant without one)."""
         self.fractions = dict(fractions)
+        """The shares of the latest batch (the batch trained at learner step v + 1 uses `schedule.at(v + 1)`)."""
         self._blocked_since: float | None = None
         self._last_wait_log = 0.0
 
@@ -182,6 +193,8 @@ class Batcher:
         cfg = self.config
         R, L = cfg.num_rows, cfg.max_seq_len
         names = list(self.buffers)
+        if self.schedule.varies:
+            self.fractions = self.schedule.at(learner_version + 1)
         for buf in self.buffers.values():
             buf.drop_stale(learner_version)
         queues = {n: self.buffers[n].newest_first() for n in names}
@@ -255,6 +268,7 @@ class Batcher:
             out[f"batches/{n}/tokens_used"] = u.tokens
             out[f"batches/{n}/frac_used"] = u.tokens / total
             out[f"batches/{n}/target_tokens"] = u.target_tokens
+            out[f"batches/{n}/fraction"] = self.fractions[n]
             if used[n]:
                 out[f"batches/{n}/reward/mean"] = float(np.mean([it.rollout.reward for it in used[n]]))
         return out

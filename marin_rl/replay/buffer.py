@@ -34,6 +34,7 @@ advantage estimator's state (JSON-compatible, for checkpoints).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -243,6 +244,9 @@ class Admission:
     survive truncation)."""
     truncated_too_long: int = 0
     """Accepted rollouts queued truncated to a batch row (`too_long: truncate`)."""
+    rewards: tuple[float, ...] = ()
+    """The group's rollout rewards when it was read and came from the learner's versions (accepted, or rejected by
+    the group filters or the estimator); empty otherwise. A pass-rate problem sampler learns from them."""
 
     @property
     def sampled_by_future_version(self) -> bool:
@@ -337,16 +341,17 @@ class ReplayBuffer:
         checked = self.validate(group, max_version)
         if isinstance(checked, Admission):
             return checked
+        rewards = tuple(float(r) for r in checked.rewards)
         scores = self.score(checked)
         if scores.rejected:
-            return self._reject(str(scores.reason), scores.detail, group_sampled_tokens(checked))
+            return self._reject(str(scores.reason), scores.detail, group_sampled_tokens(checked), rewards)
         if self.config.dynamic_sampling and scores.reward_credit is None and _all_zero_advantages(scores):
             detail = f"group {checked.group_id}: every advantage is 0 (rewards {checked.rewards.tolist()})"
-            return self._reject(ZERO_ADVANTAGE, detail, group_sampled_tokens(checked))
+            return self._reject(ZERO_ADVANTAGE, detail, group_sampled_tokens(checked), rewards)
         now = time.time()
         self.accepted_groups += 1
         self.persist(checked, scores, now)
-        return self.enqueue(checked, scores, now)
+        return dataclasses.replace(self.enqueue(checked, scores, now), rewards=rewards)
 
     def validate(self, group: RolloutGroup | dict, max_version: int | None = None) -> RolloutGroup | Admission:
         """Step 1: the group (a `RolloutGroup`, parsed from a dict if need be) when it may be scored, else its
@@ -371,13 +376,17 @@ class ReplayBuffer:
                     f"{max_version} (left over from before a restore)",
                     group_sampled_tokens(group),
                 )
+        rewards = group.rewards
+        read = tuple(float(r) for r in rewards)
         if len(group.rollouts) < self.config.min_group_size:
             return self._reject(
-                "group_too_small", f"{len(group.rollouts)} < {self.config.min_group_size}", group_sampled_tokens(group)
+                "group_too_small",
+                f"{len(group.rollouts)} < {self.config.min_group_size}",
+                group_sampled_tokens(group),
+                read,
             )
-        rewards = group.rewards
         if self.config.drop_zero_variance_groups and np.all(rewards == rewards[0]):
-            return self._reject("zero_variance", f"all rewards {rewards[0]}", group_sampled_tokens(group))
+            return self._reject("zero_variance", f"all rewards {rewards[0]}", group_sampled_tokens(group), read)
         return group
 
     def score(self, group: RolloutGroup) -> GroupScores:
@@ -490,10 +499,10 @@ class ReplayBuffer:
             for name, value in turn.rewards.items():
                 self._new_named.setdefault(name, []).append(value)
 
-    def _reject(self, reason: str, detail: str, sampled_tokens: int) -> Admission:
+    def _reject(self, reason: str, detail: str, sampled_tokens: int, rewards: tuple[float, ...] = ()) -> Admission:
         self.rejected[reason] += 1
         logger.warning("replay[%s]: rejected a group (%s): %s", self.env_name, reason, detail)
-        return Admission(accepted=False, reason=reason, detail=detail, sampled_tokens=sampled_tokens)
+        return Admission(accepted=False, reason=reason, detail=detail, sampled_tokens=sampled_tokens, rewards=rewards)
 
     # ---- staleness and selection ----------------------------------------------------------------------
     def drop_stale(self, learner_version: int) -> int:

@@ -2,6 +2,10 @@
 exact resume, and the configuration's refusals."""
 
 import asyncio
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
 
 import equinox as eqx
 import haliax as hax
@@ -197,3 +201,86 @@ def test_lora_configuration_refusals():
 
     with pytest.raises(SystemExit, match="learner.lora: adapter-only weight updates"):
         parse_config(["--config", "experiments/quickstart_lora.yaml", "--inference.backend", "vllm"])
+
+
+@pytest.mark.slow
+def test_shortened_quickstart_lora_learns_shipping_only_the_adapters(tmp_path):
+    from marin_rl.config import parse_config
+    from marin_rl.run import run
+
+    out = tmp_path / "run"
+    config = parse_config(
+        [
+            "--config",
+            "experiments/quickstart_lora.yaml",
+            "--output_dir",
+            str(out),
+            "--orchestrator.num_steps",
+            "60",
+            "--orchestrator.eval_every",
+            "60",
+        ]
+    )
+    summary = run(config)
+    assert summary["eval_reward_end"] - summary["eval_reward_start"] >= 0.1, summary
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "learner/loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 61))
+    full_bytes = 4 * 557_696  # the quickstart policy in float32
+    for r in steps:
+        assert r["broadcast/bytes"] <= 0.05 * full_bytes, "every version after the first carries the adapters alone"
+        if r["batches/staleness/max"] == 0:  # sampled by the version the learner scores: merged = adapted
+            assert r["learner/logprob_diff_sampler/max_abs"] < 1e-4
+    assert (out / "hf" / "step-60" / "config.json").exists(), "the export is the merged policy"
+
+
+def _peft_python() -> str:
+    from marin_rl.inference.vllm_env import vllm_python
+
+    try:
+        python = vllm_python(None)
+    except FileNotFoundError as e:
+        pytest.skip(f"no interpreter with torch, transformers and peft for the reference: {e}")
+    probe = subprocess.run([python, "-c", "import torch, transformers, peft"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{python} cannot import torch, transformers and peft: {probe.stderr.strip()[-300:]}")
+    return python
+
+
+def test_exported_peft_adapters_load_in_peft_and_give_the_learners_logprobs(tmp_path):
+    tok = build_char_tokenizer()
+    learner = _lora_learner(len(tok))
+    learner.model = _perturbed_adapters(learner.model, scale=0.1)
+    export = tmp_path / "hf"
+    learner.export_hf(str(export), tok)
+    assert (export / "peft" / "adapter_model.safetensors").exists() and (export / "base" / "config.json").exists()
+    config = json.loads((export / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["base_model_name_or_path"] == str(export / "base")
+
+    # A run that starts from the exported adapters (`init_from_peft`) holds exactly the same ones.
+    again = LearnerConfig(lora=dataclasses.replace(learner.config.lora, init_from_peft=str(export / "peft"), seed=9))
+    resumed = Learner(ModelConfig(architecture=tiny_llama()), again, len(tok))
+    resumed.model = lora.without_adapters(learner.model)  # the same base
+    assert resumed.add_adapters()
+    for a, b in zip(lora.array_leaves(learner.model), lora.array_leaves(resumed.model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    python = _peft_python()
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, len(tok), size=n).tolist() for n in (12, 20, 31)]
+    (tmp_path / "sequences.json").write_text(json.dumps(sequences))
+    script = Path(__file__).with_name("peft_reference.py")
+    args = [str(export / "base"), str(export / "peft"), str(export), str(tmp_path / "sequences.json")]
+    done = subprocess.run(
+        [python, str(script), *args, str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = json.loads((tmp_path / "out.json").read_text())
+    rows = list(range(len(sequences)))
+    batch, _ = pack([Sequence.supervised(s[:1], s[1:]) for s in sequences], len(sequences), 32, assignment=rows)
+    ours = learner.logprobs(batch)
+    for name in ("peft", "merged"):
+        worst = max(
+            float(np.max(np.abs(ours[r, 1 : len(s)] - np.asarray(reference[name][r])))) for r, s in enumerate(sequences)
+        )
+        assert worst <= 1e-4, f"{name}: max |Δ logprob| {worst}"

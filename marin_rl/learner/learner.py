@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import equinox as eqx
+import fsspec
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -444,7 +445,11 @@ class Learner:
         if not self.config.lora.enabled or lora.has_adapters(self.model):
             return False
         with self._sharding():
-            self.model = self._shard_params(lora.add_adapters(self.model, self.config.lora))
+            adapted = lora.add_adapters(self.model, self.config.lora)
+            if self.config.lora.init_from_peft:
+                adapted = lora.load_peft(adapted, self.config.lora, self.config.lora.init_from_peft)
+                logger.info("learner: LoRA adapters from %s", self.config.lora.init_from_peft)
+            self.model = self._shard_params(adapted)
         self.opt_state = self._initial_opt_state()
         self._offloaded = None
         sizes = lora.lora_bytes(self.model)
@@ -806,14 +811,31 @@ class Learner:
         A multi-host learner gathers the policy on every process (each must call this), but only process 0 writes
         `path`: Levanter's converter writes every file on every process, and two processes writing one directory
         race (one read the other's half-written tokenizer_config.json). The others write to a scratch directory
-        that is removed."""
+        that is removed.
+
+        With LoRA, `path` holds the merged policy (loadable as any checkpoint), `path/peft` the adapters in PEFT's
+        format and `path/base` the base they apply to (unless the base is `model.init_from_hf`, unchanged by a warm
+        start: then the adapters name that)."""
         with self._sharding():  # a sharded policy is gathered under its own mesh
-            model = lora.merged(self.model)  # with LoRA: the adapters merged into the base
-            if is_primary():
-                return export_hf_checkpoint(model, tokenizer, path)
-            with tempfile.TemporaryDirectory(prefix="marin_rl_hf_scratch_") as scratch:
-                export_hf_checkpoint(model, tokenizer, scratch)
+            with contextlib.ExitStack() as stack:
+                root = path
+                if not is_primary():
+                    root = stack.enter_context(tempfile.TemporaryDirectory(prefix="marin_rl_hf_scratch_"))
+                export_hf_checkpoint(lora.merged(self.model), tokenizer, root)
+                if lora.has_adapters(self.model):
+                    self._export_peft(root, tokenizer)
             return path
+
+    def _export_peft(self, root: str, tokenizer) -> None:
+        """The adapters at `root/peft` (PEFT's format), naming their base: `model.init_from_hf` when the warm start
+        left it unchanged, else `root/base`, written here."""
+        base = self.model_config.init_from_hf
+        if base is None or self.config.warm_start.steps > 0:
+            base = export_hf_checkpoint(lora.without_adapters(self.model), tokenizer, f"{root}/base")
+        with tempfile.TemporaryDirectory(prefix="marin_rl_peft_") as local:
+            lora.save_peft(self.model, self.config.lora, local, base, tokenizer)
+            fs, target = fsspec.core.url_to_fs(f"{root}/peft")
+            fs.put(f"{local}/", target, recursive=True)
 
     # ---- checkpoint state ------------------------------------------------------------------------------
     def state(self) -> dict:

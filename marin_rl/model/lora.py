@@ -16,23 +16,29 @@ the first after a server was replaced.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
+import fsspec
 import jax
 import numpy as np
+import safetensors.numpy
+from haliax.state_dict import from_torch_compatible_state_dict, to_torch_compatible_state_dict
 from jax.sharding import NamedSharding, PartitionSpec
 from levanter.adaptor.lora import (
-    LoraConfig as LevanterLoraConfig,
-)
-from levanter.adaptor.lora import (
+    PEFT_BASE_MODEL_PREFIX,
     LoraLinear,
     combine_lora_params,
     loraize,
     merge_lora_modules,
     partition_lora_params,
+    save_peft_pretrained,
     unwrap_lora_modules,
+)
+from levanter.adaptor.lora import (
+    LoraConfig as LevanterLoraConfig,
 )
 
 from marin_rl.bounds import bounded, check_fields
@@ -52,16 +58,23 @@ class LoraConfig:
     target_modules: list[str] | str | None = None
     """Which linear layers get adapters, as Levanter's spec: null (every linear layer but the output head), a list of
     module-name suffixes (e.g. [q_proj, v_proj]) or a regular expression over module paths."""
-    init: str = "zero_a"
-    """How the adapters start (both make B·A = 0, so the adapted policy starts as the base): 'zero_a' (A zero, B
-    random: the first step's gradient flows through A; Levanter's default) or 'zero_b' (B zero, A random: PEFT's)."""
+    init: str = "zero_b"
+    """How the adapters start (both make B·A = 0, so the adapted policy starts as the base): 'zero_b' (B zero, A
+    random: the LoRA paper's and PEFT's) or 'zero_a' (A zero, B random: Levanter's default). On the quickstart,
+    zero_b learned as fast per step as full fine-tuning and zero_a at half the pace (benchmarks/RESULTS.md)."""
     seed: int = bounded(0, ge=0)
     """PRNG seed of the adapters' random factor."""
+    init_from_peft: str | None = None
+    """Local or fsspec directory of PEFT-format adapters (`adapter_config.json`, `adapter_model.safetensors`: what a
+    run exports under `hf/step-N/peft`, or `peft`'s `save_pretrained`) to start the adapters from instead of
+    `init`; its rank and α must match. Pair it with `model.init_from_hf` pointing at the adapters' base."""
 
     def __post_init__(self):
         check_fields(self, "learner.lora")
         if self.init not in LORA_INITS:
             raise ValueError(f"learner.lora.init must be one of {LORA_INITS}, got {self.init!r}")
+        if self.init_from_peft is not None and not str(self.init_from_peft).strip():
+            raise ValueError("learner.lora.init_from_peft must be a directory path or URL, or null")
         targets = self.target_modules
         if targets is not None and not isinstance(targets, str):
             if isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets):
@@ -229,3 +242,58 @@ def lora_bytes(model: Any) -> dict[str, int]:
         "base": int(sum(x.nbytes for x in array_leaves(without_adapters(model)))),
         "adapters": int(sum(x.nbytes for x in array_leaves(adapters))) if has_adapters(model) else 0,
     }
+
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+
+
+def save_peft(model: Any, config: LoraConfig, path: str, base_path: str | None, tokenizer=None) -> str:
+    """Write an adapted `model`'s adapters at local directory `path` in PEFT's format (`adapter_config.json`,
+    `adapter_model.safetensors`), naming `base_path` as the base model; `peft.PeftModel.from_pretrained` loads them
+    onto the base. Returns `path`."""
+    save_peft_pretrained(model, config.levanter(), base_path, path, tokenizer)
+    return path
+
+
+def load_peft(model: Any, config: LoraConfig, path: str) -> Any:
+    """`model` (adapted with `config`) with its adapters read from the PEFT directory `path` (local or fsspec URL).
+
+    Raises ValueError naming the setting when the directory's rank or α differ from `config`'s, or when its arrays
+    do not fit the model's adapters (another model, other target modules)."""
+    fs, root = fsspec.core.url_to_fs(path)
+    try:
+        with fs.open(f"{root}/{PEFT_CONFIG}") as f:
+            saved = json.load(f)
+        with fs.open(f"{root}/{PEFT_WEIGHTS}", "rb") as f:
+            tensors = safetensors.numpy.load(f.read())
+    except FileNotFoundError as e:
+        raise ValueError(f"learner.lora.init_from_peft: {path} is not a PEFT adapter directory ({e})") from None
+    for key, ours in (("r", config.rank), ("lora_alpha", float(config.alpha))):
+        if key in saved and float(saved[key]) != float(ours):
+            raise ValueError(
+                f"learner.lora.init_from_peft: {path} has {key}={saved[key]}, but learner.lora sets {ours} "
+                f"(set learner.lora.{'rank' if key == 'r' else 'alpha'} to match)"
+            )
+    # The whole model's state dict (PEFT's key layout), its adapter entries replaced by the file's, read back.
+    prefix = PEFT_BASE_MODEL_PREFIX if all(k.startswith(PEFT_BASE_MODEL_PREFIX + ".") for k in tensors) else None
+    state = {k: np.asarray(v) for k, v in to_torch_compatible_state_dict(model, prefix=prefix).items()}
+    ours = {k for k in state if ".lora_A." in k or ".lora_B." in k}
+    if ours != set(tensors):
+        missing, extra = sorted(ours - set(tensors))[:3], sorted(set(tensors) - ours)[:3]
+        raise ValueError(
+            f"learner.lora.init_from_peft: {path} does not fit this policy's adapters (missing {missing}, "
+            f"unexpected {extra}; check learner.lora.target_modules and the model)"
+        )
+    for k, v in tensors.items():
+        if v.shape != state[k].shape:
+            raise ValueError(f"learner.lora.init_from_peft: {path}: {k} has shape {v.shape}, expected {state[k].shape}")
+        state[k] = v.astype(state[k].dtype)
+    loaded = from_torch_compatible_state_dict(model, state, prefix=prefix)
+    adapters, base = split(model)
+    loaded_adapters, _ = split(loaded)
+    params, static = eqx.partition(loaded_adapters, eqx.is_array)
+    placed = jax.tree_util.tree_map(
+        lambda x, o: jax.device_put(np.asarray(x, o.dtype), o.sharding), params, eqx.filter(adapters, eqx.is_array)
+    )
+    return join(eqx.combine(placed, static), base)

@@ -175,6 +175,12 @@ def check_fields(config: Any, prefix: str) -> None:
         raise ValueError(problems[0])
 
 
+def checks_deferred() -> bool:
+    """Whether checks are deferred (inside `deferred_checks()`): a config class then leaves its cross-field checks to
+    the caller too, which names the field by its full path."""
+    return _deferred.get()
+
+
 @contextlib.contextmanager
 def deferred_checks():
     """Skip `check_fields` while a whole config tree is built (the caller then checks it with `field_errors`)."""

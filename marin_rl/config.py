@@ -21,6 +21,7 @@ from marin_rl.bounds import bounded, check_fields, deferred_checks, field_errors
 from marin_rl.broadcast.base import BroadcastConfig
 from marin_rl.cli_help import preflight
 from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
+from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.reward_server import RewardModelConfig
 from marin_rl.learner.algorithm import Algorithm, get_algorithm, with_reward_models
@@ -66,6 +67,10 @@ class EnvConfig:
     """Names of `reward_models` (the run's top-level list) whose scores are named rewards of this environment, each
     under the model's name and weighted by the environment's `reward_weights` (its `args.reward_weights`, or the
     class's), which must give each a weight (0 records the score without training on it)."""
+    overlong_penalty: OverlongPenalty = field(default_factory=OverlongPenalty)
+    """DAPO's soft overlong penalty of training rollouts (off unless `max_response_tokens` is set): the named reward
+    'overlong' on each rollout's last sampled turn, 0 up to L_max - L_cache sampled tokens, falling linearly to -1
+    at L_max, -1 beyond, added to the reward times its `weight`."""
 
 
 @dataclass
@@ -321,6 +326,7 @@ class RunConfig:
         if fixed > 1 + 1e-6:
             raise ValueError(f"envs[*].fraction sum to {fixed} > 1")
         for e in self.envs:
+            e.overlong_penalty.check(f"envs[{e.name}].overlong_penalty")
             if e.group_size < self.replay.min_group_size:
                 raise ValueError(
                     f"envs[{e.name}].group_size={e.group_size} < replay.min_group_size={self.replay.min_group_size}: "
@@ -343,6 +349,11 @@ class RunConfig:
                 f"(learner.algorithm={self.learner.algorithm!r}, learner.critic.enabled={self.learner.critic.enabled}):"
                 " per-token rewards ('gae') are for an algorithm whose learner estimates advantages, such as 'ppo' "
                 "(or critic.enabled: true); choose learner.algorithm: ppo, or a group estimator without a critic"
+            )
+        if self.replay.dynamic_sampling and estimator == "gae":
+            raise ValueError(
+                f"replay.dynamic_sampling drops groups whose advantages are all zero, but algorithm {algorithm.name!r} "
+                "computes them with the learner's critic (replay.advantage_estimator 'gae'): turn one of them off"
             )
         if self.replay.max_age < self.orchestrator.max_staleness:
             raise ValueError(

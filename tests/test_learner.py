@@ -237,6 +237,15 @@ def test_kl_penalty_uses_a_frozen_copy_of_the_initial_policy():
         LossConfig(),  # decoupled: kept tokens depend on the proximal logprobs
         LossConfig(objective="ppo", tis_cap=1.5, aggregation="sequence_mean", kl_coef=0.5, kl_estimator="k2"),
         LossConfig(objective="ppo", aggregation="fixed_budget", max_response_tokens=16),
+        LossConfig(objective="ppo", sequence_correction="seq_tis", sequence_cap=1.5),
+        # MIS and token masks: kept tokens depend on the proximal logprobs; GSPO: one ratio per sequence
+        LossConfig(
+            objective="gspo",
+            sequence_correction="mis",
+            sequence_band=(0.1, 10.0),
+            token_mask_band=(0.3, 3.0),
+            aggregation="sequence_mean",
+        ),
     ],
 )
 def test_microbatch_accumulation_equals_the_full_batch_step(loss):
@@ -253,7 +262,8 @@ def test_microbatch_accumulation_equals_the_full_batch_step(loss):
     m_full, m_acc = full.train_step(batch), accumulated.train_step(batch)
     for a, b in zip(full.weights(), accumulated.weights(), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-5)
-    for key in ("loss", "pg_loss", "grad_norm", "ratio/mean", "ratio/max", "entropy", "kl_sampler", "masked_frac"):
+    keys = ("loss", "pg_loss", "grad_norm", "ratio/mean", "ratio/max", "entropy", "kl_sampler", "masked_frac")
+    for key in (*keys, "masked_seq_frac", "mismatch/kl_k3", "mismatch/chi2_seq", "mismatch/seq_ratio/max"):
         np.testing.assert_allclose(m_acc[f"learner/{key}"], m_full[f"learner/{key}"], rtol=1e-4, atol=1e-6)
     assert m_full["learner/grad_norm"] > 0
 

@@ -17,6 +17,7 @@ from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.envs.base import Environment, SamplingParams
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket, stream_id
+from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ class LocalWorkerPool(WorkerPool):
     """Groups of `env`'s training problems, at most `concurrency` at once, run by `worker` on `loop` (an event loop
     running in another thread). `tokens_per_batch`: this environment's share of a batch, for the rollouts-per-batch
     estimate. `deterministic`: each group is sampled with a seed derived from its ticket and groups are collected in
-    hand-out order; a failed group is sampled again, with the same seed, in its place."""
+    hand-out order; a failed group is sampled again, with the same seed, in its place. `overlong`: the environment's
+    soft overlong penalty (`marin_rl.envs.rewards.add_overlong_penalty`)."""
 
     def __init__(
         self,
@@ -41,8 +43,10 @@ class LocalWorkerPool(WorkerPool):
         seed: int = 0,
         deterministic: bool = False,
         greedy_baseline: bool = False,
+        overlong: OverlongPenalty | None = None,
     ):
         self.env = env
+        self.overlong = overlong
         self.worker = worker
         self.loop = loop
         self.group_size = group_size
@@ -106,7 +110,13 @@ class LocalWorkerPool(WorkerPool):
     async def _run(self, problem, seed: int | None) -> tuple[RolloutGroup, float]:
         start = time.perf_counter()
         group = await self.worker.run_group(
-            self.env, problem, self.group_size, self.sampling, seed=seed, greedy_baseline=self.greedy_baseline
+            self.env,
+            problem,
+            self.group_size,
+            self.sampling,
+            seed=seed,
+            greedy_baseline=self.greedy_baseline,
+            overlong=self.overlong,
         )
         return group, time.perf_counter() - start
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from marin_rl.envs.base import Environment, Problem, SamplingParams
 from marin_rl.envs.iteration import derived_seed, stream_id
-from marin_rl.envs.rewards import combine_rewards
+from marin_rl.envs.rewards import OverlongPenalty, add_overlong_penalty, combine_rewards
 from marin_rl.inference.client import PolicyClient, SeededPolicy
 from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.types import RolloutGroup
@@ -109,21 +109,29 @@ class RolloutWorker:
         seed: int | None = None,
         role: str = "train",
         greedy_baseline: bool = False,
+        overlong: OverlongPenalty | None = None,
     ) -> RolloutGroup:
         """One group of `group_size` episodes of `problem`. `seed`: the group's policy calls carry seeds derived
         from it (`SeededPolicy`), so its samples are a function of the seed and the weights. `greedy_baseline`
         (ReMax): a greedy episode of the problem runs alongside, and its reward becomes the group's
-        `baseline_reward`. Raises what an episode raises."""
+        `baseline_reward`. `overlong`: the soft overlong penalty added to every episode's reward (the greedy one's
+        too), `add_overlong_penalty`. Raises what an episode raises."""
         policy = self.client(role)
         if seed is not None:
             policy = SeededPolicy(policy, seed)
         if not greedy_baseline:
-            return await workflow.run_group(policy, problem, group_size, sampling)
+            group = await workflow.run_group(policy, problem, group_size, sampling)
+            if overlong is not None:
+                add_overlong_penalty(group, overlong)
+            return group
         greedy = SamplingParams(temperature=0.0, max_tokens=sampling.max_tokens)
         group, baseline = await asyncio.gather(
             workflow.run_group(policy, problem, group_size, sampling),
             workflow.run_group(self.client(role), problem, 1, greedy),
         )
+        if overlong is not None:
+            add_overlong_penalty(group, overlong)
+            add_overlong_penalty(baseline, overlong)
         group.baseline_reward = float(baseline.rollouts[0].reward)
         return group
 

@@ -11,6 +11,10 @@ Async functions (returning an awaitable) work with `aevaluate_rewards`.
 
 Named rewards combine linearly: `reward = sum(weights[name] * value)`. A reward without a weight counts 0 (it is
 still recorded on the turn, i.e. logged as a metric); a weight without a reward function is a configuration error.
+
+Reward shaping over a whole rollout: DAPO's soft overlong penalty (Yu et al. 2025; `OverlongPenalty`, per
+environment) is the named reward 'overlong' of the rollout's last sampled turn, added to that turn's reward with its
+own weight after the episode, so it shows in the metrics like every named reward (`replays/{env}/rewards/overlong/...`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from marin_rl.bounds import bounded, check_fields, checks_deferred
+from marin_rl.types import RolloutGroup
 
 RewardFunction = Callable[..., Any]
 """`(prompt, completion, prompt_ids, completion_ids, **problem_fields) -> float` (or an awaitable of one)."""
@@ -142,3 +150,63 @@ async def aevaluate_rewards(
 def exact_match(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], answer: str) -> float:
     """1.0 if the completion, stripped of surrounding whitespace, is exactly the reference answer."""
     return float(completion.strip() == str(answer).strip())
+
+
+OVERLONG_REWARD = "overlong"
+"""Name of the soft overlong penalty among a turn's named rewards."""
+
+
+@dataclass
+class OverlongPenalty:
+    """DAPO's soft overlong punishment (Yu et al. 2025) of rollouts that run long, by their sampled tokens |y|."""
+
+    max_response_tokens: int | None = bounded(None, ge=1)
+    """L_max: beyond it a rollout's penalty is -1 (None: no penalty). |y| counts every token the policy sampled in the
+    rollout, over all its turns."""
+    cache_tokens: int = bounded(0, ge=0)
+    """L_cache: the penalty falls linearly from 0 at |y| = L_max - L_cache to -1 at L_max (0: a hard cut at L_max)."""
+    weight: float = bounded(1.0, ge=0)
+    """The penalty's weight in the reward (DAPO adds it as it is: 1; 0 records it as a named reward only)."""
+
+    def __post_init__(self):
+        check_fields(self, "overlong_penalty")
+        if not checks_deferred():
+            self.check("overlong_penalty")
+
+    def check(self, prefix: str) -> None:
+        """Raise ValueError (naming the fields under `prefix`) when L_cache exceeds L_max."""
+        if self.max_response_tokens is not None and self.cache_tokens > self.max_response_tokens:
+            raise ValueError(
+                f"{prefix}.cache_tokens ({self.cache_tokens}) must not exceed max_response_tokens "
+                f"({self.max_response_tokens})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts are penalised (`max_response_tokens` is set)."""
+        return self.max_response_tokens is not None
+
+
+def soft_overlong_penalty(num_tokens: int, max_tokens: int, cache_tokens: int) -> float:
+    """R(|y|) = 0 for |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache up to L_max; -1 beyond."""
+    free = max_tokens - cache_tokens
+    if num_tokens <= free:
+        return 0.0
+    if num_tokens <= max_tokens:
+        return (free - num_tokens) / cache_tokens
+    return -1.0
+
+
+def add_overlong_penalty(group: RolloutGroup, penalty: OverlongPenalty) -> None:
+    """Record each rollout's soft overlong penalty as the named reward 'overlong' of its last sampled turn and add it,
+    times `penalty.weight`, to that turn's reward (in place; a rollout with no sampled turn is left alone)."""
+    if not penalty.enabled:
+        return
+    for rollout in group.rollouts:
+        sampled = [t for t in rollout.turns if t.is_sampled]
+        if not sampled:
+            continue
+        value = soft_overlong_penalty(rollout.num_sampled_tokens, penalty.max_response_tokens, penalty.cache_tokens)
+        last = sampled[-1]
+        last.rewards = {**last.rewards, OVERLONG_REWARD: value}
+        last.reward = float(last.reward + penalty.weight * value)

@@ -19,11 +19,35 @@ Clipped objective: r = exp(logp - logp_old), J = min(r·A, clip(r, 1-ε_low, 1+�
   weights and the sampler is *truncated* instead of masked, and no token is dropped. The ratio is taken to logp_prox
   for 'ppo' too: with a ratio to logp_sampler the factor exp(logp_prox - logp_sampler) would be counted twice (once in
   r, once in w). With TIS on, 'ppo' and 'decoupled' are therefore the same loss and `sampler_weight_cap` is unused.
+* objective='gspo' (Zheng et al. 2025, GSPO), in its GSPO-token form: the ratio of every kept token of a sequence is
+  s = exp(mean over the sequence's kept tokens of (logp - logp_old)), written sg(s)·exp(logp - sg(logp)) so that its
+  value is s and its gradient s·∇logp flows through every token; J = min(s·A, clip(s)·A) per token. With
+  aggregation='sequence_mean' and one advantage per rollout this is the paper's sequence-level objective exactly (its
+  gradient is s·A·mean over the tokens of ∇logp); per-token advantages (e.g. 'turn_rloo') stay per token. logp_old is
+  chosen as for 'ppo'. The paper clips s far tighter than token ratios (clip_low=3e-4, clip_high=4e-4).
+
+Sequence-level corrections of the sampler/learner mismatch (a "sequence" is one rollout: one segment of a packed row,
+all its sampled tokens over every turn). With ρ = exp(Σ over the sequence's sampled tokens of (logp_prox -
+logp_sampler)), under stop_gradient:
+* sequence_correction='seq_tis': w = min(ρ, sequence_cap) on each of its tokens (sequence-level truncated IS); no
+  token is dropped.
+* sequence_correction='mis' (masked IS): w = ρ, and a sequence whose ρ lies outside `sequence_band` = [low, high] is
+  masked whole (its tokens leave the loss and its normaliser).
+Either replaces the per-token weight above (and `sampler_weight_cap`), and logp_old = logp_prox for every objective
+(as with TIS, which it excludes).
+* token_mask_band=[low, high] (IcePop): on top of any of the above, a token whose exp(logp_prox - logp_sampler) lies
+  outside the band is masked (it leaves the normaliser, like the decoupled masking).
 
 KL to a frozen reference (added when kl_coef = β > 0): with x = logp_ref - logp on each sampled token, Schulman's
 estimators of KL(π || π_ref) are k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x. Entropy bonus (entropy_coef = c > 0): H_t is
 the policy's entropy over the vocabulary at sampled token t (at the sampling temperature, differentiable). The loss is
   -aggregate(w·J over kept tokens) + β·aggregate(k over all sampled tokens) - c·aggregate(H over all sampled tokens).
+
+Mismatch diagnostics (metrics, whatever the options; x = logp_prox - logp_sampler on sampled tokens, which are drawn
+from the sampler): `mismatch/kl_k1` = mean(-x) and `mismatch/kl_k3` = mean(exp(x) - 1 - x), estimates of
+KL(sampler || learner); per sequence ρ as above (its log clamped to ±20 for the metrics only):
+`mismatch/seq_ratio/mean`, `mismatch/seq_ratio/max` and `mismatch/chi2_seq` = mean(ρ²) - 1 over sequences;
+`masked_frac` (sampled tokens masked) and `masked_seq_frac` (sequences with no kept token).
 
 Every aggregation is a numerator (a sum over the batch's rows) divided by a denominator that depends only on masks
 and segments (`LossNormalizers`); passing the normalisers of a whole minibatch to `policy_loss` on a slice of its rows
@@ -41,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,8 +79,11 @@ from marin_rl.bounds import bounded, check_fields
 from marin_rl.types import RlExample
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "fixed_budget")
-OBJECTIVES = ("decoupled", "ppo")
+OBJECTIVES = ("decoupled", "ppo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+SEQUENCE_CORRECTIONS = ("none", "seq_tis", "mis")
+METRIC_LOG_RATIO_BOUND = 20.0
+"""A sequence's log importance ratio is clamped to ±this for the diagnostics (the loss uses no clamp)."""
 
 
 @dataclass
@@ -63,7 +91,8 @@ class LossConfig:
     """The clipped policy-gradient objective."""
 
     objective: str = "decoupled"
-    """'decoupled' (ratio to the proximal policy, times a capped sampler weight), 'ppo' (ratio to the sampler), or
+    """'decoupled' (ratio to the proximal policy, times a capped sampler weight), 'ppo' (ratio to the sampler), 'gspo'
+    (GSPO: one ratio per sequence, the exp of its tokens' mean log-ratio, see the module docstring), or
     the name of any loss in the registry (`register_loss`), or 'package.module:function' (imported, then looked
     up: a function registered there, or any loss function, which is then registered under that path)."""
     clip_low: float = bounded(0.2, ge=0)
@@ -76,6 +105,19 @@ class LossConfig:
     """Truncated importance sampling (None: off). Each token's objective is multiplied by
     stop_gradient(min(exp(logp_prox - logp_sampler), tis_cap)), logp_prox being the learner's logprob at the proximal
     weights and logp_sampler the sampler's; the ratio is then taken to logp_prox for either objective."""
+    sequence_correction: str = "none"
+    """Sequence-level correction of the sampler/learner mismatch, ρ = exp(Σ over a rollout's sampled tokens of
+    (logp_prox - logp_sampler)): 'none'; 'seq_tis' (each token of the rollout weighted by stop_gradient(min(ρ,
+    sequence_cap)), no token dropped); 'mis' (masked IS: weight ρ, and a rollout whose ρ lies outside
+    `sequence_band` is dropped whole, leaving the normaliser). Replaces the per-token weight and
+    `sampler_weight_cap`; the ratio is then taken to logp_prox. Excludes `tis_cap`."""
+    sequence_cap: float = bounded(2.0, gt=0)
+    """'seq_tis': C, the cap of a rollout's importance weight ρ."""
+    sequence_band: tuple[float, float] = (0.5, 2.0)
+    """'mis': [low, high], the rollouts whose ρ lies outside are masked (0 <= low <= 1 <= high, low < high)."""
+    token_mask_band: tuple[float, float] | None = None
+    """IcePop token masks (None: off): [low, high]; a sampled token whose exp(logp_prox - logp_sampler) lies outside
+    is masked (it leaves the loss and its normaliser), with any objective and correction (0 <= low <= 1 <= high)."""
     kl_coef: float = bounded(0.0, ge=0)
     """β of the KL penalty to a frozen reference model (the initial policy). 0: no penalty, and no reference model
     is kept or evaluated."""
@@ -102,19 +144,57 @@ class LossConfig:
         check_fields(self, "learner.loss")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.sequence_correction not in SEQUENCE_CORRECTIONS:
+            raise ValueError(
+                f"learner.loss.sequence_correction must be one of {SEQUENCE_CORRECTIONS}, got "
+                f"{self.sequence_correction!r}"
+            )
+        _check_band("learner.loss.sequence_band", self.sequence_band)
+        if self.token_mask_band is not None:
+            _check_band("learner.loss.token_mask_band", self.token_mask_band)
+        if self.sequence_correction != "none" and self.tis_cap is not None:
+            raise ValueError(
+                f"learner.loss.tis_cap ({self.tis_cap}) and learner.loss.sequence_correction "
+                f"({self.sequence_correction!r}) both weigh the sampler/learner mismatch: set one of them"
+            )
+        if self.objective not in OBJECTIVES and (self.sequence_correction != "none" or self.token_mask_band):
+            raise ValueError(
+                "learner.loss.sequence_correction and token_mask_band apply to the built-in objectives "
+                f"{OBJECTIVES}, not to the registered loss {self.objective!r}"
+            )
+
+    @property
+    def ratio_to_proximal(self) -> bool:
+        """Whether a built-in objective takes its ratio to logp_prox (decoupled, TIS or a sequence correction) rather
+        than to logp_sampler."""
+        return self.objective == "decoupled" or self.tis_cap is not None or self.sequence_correction != "none"
 
     @property
     def uses_proximal(self) -> bool:
-        """Whether the loss reads logp_prox (the decoupled objective, or any objective with TIS; for a registered
-        loss, what it declared)."""
+        """Whether the loss reads logp_prox (the decoupled objective, or any objective with TIS, a sequence correction
+        or token masks; for a registered loss, what it declared)."""
         if self.objective not in OBJECTIVES:
             return get_loss(self.objective).uses_proximal
-        return self.objective == "decoupled" or self.tis_cap is not None
+        return self.ratio_to_proximal or self.token_mask_band is not None
 
     @property
     def kept_depends_on_proximal(self) -> bool:
-        """Whether the set of trained tokens depends on logp_prox (decoupled masking by `sampler_weight_cap`)."""
-        return self.objective == "decoupled" and self.tis_cap is None
+        """Whether the set of trained tokens depends on logp_prox (decoupled masking by `sampler_weight_cap`, MIS or
+        token masks)."""
+        if self.objective not in OBJECTIVES:
+            return False
+        decoupled_mask = self.objective == "decoupled" and self.tis_cap is None and self.sequence_correction == "none"
+        return decoupled_mask or self.sequence_correction == "mis" or self.token_mask_band is not None
+
+
+def _check_band(name: str, band) -> None:
+    """Refuse a band that is not two finite numbers with 0 <= low <= 1 <= high and low < high."""
+    try:
+        low, high = (float(x) for x in band)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be [low, high], got {band!r}") from None
+    if not (math.isfinite(low) and math.isfinite(high) and 0 <= low <= 1 <= high and low < high):
+        raise ValueError(f"{name} must be [low, high] with 0 <= low <= 1 <= high and low < high, got {list(band)}")
 
 
 class LossNormalizers(NamedTuple):
@@ -126,6 +206,8 @@ class LossNormalizers(NamedTuple):
     """Denominator of the KL-to-reference and entropy terms (over all sampled tokens)."""
     tokens: jnp.ndarray
     """Number of sampled tokens (at least 1): the denominator of the per-token metric means."""
+    sequences: jnp.ndarray
+    """Number of sequences with a sampled token (at least 1): the denominator of the per-sequence metric means."""
 
 
 def clipped_objective(
@@ -137,20 +219,63 @@ def clipped_objective(
     return jnp.minimum(ratio * advantages, clipped * advantages), ratio
 
 
+def gspo_token_objective(
+    logp: jnp.ndarray,
+    logp_old: jnp.ndarray,
+    advantages: jnp.ndarray,
+    mask: jnp.ndarray,
+    segment_ids: jnp.ndarray,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """GSPO-token: per-token min(s·A, clip(s)·A) with s = sg(exp(mean over the sequence's `mask`ed tokens of
+    (logp - logp_old)))·exp(logp - sg(logp)): its value is the sequence's ratio, its gradient s·∇logp. Returns the
+    per-token objective and s."""
+    seq_log_ratio = sequence_means(jax.lax.stop_gradient(logp - logp_old), mask, segment_ids)
+    ratio = jnp.exp(seq_log_ratio) * jnp.exp(logp - jax.lax.stop_gradient(logp))
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return jnp.minimum(ratio * advantages, clipped * advantages), ratio
+
+
+def _log_or_minus_inf(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
 def importance_weights(
-    logp_prox: jnp.ndarray, logp_sampler: jnp.ndarray, mask: jnp.ndarray, config: LossConfig
+    logp_prox: jnp.ndarray,
+    logp_sampler: jnp.ndarray,
+    mask: jnp.ndarray,
+    config: LossConfig,
+    segment_ids: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Per-token weight w (under stop_gradient) and the kept-token mask, as described in the module docstring.
 
-    `logp_prox` is unused for objective='ppo' without TIS (w = 1 and every sampled token is kept).
+    `logp_prox` is unused for objective='ppo' or 'gspo' without TIS, sequence correction or token masks (w = 1 and
+    every sampled token is kept). `segment_ids` are needed by a sequence correction.
     """
     if not config.uses_proximal:
         return jnp.ones(mask.shape, jnp.float32), mask
     raw = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_sampler))
-    if config.tis_cap is not None:
-        return jnp.where(mask, jnp.minimum(raw, config.tis_cap), 0.0), mask
-    kept = mask & (raw <= config.sampler_weight_cap)
-    return jnp.where(kept, raw, 0.0), kept
+    if config.sequence_correction != "none":
+        if segment_ids is None:
+            raise ValueError("a sequence correction needs the batch's segment_ids")
+        log_rho = sequence_sums(jax.lax.stop_gradient(logp_prox - logp_sampler), mask, segment_ids)
+        if config.sequence_correction == "seq_tis":
+            weight, kept = jnp.exp(jnp.minimum(log_rho, math.log(config.sequence_cap))), mask
+        else:
+            low, high = config.sequence_band
+            inside = (log_rho >= _log_or_minus_inf(low)) & (log_rho <= math.log(high))
+            weight, kept = jnp.exp(jnp.where(inside, log_rho, 0.0)), mask & inside
+    elif config.tis_cap is not None:
+        weight, kept = jnp.minimum(raw, config.tis_cap), mask
+    elif config.objective == "decoupled":
+        weight, kept = raw, mask & (raw <= config.sampler_weight_cap)
+    else:
+        weight, kept = jnp.ones(mask.shape, jnp.float32), mask
+    if config.token_mask_band is not None:
+        low, high = config.token_mask_band
+        kept = kept & (raw >= low) & (raw <= high)
+    return jnp.where(kept, weight, 0.0), kept
 
 
 def kl_estimate(logp: jnp.ndarray, logp_ref: jnp.ndarray, estimator: str) -> jnp.ndarray:
@@ -221,7 +346,7 @@ def _proximal(logp: jnp.ndarray, batch: RlExample) -> jnp.ndarray:
 def loss_normalizers(batch: RlExample, config: LossConfig, logp: jnp.ndarray | None = None) -> LossNormalizers:
     """Normalisers of `policy_loss` for a whole (mini)batch.
 
-    For the decoupled objective without TIS the kept tokens depend on logp_prox: the batch must then carry
+    When the kept tokens depend on logp_prox (decoupled masking, MIS, token masks), the batch must carry
     `proximal_logprobs`, or `logp` (the current weights' logprobs) must be given.
     """
     mask = batch.loss_mask.array
@@ -233,7 +358,8 @@ def loss_normalizers(batch: RlExample, config: LossConfig, logp: jnp.ndarray | N
         )
     if config.kept_depends_on_proximal:
         prox = batch.proximal_logprobs.array if batch.proximal_logprobs is not None else logp
-        _, kept = importance_weights(_masked(prox, mask), _masked(batch.sampler_logprobs.array, mask), mask, config)
+        sampler = _masked(batch.sampler_logprobs.array, mask)
+        _, kept = importance_weights(_masked(prox, mask), sampler, mask, config, seg)
     else:
         kept = mask
     kind, budget = config.aggregation, config.max_response_tokens
@@ -241,6 +367,7 @@ def loss_normalizers(batch: RlExample, config: LossConfig, logp: jnp.ndarray | N
         policy=aggregate_denominator(kept, seg, kind, budget),
         reference=aggregate_denominator(mask, seg, kind, budget),
         tokens=jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0),
+        sequences=num_sequences(mask, seg),
     )
 
 
@@ -267,11 +394,14 @@ def policy_loss(
     sampler = _masked(batch.sampler_logprobs.array, mask)
     seg = batch.segment_ids.array
     prox = _masked(_proximal(lp, batch), mask)
-    weight, kept = importance_weights(prox, sampler, mask, config)
-    old = prox if config.uses_proximal else sampler
+    weight, kept = importance_weights(prox, sampler, mask, config, seg)
+    old = prox if config.ratio_to_proximal else sampler
     if normalizers is None:
         normalizers = loss_normalizers(batch, config, prox)
-    objective, ratio = clipped_objective(lp, old, adv, config.clip_low, config.clip_high)
+    if config.objective == "gspo":
+        objective, ratio = gspo_token_objective(lp, old, adv, kept, seg, config.clip_low, config.clip_high)
+    else:
+        objective, ratio = clipped_objective(lp, old, adv, config.clip_low, config.clip_high)
     per_token = -weight * objective
     pg_loss = aggregate_numerator(per_token, kept, seg, config.aggregation) / normalizers.policy
 
@@ -296,6 +426,7 @@ def policy_loss(
         "entropy": mean(_masked(entropy.array, mask)),
         "masked_frac": mean((mask & ~kept).astype(jnp.float32)),
         "trained_tokens": jnp.sum(fmask),
+        **_mismatch_metrics(prox, sampler, mask, kept, seg, mean, normalizers.sequences),
     }
     if config.uses_proximal:
         metrics["importance_weight/mean"] = mean(weight)
@@ -318,6 +449,24 @@ def policy_loss(
         loss = loss - config.entropy_coef * bonus
     metrics["loss"] = loss
     return loss, metrics
+
+
+def _mismatch_metrics(prox, sampler, mask, kept, seg, mean, num_seqs) -> dict[str, jnp.ndarray]:
+    """The sampler/learner mismatch diagnostics of the module docstring (sums over this batch's rows divided by the
+    whole minibatch's `mean` and `num_seqs` normalisers, so that row slices add up)."""
+    x = prox - sampler  # 0 off the loss mask
+    log_rho, count = _segment_sums(x, mask.astype(x.dtype), seg)
+    _, kept_count = _segment_sums(jnp.zeros_like(x), kept.astype(x.dtype), seg)
+    has = count > 0
+    rho = jnp.exp(jnp.clip(log_rho, -METRIC_LOG_RATIO_BOUND, METRIC_LOG_RATIO_BOUND))
+    return {
+        "mismatch/kl_k1": mean(-x),
+        "mismatch/kl_k3": mean(jnp.exp(x) - 1.0 - x),
+        "mismatch/seq_ratio/mean": jnp.sum(jnp.where(has, rho, 0.0)) / num_seqs,
+        "mismatch/seq_ratio/max": jnp.max(jnp.where(has, rho, -jnp.inf)),
+        "mismatch/chi2_seq": jnp.sum(jnp.where(has, rho * rho - 1.0, 0.0)) / num_seqs,
+        "masked_seq_frac": jnp.sum((has & (kept_count == 0)).astype(jnp.float32)) / num_seqs,
+    }
 
 
 def combine_metrics(stacked: dict[str, jnp.ndarray], rest: str = "sum") -> dict[str, jnp.ndarray]:
@@ -455,15 +604,26 @@ def proximal_logprobs(logprobs: hax.NamedArray, batch: RlExample) -> jnp.ndarray
     return _proximal(logprobs.array, batch)
 
 
+def _per_token(per_segment: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """Each position's value of its (row, segment) in `per_segment` (as `_segment_sums` indexes them); 0 on padding."""
+    rows, seq = segment_ids.shape
+    gid = (jnp.arange(rows)[:, None] * seq + jnp.maximum(segment_ids, 0)).reshape(-1)
+    return jnp.where(segment_ids >= 0, per_segment[gid].reshape(rows, seq), 0.0)
+
+
 def sequence_means(values: jnp.ndarray, mask: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:
     """Per-token mean of `values` over the masked tokens of the sequence (packed segment) each token belongs to:
     a `(rows, positions)` array holding, at every position, its sequence's mean (0 for a sequence with no masked
     token and on padding)."""
-    rows, seq = values.shape
     seg_sum, seg_count = _segment_sums(_masked(values, mask), mask.astype(values.dtype), segment_ids)
-    means = jnp.where(seg_count > 0, seg_sum / jnp.maximum(seg_count, 1.0), 0.0)
-    gid = (jnp.arange(rows)[:, None] * seq + jnp.maximum(segment_ids, 0)).reshape(-1)
-    return jnp.where(segment_ids >= 0, means[gid].reshape(rows, seq), 0.0)
+    return _per_token(jnp.where(seg_count > 0, seg_sum / jnp.maximum(seg_count, 1.0), 0.0), segment_ids)
+
+
+def sequence_sums(values: jnp.ndarray, mask: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """Per-token sum of `values` over the masked tokens of the sequence (packed segment) each token belongs to (0 on
+    padding). Segments never cross rows, so a slice of rows gives its rows' sums."""
+    seg_sum, _ = _segment_sums(_masked(values, mask), mask.astype(values.dtype), segment_ids)
+    return _per_token(seg_sum, segment_ids)
 
 
 def num_sequences(mask: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:

@@ -245,6 +245,7 @@ class EnvActor:
                 cfg.sampling,
                 seed=seed,
                 greedy_baseline=self.greedy_baseline,
+                overlong=cfg.overlong_penalty,
             )
         except Exception as e:
             raise EpisodeError.wrapping(e) from None

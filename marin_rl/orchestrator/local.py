@@ -158,6 +158,7 @@ class LocalComponents:
                 seed=cfg.orchestrator.seed,
                 deterministic=cfg.orchestrator.deterministic,
                 greedy_baseline=greedy,
+                overlong=e.overlong_penalty,
             )
         self.rollouts = run_rollout_controller(cfg, self.pools, vocab_size, self._section, self._count)
         logger.info(

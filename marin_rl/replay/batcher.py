@@ -119,7 +119,8 @@ class FormedBatch:
     placed: list[tuple[ReplayItem, int]]
     """Every rollout placed, with its row."""
     metrics: dict[str, float]
-    """`batches/...` metrics of the batch (and `replays/{env}/frac_used_in_batch`)."""
+    """`batches/...` metrics of the batch (with each environment's `BatchDraw`: groups and tokens sampled since the
+    previous batch and trained in this one, `batches/{env}/oversampling/...`) and `replays/{env}/frac_used_in_batch`."""
 
     @property
     def num_rollouts(self) -> int:
@@ -228,7 +229,7 @@ class Batcher:
         for n in names:
             waiting = len(self.buffers[n])
             metrics[f"replays/{n}/frac_used_in_batch"] = len(used[n]) / waiting if waiting else 0.0
-            self.buffers[n].consume(used[n])
+            metrics.update(self.buffers[n].consume(used[n]).metrics(f"batches/{n}"))
         return FormedBatch(batch=batch, usage=usage, placed=items, metrics=metrics)
 
     def _metrics(

@@ -14,6 +14,15 @@ under `replays/{env}/rejected/{reason}`), with what it queued and discarded. Rol
 `max_reuse` times (`consume`), by growing older than `max_age` learner steps (on arrival and in `drop_stale`), or by
 eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted.
 
+Dynamic sampling (DAPO, Yu et al. 2025; `dynamic_sampling`): after scoring, a group whose advantages are all zero
+(every rollout's, and every token's when the estimator gives per-token ones) is rejected (`zero_advantage`), so no
+batch trains on it; the batcher keeps waiting for new groups (and the staleness gate lets generation go on while it
+waits) until the batch is full. What it costs is counted whether or not it is on: every group that arrives is
+*sampled* (`sampled_groups`, `sampled_tokens`: the tokens the policy sampled in it), a group is *trained* the first time
+one of its rollouts goes into a batch (`trained_groups`) and every sampled token placed in a batch is trained
+(`trained_tokens`); `replays/{env}/oversampling/groups` = sampled / trained groups and `.../tokens` likewise, over the
+run; `consume` returns the same four counts since the previous batch (`BatchDraw`, reported as `batches/{env}/...`).
+
 `admit(group, max_version=v)` rejects (reason `future_version`) a group with a token sampled by a policy version
 newer than v: after a resume from a checkpoint, a server that still served the lost run's later weights must not feed
 them to the restored learner; the caller samples its problem again.
@@ -78,6 +87,11 @@ class ReplayConfig:
     [0, 1) (0: the previous group's mean)."""
     drop_zero_variance_groups: bool = False
     """Reject groups whose rewards are all equal (they carry no learning signal under group baselines)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: reject (`zero_advantage`) every group whose advantages, as the estimator computed them,
+    are all zero, so that no batch holds one and batches fill from new groups instead; the oversampling it costs is
+    reported (`replays/{env}/oversampling/...`, `batches/{env}/oversampling/...`). Not with 'gae' (the critic computes
+    the advantages on the learner)."""
     persist_flush_rows: int = bounded(1024, ge=1)
     """Rollouts are written to Parquet in files of at most this many rows (when a rollout directory is set)."""
     persist_flush_interval_s: float = bounded(30.0, gt=0)
@@ -91,6 +105,11 @@ class ReplayConfig:
         if self.gae_reward_credit not in REWARD_CREDITS:
             raise ValueError(
                 f"replay.gae_reward_credit must be one of {REWARD_CREDITS}, got {self.gae_reward_credit!r}"
+            )
+        if self.dynamic_sampling and self.advantage_estimator == "gae":
+            raise ValueError(
+                "replay.dynamic_sampling drops groups whose advantages are all zero, but with advantage_estimator "
+                "'gae' the learner's critic computes the advantages: use a group estimator, or turn it off"
             )
         check_fields(self, "replay")
 
@@ -115,6 +134,46 @@ def _newest_version(rollout: Rollout) -> int:
         if t.is_sampled and t.inference_metadata
     ]
     return max(vs) if vs else -1
+
+
+def _all_zero_advantages(scores: GroupScores) -> bool:
+    """Whether every advantage of a scored group is zero (the per-token ones too, when it has them)."""
+    if np.any(scores.advantages != 0):
+        return False
+    return scores.token_advantages is None or not any(np.any(ta != 0) for ta in scores.token_advantages)
+
+
+ZERO_ADVANTAGE = "zero_advantage"
+"""Rejection reason of a group whose advantages are all zero, under `dynamic_sampling`."""
+
+
+@dataclass(frozen=True)
+class BatchDraw:
+    """What the rollouts of one batch cost: groups and tokens sampled since the previous batch, and trained in it."""
+
+    sampled_groups: int
+    """Groups that arrived (accepted or rejected) since the previous batch."""
+    sampled_tokens: int
+    """Tokens the policy sampled in them."""
+    trained_groups: int
+    """Groups trained for the first time in this batch."""
+    trained_tokens: int
+    """Sampled tokens of the rollouts this batch trains on."""
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """The counts and their ratios (sampled / trained; 0 when nothing was trained) under `prefix`."""
+        return _draw_metrics(prefix, self.sampled_groups, self.sampled_tokens, self.trained_groups, self.trained_tokens)
+
+
+def _draw_metrics(prefix: str, sampled_groups: int, sampled_tokens: int, trained_groups: int, trained_tokens: int):
+    return {
+        f"{prefix}/sampled_groups": sampled_groups,
+        f"{prefix}/sampled_tokens": sampled_tokens,
+        f"{prefix}/trained_groups": trained_groups,
+        f"{prefix}/trained_tokens": trained_tokens,
+        f"{prefix}/oversampling/groups": sampled_groups / trained_groups if trained_groups else 0.0,
+        f"{prefix}/oversampling/tokens": sampled_tokens / trained_tokens if trained_tokens else 0.0,
+    }
 
 
 @dataclass
@@ -148,6 +207,13 @@ class ReplayItem:
         """The tokens and per-token training fields that go into a batch."""
         seq = Sequence.from_rollout(self.rollout, self.advantage, self.reward_credit, self.token_advantages)
         return seq if self.max_len is None else seq.truncated(self.max_len)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the policy sampled that a batch trains on (those that survive truncation)."""
+        if self.max_len is None:
+            return self.rollout.num_sampled_tokens
+        return int(self.rollout.loss_mask()[: self.max_len].sum())
 
 
 FUTURE_VERSION = "future_version"
@@ -224,6 +290,13 @@ class ReplayBuffer:
         self.evicted = 0
         self.dropped: Counter[str] = Counter()  # rollouts removed unused, by reason (e.g. too_long)
         self.truncated_too_long = 0
+        self.sampled_groups = 0
+        self.sampled_tokens = 0
+        self.trained_groups = 0
+        self.trained_tokens = 0
+        self._draw_groups = 0  # groups and tokens sampled since the last `consume`
+        self._draw_tokens = 0
+        self._trained_group_ids: set[str] = set()  # groups already trained that still have rollouts waiting
         self.segment: int | None = None
         """The run segment whose groups this buffer accepts (`begin_segment`; saved in checkpoints); None: none was
         begun (rows then carry no segment)."""
@@ -253,12 +326,23 @@ class ReplayBuffer:
         `max_version` (the learner's current version): a group with a token sampled by a newer policy version is
         rejected as `future_version`.
         """
+        admission = self._admit(group, max_version)
+        self.sampled_groups += 1
+        self.sampled_tokens += admission.sampled_tokens
+        self._draw_groups += 1
+        self._draw_tokens += admission.sampled_tokens
+        return admission
+
+    def _admit(self, group: RolloutGroup | dict, max_version: int | None) -> Admission:
         checked = self.validate(group, max_version)
         if isinstance(checked, Admission):
             return checked
         scores = self.score(checked)
         if scores.rejected:
             return self._reject(str(scores.reason), scores.detail, group_sampled_tokens(checked))
+        if self.config.dynamic_sampling and scores.reward_credit is None and _all_zero_advantages(scores):
+            detail = f"group {checked.group_id}: every advantage is 0 (rewards {checked.rewards.tolist()})"
+            return self._reject(ZERO_ADVANTAGE, detail, group_sampled_tokens(checked))
         now = time.time()
         self.accepted_groups += 1
         self.persist(checked, scores, now)
@@ -428,12 +512,22 @@ class ReplayBuffer:
         """The waiting rollouts, most recent arrival first."""
         return list(reversed(self.items))
 
-    def consume(self, used: list[ReplayItem]) -> None:
-        """Count a use of each item; items that reached `max_reuse` leave the buffer."""
+    def consume(self, used: list[ReplayItem]) -> BatchDraw:
+        """Count a use of each item (the rollouts one batch takes from this buffer); items that reached `max_reuse`
+        leave the buffer. Returns the batch's `BatchDraw` and starts the next one's count."""
+        new_groups = {it.group_id for it in used} - self._trained_group_ids
+        tokens = sum(it.sampled_tokens for it in used)
         for it in used:
             it.uses += 1
         if used:
             self.items = [it for it in self.items if it.uses < self.config.max_reuse]
+        waiting = {it.group_id for it in self.items}
+        self._trained_group_ids = (self._trained_group_ids | new_groups) & waiting
+        self.trained_groups += len(new_groups)
+        self.trained_tokens += tokens
+        draw = BatchDraw(self._draw_groups, self._draw_tokens, len(new_groups), tokens)
+        self._draw_groups = self._draw_tokens = 0
+        return draw
 
     def flush(self) -> None:
         """Write rollouts queued for persistence."""
@@ -479,6 +573,15 @@ class ReplayBuffer:
             "dropped": dict(self.dropped),
             "truncated_too_long": self.truncated_too_long,
             "segment": self.segment,
+            "sampling": {
+                "sampled_groups": self.sampled_groups,
+                "sampled_tokens": self.sampled_tokens,
+                "trained_groups": self.trained_groups,
+                "trained_tokens": self.trained_tokens,
+                "draw_groups": self._draw_groups,
+                "draw_tokens": self._draw_tokens,
+                "trained_group_ids": sorted(self._trained_group_ids),
+            },
         }
         estimator_state = self.advantages.state_dict()  # e.g. 'reinforce_baseline'
         clash = sorted(estimator_state.keys() & state.keys())
@@ -518,6 +621,14 @@ class ReplayBuffer:
         self.dropped = Counter({str(k): int(v) for k, v in state["dropped"].items()})
         self.truncated_too_long = int(state.get("truncated_too_long", 0))
         self.segment = None if state.get("segment") is None else int(state["segment"])
+        sampling = state.get("sampling", {})  # absent from checkpoints written before it was counted
+        self.sampled_groups = int(sampling.get("sampled_groups", 0))
+        self.sampled_tokens = int(sampling.get("sampled_tokens", 0))
+        self.trained_groups = int(sampling.get("trained_groups", 0))
+        self.trained_tokens = int(sampling.get("trained_tokens", 0))
+        self._draw_groups = int(sampling.get("draw_groups", 0))
+        self._draw_tokens = int(sampling.get("draw_tokens", 0))
+        self._trained_group_ids = {str(g) for g in sampling.get("trained_group_ids", [])}
         self.advantages.load_state_dict(state)
         self.start_window()
 
@@ -539,6 +650,7 @@ class ReplayBuffer:
             f"{p}/evicted": self.evicted,
             f"{p}/truncated_too_long": self.truncated_too_long,
             f"{p}/rejected": sum(self.rejected.values()),
+            **_draw_metrics(p, self.sampled_groups, self.sampled_tokens, self.trained_groups, self.trained_tokens),
         }
         for reason, n in self.rejected.items():
             out[f"{p}/rejected/{reason}"] = n

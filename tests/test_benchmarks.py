@@ -19,6 +19,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "inference": "http_over_engine",
     "learner_mfu": "mfu",
     "loop": "loop_over_limit",
+    "lora": "lora_bytes_over_full",
     "packing": "packing_efficiency",
     "server_load": "recovery_over_initial",
     "staleness": "async_over_sync",

@@ -32,4 +32,5 @@ def make_policy_server(run_config: RunConfig, tokenizer, name: str, *, hf_checkp
         return VllmPolicyServer(model, hf_checkpoint, tokenizer, inference, name=name, scratch_dir=scratch)
     from marin_rl.inference.levanter_server import LevanterInferenceServer
 
-    return LevanterInferenceServer(build_model(run_config.model, len(tokenizer)), tokenizer, inference, name=name)
+    model = build_model(run_config.model, len(tokenizer))
+    return LevanterInferenceServer(model, tokenizer, inference, name=name, lora=run_config.learner.lora)

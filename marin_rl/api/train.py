@@ -145,7 +145,7 @@ class TrainEngine:
         if is_primary() and self.transport is None:
             raise RuntimeError("this TrainEngine has no weight transport (built with transport=False)")
         if jax.process_count() == 1:
-            return self.transport.publish(self.learner.version, self.learner.model)
+            return self.transport.publish(self.learner.version, self.learner.publish_params())
         leaves = self.learner.weights()
         return self.transport.publish(self.learner.version, leaves) if self.transport is not None else None
 

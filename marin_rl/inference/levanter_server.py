@@ -56,6 +56,7 @@ from marin_rl.inference.openai_api import (
     openai_app,
     warn_if_unprotected,
 )
+from marin_rl.model.lora import AdapterMerger, LoraConfig
 
 logger = logging.getLogger(__name__)
 
@@ -472,8 +473,11 @@ class LevanterInferenceServer(CompletionBackend):
         name: str = "server-0",
         *,
         share_weights: bool = False,
+        lora: LoraConfig | None = None,
     ):
         self.config = config
+        self.adapters = AdapterMerger(lora) if lora is not None and lora.enabled else None
+        """With LoRA: the base and the merge of each version's adapters into it (`marin_rl.model.lora`)."""
         self.name = name
         self.tokenizer = tokenizer
         self.max_seq_len = config.max_seq_len
@@ -574,7 +578,11 @@ class LevanterInferenceServer(CompletionBackend):
         the seconds until the new weights were being served.
         """
         start = time.time()
-        model = _replace_leaves(self.context.model, leaves, self.name)
+        model = None if self.adapters is None else self.adapters.apply(self.context.model, leaves)
+        if model is None:  # a plain policy's arrays
+            model = _replace_leaves(self.context.model, leaves, self.name)
+        else:
+            jax.block_until_ready(model)
         self.context.swap_weights(version, model)
         return time.time() - start
 

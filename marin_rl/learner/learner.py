@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import equinox as eqx
+import fsspec
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from marin_rl.learner.losses import (
 )
 from marin_rl.learner.optimizer import LR_SCHEDULES, OptimizerConfig  # noqa: F401 - re-exported
 from marin_rl.learner.step import apply_gradients, loss_step
+from marin_rl.model import lora
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs
@@ -267,6 +269,10 @@ class LearnerConfig:
     """The accelerator the experiment is sized for: 'gpu', 'tpu' or 'cpu'. A learner whose JAX devices are another
     platform refuses to start, in one line naming what it found (a ~100M-parameter experiment would take hours on a
     laptop's CPU); the local backend checks it before anything starts. null: whatever JAX finds."""
+    lora: lora.LoraConfig = field(default_factory=lora.LoraConfig)
+    """LoRA (`rank > 0`): after the warm start (which, like `model.init_from_hf`, makes the base) the learner trains
+    low-rank adapters on the linear layers and nothing else; versions carry only the adapters, the servers merge them
+    into the base; the KL reference is the base itself (no second copy). `learner.mode: sft` trains adapters too."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """PPO's value model and GAE (`enabled: true`, with `replay.advantage_estimator: gae`): each train step computes
     the critic's values of the batch, GAE advantages and returns, the policy's steps, then one critic step on the
@@ -396,7 +402,9 @@ class Learner:
         self.optimizer = config.optimizer.build()
         with self._sharding():
             self.model = self._shard_params(self.model)
-            self.opt_state = self._shard_params(self.optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
+        self.opt_state = None if config.lora.enabled else self._initial_opt_state()
+        """The RL optimizer's state over the trainable parameters (with LoRA: None until `add_adapters`)."""
+        self._publish_full = True  # with LoRA, the next publish carries the base (see `publish_params`)
         self.version = 0
         self.optimizer_steps = 0
         self.reference_model = None
@@ -423,6 +431,60 @@ class Learner:
         logger.debug("learner: %s parameters", f"{self.num_params:,}")  # the driver and the programs say it
         if self.mesh is not None:
             logger.info("learner: mesh %s over %s devices", dict(self.mesh.shape), self.mesh.devices.size)
+
+    def _initial_opt_state(self):
+        """A fresh RL optimizer state for the trainable parameters (the adapters with LoRA), laid out like them."""
+        with self._sharding():
+            trainable, _ = lora.split(self.model)
+            return self._shard_params(self.optimizer.init(eqx.filter(trainable, eqx.is_inexact_array)))
+
+    # ---- LoRA -------------------------------------------------------------------------------------------
+    def add_adapters(self) -> bool:
+        """With `learner.lora`, wrap the policy's linear layers in adapters (once: the policy as it is becomes the
+        frozen base) and start the RL optimizer over the adapters alone; False when there is nothing to do."""
+        if not self.config.lora.enabled or lora.has_adapters(self.model):
+            return False
+        with self._sharding():
+            adapted = lora.add_adapters(self.model, self.config.lora)
+            if self.config.lora.init_from_peft:
+                adapted = lora.load_peft(adapted, self.config.lora, self.config.lora.init_from_peft)
+                logger.info("learner: LoRA adapters from %s", self.config.lora.init_from_peft)
+            self.model = self._shard_params(adapted)
+        self.opt_state = self._initial_opt_state()
+        self._offloaded = None
+        sizes = lora.lora_bytes(self.model)
+        logger.info(
+            "learner: LoRA rank %d adapters, %s parameters (%.2f%% of the base's %s)",
+            self.config.lora.rank,
+            f"{sizes['adapters'] // 4:,}",
+            100 * sizes["adapters"] / max(sizes["base"], 1),
+            f"{sizes['base'] // 4:,}",
+        )
+        return True
+
+    def request_full_publish(self) -> None:
+        """With LoRA: the next `publish_params` carries the base as well as the adapters (a server was replaced and
+        knows no base)."""
+        self._publish_full = True
+
+    def publish_params(self):
+        """What a version carries to the servers: the policy, or with LoRA the adapters' arrays, preceded by the
+        base's on the first publish and after `request_full_publish` (`marin_rl.model.lora`)."""
+        if not lora.has_adapters(self.model):
+            return self.model
+        full, self._publish_full = self._publish_full, False
+        return lora.publish_leaves(self.model, full)
+
+    def served_model(self):
+        """The policy as servers run it: with LoRA, the adapters merged into the base (on the devices)."""
+        with self._sharding():
+            return lora.merged(self.model)
+
+    def _reference(self):
+        """The KL reference: the frozen copy, or with LoRA the base itself (adapters off; no copy)."""
+        if self.config.loss.kl_coef > 0 and lora.has_adapters(self.model):
+            return lora.without_adapters(self.model)
+        return self.reference_model
 
     # ---- sharding ----------------------------------------------------------------------------------------
     def _sharding(self) -> contextlib.AbstractContextManager:
@@ -478,6 +540,9 @@ class Learner:
         """Copy the current policy as the frozen reference of the KL penalty; no-op (False) when kl_coef = 0."""
         if self.config.loss.kl_coef <= 0:
             return False
+        if self.config.lora.enabled:
+            logger.info("learner: the KL reference is the LoRA base (the policy with its adapters off)")
+            return True
         self.reference_model = jax.tree_util.tree_map(
             lambda x: jnp.copy(x) if eqx.is_array(x) else x, self.model, is_leaf=eqx.is_array
         )
@@ -506,13 +571,14 @@ class Learner:
             ref_lp, _ = self._token_logprobs(reference, ex)
             ex = dataclasses.replace(ex, reference_logprobs=jax.lax.stop_gradient(ref_lp))
         config = self._loss_config(loss)
+        trainable, frozen = lora.split(model)  # with LoRA only the adapters get gradients
 
-        def loss_fn(m):
-            lp, ent = self._token_logprobs(m, ex)
+        def loss_fn(t):
+            lp, ent = self._token_logprobs(lora.join(t, frozen), ex)
             value, metrics = loss(lp, ent, ex, config=config, normalizers=normalizers)
             return value, {**metrics, "loss": value}
 
-        (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
+        (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(trainable)
         return grads, metrics
 
     def _train_step_impl(self, inputs, opt_state, loss: LossSpec, loss_weight_fn):
@@ -529,7 +595,7 @@ class Learner:
         elif loss.takes_normalizers and loss_weight_fn is None:
             # Normalise every chunk by the whole minibatch so that the chunks' gradients add up to its gradient.
             normalizers = loss_normalizers(ex, self._loss_config(loss))
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(lora.split(model)[0], eqx.is_inexact_array))
 
             def body(acc, raw):
                 grads, metrics = self._grads(model, reference, _from_raw(raw), normalizers, loss)
@@ -542,7 +608,7 @@ class Learner:
             chunks = self._chunked(ex, n)
             weights = jax.lax.map(lambda raw: jnp.asarray(weight_fn(_from_raw(raw)), jnp.float32), chunks)
             shares = weights / jnp.maximum(jnp.sum(weights), 1e-12)
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(lora.split(model)[0], eqx.is_inexact_array))
 
             def body(acc, xs):
                 raw, share = xs
@@ -552,10 +618,11 @@ class Learner:
 
             grads, stacked = jax.lax.scan(body, zeros, (chunks, shares))
             metrics = combine_metrics(stacked)
-        model, opt_state, metrics["grad_norm"] = apply_gradients(
-            model, grads, opt_state, self.optimizer, self._shard_params
+        trainable, frozen = lora.split(model)
+        trainable, opt_state, metrics["grad_norm"] = apply_gradients(
+            trainable, grads, opt_state, self.optimizer, self._shard_params
         )
-        return model, opt_state, metrics
+        return lora.join(trainable, frozen), opt_state, metrics
 
     def _prepare_impl(self, model, reference, ex: RlExample, num_chunks: int, want_prox: bool):
         """Fill in proximal logprobs (current weights, when `want_prox`) and/or reference logprobs, `num_chunks` rows
@@ -625,6 +692,7 @@ class Learner:
                 "algorithm that does, e.g. learner.algorithm: ppo)"
             )
         metrics: dict[str, float] = {}
+        self.add_adapters()
         self.restore_optimizer()
         for call in self.learner_calls:  # the algorithm's learner-side graph, in order
             metrics.update(learner_call(call.function)(self, data, loss=loss, loss_weight_fn=loss_weight_fn))
@@ -662,10 +730,10 @@ class Learner:
         """The optimizer steps of the placed batch `ex`; their metrics, still on the devices."""
         cfg = self.config
         m, e, n = cfg.minibatches, cfg.epochs, cfg.microbatches
-        if cfg.loss.kl_coef > 0 and self.reference_model is None:
+        if cfg.loss.kl_coef > 0 and self._reference() is None:
             self.freeze_reference()
         if self._needs_prepare(loss):
-            ex = self._prepare(self.model, self.reference_model, ex, m * n, self._uses_proximal(loss))
+            ex = self._prepare(self.model, self._reference(), ex, m * n, self._uses_proximal(loss))
         rows = ex.input_ids.axis_size("batch") // m
         # The batch's first step runs at the proximal weights: it takes logp_prox = stop_gradient(logp) from its own
         # forward pass (ratio exactly 1), unless accumulating microbatches needs the kept tokens beforehand.
@@ -676,7 +744,7 @@ class Learner:
                 sub = ex if m == 1 else self._shard_batch(_rows(ex, i * rows, (i + 1) * rows))
                 if epoch == 0 and i == 0 and in_step_first and sub.proximal_logprobs is not None:
                     sub = dataclasses.replace(sub, proximal_logprobs=None)
-                inputs = (self.model, self.reference_model, sub)
+                inputs = (self.model, self._reference(), sub)
                 self.model, self.opt_state, metrics = self._train_step(inputs, self.opt_state, loss, loss_weight_fn)
                 device_metrics.append(metrics)
         return device_metrics
@@ -734,7 +802,8 @@ class Learner:
     def weights(self) -> list[np.ndarray]:
         """Current parameters as host arrays, flattened like `eqx.filter(model, eqx.is_array)` (a multi-host learner
         gathers them: every process must call it)."""
-        return host_arrays(jax.tree_util.tree_leaves(eqx.filter(self.model, eqx.is_array)))
+        params = self.publish_params()
+        return host_arrays(params if isinstance(params, list) else lora.array_leaves(params))
 
     def export_hf(self, path: str, tokenizer) -> str:
         """Save the current policy and `tokenizer` as a Hugging Face checkpoint at `path` (local or fsspec URL).
@@ -742,13 +811,31 @@ class Learner:
         A multi-host learner gathers the policy on every process (each must call this), but only process 0 writes
         `path`: Levanter's converter writes every file on every process, and two processes writing one directory
         race (one read the other's half-written tokenizer_config.json). The others write to a scratch directory
-        that is removed."""
+        that is removed.
+
+        With LoRA, `path` holds the merged policy (loadable as any checkpoint), `path/peft` the adapters in PEFT's
+        format and `path/base` the base they apply to (unless the base is `model.init_from_hf`, unchanged by a warm
+        start: then the adapters name that)."""
         with self._sharding():  # a sharded policy is gathered under its own mesh
-            if is_primary():
-                return export_hf_checkpoint(self.model, tokenizer, path)
-            with tempfile.TemporaryDirectory(prefix="marin_rl_hf_scratch_") as scratch:
-                export_hf_checkpoint(self.model, tokenizer, scratch)
+            with contextlib.ExitStack() as stack:
+                root = path
+                if not is_primary():
+                    root = stack.enter_context(tempfile.TemporaryDirectory(prefix="marin_rl_hf_scratch_"))
+                export_hf_checkpoint(lora.merged(self.model), tokenizer, root)
+                if lora.has_adapters(self.model):
+                    self._export_peft(root, tokenizer)
             return path
+
+    def _export_peft(self, root: str, tokenizer) -> None:
+        """The adapters at `root/peft` (PEFT's format), naming their base: `model.init_from_hf` when the warm start
+        left it unchanged, else `root/base`, written here."""
+        base = self.model_config.init_from_hf
+        if base is None or self.config.warm_start.steps > 0:
+            base = export_hf_checkpoint(lora.without_adapters(self.model), tokenizer, f"{root}/base")
+        with tempfile.TemporaryDirectory(prefix="marin_rl_peft_") as local:
+            lora.save_peft(self.model, self.config.lora, local, base, tokenizer)
+            fs, target = fsspec.core.url_to_fs(f"{root}/peft")
+            fs.put(f"{local}/", target, recursive=True)
 
     # ---- checkpoint state ------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -756,6 +843,7 @@ class Learner:
         the frozen reference model (None when there is none), the policy version and the optimizer step count, and
         the critic with its optimizer state and step count (None without a critic)."""
         self.restore_optimizer()  # a checkpoint holds device arrays with their shardings
+        self.add_adapters()  # with LoRA, a checkpoint always holds the adapted policy and the adapters' optimizer
         return {
             "model": self.model,
             "opt_state": self.opt_state,
@@ -791,6 +879,7 @@ class Learner:
             self.model = self._shard_params(state["model"])
             self.opt_state = self._shard_params(state["opt_state"])
             self._offloaded = None
+            self._publish_full = True
             ref = state.get("reference_model")
             self.reference_model = None if ref is None else self._shard_params(ref)
             if self.critic is not None:
@@ -804,7 +893,8 @@ class Learner:
     def supervised_optimizer_state(self, optimizer: optax.GradientTransformation) -> optax.OptState:
         """A fresh state of `optimizer` for the current parameters, laid out like them on the mesh."""
         with self._sharding():
-            return self._shard_params(optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
+            trainable, _ = lora.split(self.model)
+            return self._shard_params(optimizer.init(eqx.filter(trainable, eqx.is_inexact_array)))
 
     def supervised_step(
         self, batch: PackedBatch, optimizer: optax.GradientTransformation, opt_state: optax.OptState
@@ -841,12 +931,15 @@ class Learner:
 
     def _supervised_step_impl(self, inputs, opt_state, optimizer):  # inputs: (policy, example)
         model, ex = inputs
+        trainable, frozen = lora.split(model)  # with LoRA only the adapters are trained
 
-        def loss_fn(m):
+        def loss_fn(t):
+            m = lora.join(t, frozen)
             lp, _ = token_logprobs(m, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
             return sft_loss(lp, ex.loss_mask), {"tokens": jnp.sum(ex.loss_mask.array)}
 
-        return loss_step(loss_fn, model, opt_state, optimizer, self._shard_params)
+        trainable, opt_state, metrics = loss_step(loss_fn, trainable, opt_state, optimizer, self._shard_params)
+        return lora.join(trainable, frozen), opt_state, metrics
 
     def _supervised_nll_impl(self, model, ex: RlExample):
         lp, _ = token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
@@ -861,6 +954,7 @@ class Learner:
         """
         cfg = self.config.warm_start
         if cfg.steps <= 0 or not examples:
+            self.add_adapters()
             return {"losses": []}
         if self.mesh is not None:
             self._check_rows(cfg.batch_rows, "learner.warm_start.batch_rows")
@@ -885,6 +979,7 @@ class Learner:
         self.freeze_reference()  # the KL penalty's reference is the warm-started policy
         if self.critic is not None:
             self.critic.reset_from(self.model)  # a critic from the policy starts from the warm-started trunk
+        self.add_adapters()  # with LoRA: the warm-started policy is the base
         return result
 
     def _warm_start_cache_path(self, examples: list[tuple[list[int], list[int]]], max_seq_len: int, seed: int):

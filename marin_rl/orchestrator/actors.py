@@ -66,6 +66,10 @@ class LearnerActor:
         """Publish the current policy as its version (process 0; the others return None)."""
         return self.engine.publish()
 
+    def request_full_publish(self) -> None:
+        """With LoRA: the next publish carries the base too (a server was replaced)."""
+        self.engine.learner.request_full_publish()
+
     def close(self) -> None:
         """Release the broadcast transport (shared-memory slots, a Flight server)."""
         if self.engine is not None:

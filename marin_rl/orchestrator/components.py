@@ -201,9 +201,14 @@ class RunComponents:
             self.servers_moved()
 
     def servers_moved(self) -> None:
-        """A server was replaced: env actors send their requests to the current addresses."""
+        """A server was replaced: env actors send their requests to the current addresses. With LoRA, a replacement
+        that knows no base gets one now: the learner publishes base and adapters again."""
         for pool in self.pools.values():
             pool.set_servers(self.servers.addresses)
+        if self.servers.needs_base:
+            self.servers.needs_base = False
+            self.learner.run("request_full_publish")
+            self.broadcast()
 
     def broadcast(self) -> dict[str, float]:
         """Publish the learner's weights and wait until every server serves them."""
@@ -233,10 +238,11 @@ class RunComponents:
         results = self.servers.broadcast(update)
         if self.servers.restarts != restarts:
             self.servers_moved()
+        results = [r for r in results if "apply_s" in r]  # a LoRA replacement waiting for the base has none
         return {
             "broadcast/seconds": time.time() - t,
-            "broadcast/apply_s": max(r["apply_s"] for r in results),
-            "broadcast/bytes": results[0]["bytes"],
+            "broadcast/apply_s": max((r["apply_s"] for r in results), default=0.0),
+            "broadcast/bytes": results[0]["bytes"] if results else 0.0,
         }
 
     # ---- what the env actors hold -------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ class LocalLearner:
 
     def publish(self) -> ColocatedUpdate:
         """The current policy as its version: a reference to the learner's arrays."""
-        return ColocatedUpdate(self.engine.version, self.engine.learner.model)
+        return ColocatedUpdate(self.engine.version, self.engine.learner.served_model())
 
     def close(self) -> None:
         """Nothing to release (no transport)."""

@@ -12,10 +12,11 @@ import logging
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from marin_rl.broadcast.base import WeightUpdate
 from marin_rl.config import RunConfig
+from marin_rl.model.lora import MissingBaseError
 from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement
@@ -33,6 +34,8 @@ class ServerPool:
         self.actors = [self._spawn(i) for i in range(config.inference.num_servers)]
         self.addresses: list[str] = []
         self.last_update: WeightUpdate | None = None
+        self.needs_base = False
+        """A replacement server got adapters only (LoRA) and knows no base: the next publish must be a full one."""
         self.budget = RestartBudget("inference servers", config.orchestrator.max_restarts_per_role)
         self._stats_refs: list = []
 
@@ -108,6 +111,13 @@ class ServerPool:
             except RayActorError as e:  # its node died too
                 logger.error("the replacement of inference server %d died (%s); replacing it", index, type(e).__name__)
                 return self.restart(index)
+            except RayTaskError as e:
+                if not isinstance(e.cause, MissingBaseError):
+                    raise
+                logger.info(
+                    "inference server %d was replaced mid-run with LoRA: the next publish carries the base", index
+                )
+                self.needs_base = True
         logger.info(
             "inference server %d replaced at %s with version %s (%.1fs)",
             index,

@@ -421,11 +421,6 @@ class RunConfig:
                 "placement.colocate shares a device between the learner and an embedded server "
                 "(inference.backend: levanter); vLLM servers need devices of their own"
             )
-        if self.learner.lora.enabled and self.inference.backend != "levanter":
-            raise ValueError(
-                "learner.lora: adapter-only weight updates are merged by the embedded servers (inference.backend: "
-                f"levanter); the {self.inference.backend} front end does not take them yet"
-            )
         tp = self.inference.vllm.tensor_parallel_size
         if self.inference.backend == "vllm" and tp > 1 and self.placement.servers.num_gpus < tp:
             raise ValueError(

@@ -7,13 +7,13 @@ import json
 import subprocess
 from pathlib import Path
 
-import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from levanter.adaptor.lora import LORA_R, LoraLinear
+from random_adapters import perturbed_adapters
 from random_packed_batch import random_packed_batch
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
@@ -39,16 +39,6 @@ def _lora_learner(vocab: int, kl_coef: float = 0.0, seed: int = 0) -> Learner:
     return learner
 
 
-def _perturbed_adapters(model, scale: float = 0.05, seed: int = 1):
-    """`model` with every adapter array replaced by Gaussian noise (so B·A ≠ 0 and both factors get gradients)."""
-    adapters, base = lora.split(model)
-    leaves, treedef = jax.tree_util.tree_flatten(eqx.filter(adapters, eqx.is_array))
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    noisy = [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-    _, static = eqx.partition(adapters, eqx.is_array)
-    return lora.join(eqx.combine(jax.tree_util.tree_unflatten(treedef, noisy), static), base)
-
-
 def _lora_layers(model) -> list[LoraLinear]:
     is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
     return [x for x in jax.tree_util.tree_leaves(model, is_leaf=is_lora) if is_lora(x)]
@@ -65,7 +55,7 @@ def _linear_weights(model) -> list:
 def test_adapter_gradients_equal_the_merged_models_gradient_through_the_chain_rule():
     vocab = 40
     learner = _lora_learner(vocab)
-    model = _perturbed_adapters(learner.model)
+    model = perturbed_adapters(learner.model)
     batch = random_packed_batch(0, rows=4, seq=32, vocab=vocab, segments=3)
     ex = learner.place_batch(batch)
     grads, _ = learner._grads(model, None, ex, None, learner.loss)
@@ -151,7 +141,7 @@ def test_servers_merge_adapter_only_versions_and_sample_what_the_learner_scores(
     examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
     learner.warm_start(examples, 64)
     assert lora.has_adapters(learner.model)
-    learner.model = _perturbed_adapters(learner.model, scale=0.2)  # adapters that change the policy
+    learner.model = perturbed_adapters(learner.model, scale=0.2)  # adapters that change the policy
     server = LevanterInferenceServer(
         build_model(ModelConfig(architecture=tiny_llama()), len(tok)),  # a server starts from the initial policy
         tok,
@@ -168,7 +158,7 @@ def test_servers_merge_adapter_only_versions_and_sample_what_the_learner_scores(
         server.apply_weights(0, first)
         for x in first:  # a transport reuses its buffers (shared-memory slots): the server must have copied the base
             x[...] = 0
-        learner.model = _perturbed_adapters(learner.model, scale=0.2, seed=7)  # a new version: new adapters only
+        learner.model = perturbed_adapters(learner.model, scale=0.2, seed=7)  # a new version: new adapters only
         server.apply_weights(1, learner.weights())
         address = server.start()
         sampling = SamplingParams(temperature=1.0, max_tokens=5)
@@ -197,10 +187,8 @@ def test_lora_configuration_refusals():
         lora.add_adapters(
             build_model(ModelConfig(architecture=tiny_llama()), 40), lora.LoraConfig(rank=2, target_modules=["nope"])
         )
-    from marin_rl.config import parse_config
-
-    with pytest.raises(SystemExit, match="learner.lora: adapter-only weight updates"):
-        parse_config(["--config", "experiments/quickstart_lora.yaml", "--inference.backend", "vllm"])
+    with pytest.raises(ValueError, match="learner.lora.init_from_peft"):
+        lora.LoraConfig(rank=2, init_from_peft=" ")
 
 
 @pytest.mark.slow
@@ -251,7 +239,7 @@ def _peft_python() -> str:
 def test_exported_peft_adapters_load_in_peft_and_give_the_learners_logprobs(tmp_path):
     tok = build_char_tokenizer()
     learner = _lora_learner(len(tok))
-    learner.model = _perturbed_adapters(learner.model, scale=0.1)
+    learner.model = perturbed_adapters(learner.model, scale=0.1)
     export = tmp_path / "hf"
     learner.export_hf(str(export), tok)
     assert (export / "peft" / "adapter_model.safetensors").exists() and (export / "base" / "config.json").exists()

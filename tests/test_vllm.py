@@ -369,3 +369,48 @@ def test_local_inference_engine_serves_through_vllm(vllm_env):
         got = ref.packed(leaves, batch)
         np.testing.assert_allclose(got[batch.loss_mask], batch.sampler_logprobs[batch.loss_mask], atol=1e-4)
     assert not os.path.exists(scratch)
+
+
+@pytest.mark.slow
+def test_lora_versions_are_merged_by_the_front_end_and_vllm_samples_what_the_learner_scores(vllm_env):
+    from random_adapters import perturbed_adapters
+
+    from marin_rl.api.servers import make_policy_server
+    from marin_rl.model.lora import LoraConfig
+
+    tok = build_char_tokenizer()
+    env = AdditionEnvironment(tok, max_operand=49, num_eval=50)
+    model_config = with_seq_len(ModelConfig(architecture=tiny_llama()), MAX_SEQ_LEN)
+    lora = LoraConfig(rank=2)
+    learner = Learner(model_config, LearnerConfig(warm_start=WarmStartConfig(steps=30), lora=lora), len(tok))
+    examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
+    learner.warm_start(examples, 64)
+    learner.model = perturbed_adapters(learner.model, scale=0.2)
+    config = RunConfig(
+        model=model_config,
+        tokenizer=TokenizerConfig(),
+        learner=LearnerConfig(lora=lora),
+        inference=InferenceConfig(
+            backend="vllm",
+            max_seqs=64,
+            max_seq_len=MAX_SEQ_LEN,
+            vllm=VllmConfig(python=vllm_env, enforce_eager=True, kv_cache_gib=0.25, health_check_interval_s=1.0),
+        ),
+    )
+    server = make_policy_server(config, tok, "vllm-lora")
+    try:
+        address = server.start()
+        server.apply_weights(0, learner.weights())  # the first publish: base and adapters
+        learner.model = perturbed_adapters(learner.model, scale=0.2, seed=5)
+        adapters_only = learner.weights()
+        assert sum(x.nbytes for x in adapters_only) < 0.1 * sum(x.nbytes for x in _leaves(learner.served_model()))
+        server.apply_weights(1, adapters_only)
+        groups = asyncio.run(
+            run_groups(env, [address], env.train_problems()[:32], 4, SamplingParams(temperature=1.0, max_tokens=5))
+        )
+    finally:
+        server.stop()
+    rollouts, batch = _packed(groups)
+    assert all(r.turns[1].inference_metadata.version_end == 1 for r in rollouts)
+    diff = np.abs(learner.logprobs(batch) - batch.sampler_logprobs)[batch.loss_mask]
+    assert diff.max() <= 1e-4, f"vLLM/learner logprob mismatch with LoRA adapters {diff.max()}"

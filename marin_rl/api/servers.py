@@ -29,7 +29,9 @@ def make_policy_server(run_config: RunConfig, tokenizer, name: str, *, hf_checkp
         if hf_checkpoint is None:
             scratch = tempfile.mkdtemp(prefix=f"marin_rl_{name}_hf_")
             hf_checkpoint = export_hf_checkpoint(model, tokenizer, scratch)
-        return VllmPolicyServer(model, hf_checkpoint, tokenizer, inference, name=name, scratch_dir=scratch)
+        return VllmPolicyServer(
+            model, hf_checkpoint, tokenizer, inference, name=name, scratch_dir=scratch, lora=run_config.learner.lora
+        )
     from marin_rl.inference.levanter_server import LevanterInferenceServer
 
     model = build_model(run_config.model, len(tokenizer))

@@ -54,6 +54,7 @@ from marin_rl.inference.openai_api import (
 )
 from marin_rl.inference.reaper import reap_with_parent
 from marin_rl.inference.vllm_env import vllm_python
+from marin_rl.model.lora import AdapterMerger, LoraConfig, array_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -407,8 +408,13 @@ class VllmPolicyServer(CompletionBackend):
         config: InferenceConfig,
         name: str = "vllm-0",
         scratch_dir: str | None = None,
+        lora: LoraConfig | None = None,
     ):
         self.config = config
+        self.template = model
+        self.adapters = AdapterMerger(lora) if lora is not None and lora.enabled else None
+        """With LoRA: the base, into which this front end merges each version's adapters before vLLM loads the
+        merged weights (vLLM's own runtime LoRA adapters are not used)."""
         self.scratch_dir = scratch_dir
         self.name = name
         self.tokenizer = tokenizer
@@ -529,6 +535,9 @@ class VllmPolicyServer(CompletionBackend):
         resumes. Returns the seconds of each phase and the bytes moved.
         """
         t0 = time.perf_counter()
+        merged = None if self.adapters is None else self.adapters.apply(self.template, leaves)
+        if merged is not None:  # LoRA adapters (and maybe the base): the merged policy's arrays
+            leaves = [np.asarray(x) for x in array_leaves(merged)]
         state = self.converter.state_dict(leaves, self.name)
         t1 = time.perf_counter()
         path = os.path.join(self.weights_dir, f"marin_rl_{self.name}_{os.getpid()}_v{int(version)}.safetensors")

@@ -12,6 +12,8 @@ LoRA adapters (`learner.lora`) on every linear layer. For each:
                of a LoRA learner carries the base; the figures are those of later versions (adapters only).
     optimizer  bytes of the RL optimizer's state (AdamW: two moments per trained parameter).
     step       the median `Learner.train_step` time on a random packed batch (`--rows` rows of `--seq` tokens).
+    serving    how a server could apply the adapters: a forward pass computing with them (two small matmuls more per
+               linear layer) against one of the merged model, and what one merge costs (once per version).
 
 The last line is `lora_bytes_over_full=<bytes per update with LoRA ÷ without, the larger model's>`.
 Run: `python benchmarks/lora.py [--ranks 4,8] [--steps 3]`; `--smoke` runs a tiny model for two steps (seconds).
@@ -28,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import equinox as eqx
+import haliax as hax
 import jax
 import numpy as np
 from levanter.models.llama import LlamaConfig
@@ -41,6 +45,7 @@ from marin_rl.inference.levanter_server import LevanterInferenceServer  # noqa: 
 from marin_rl.learner.learner import Learner, LearnerConfig  # noqa: E402
 from marin_rl.model import lora  # noqa: E402
 from marin_rl.model.build import ModelConfig, build_model  # noqa: E402
+from marin_rl.model.logprobs import token_logprobs  # noqa: E402
 from marin_rl.tokenizer import build_char_tokenizer  # noqa: E402
 
 
@@ -108,13 +113,44 @@ def measure(name: str, arch: LlamaConfig, vocab: int, rank: int, args, tok) -> d
         if seed > 0:  # the first compiles
             steps.append(time.perf_counter() - t)
     sizes = lora.lora_bytes(learner.model)
+    serve = serving_forward(learner, vocab, args) if rank else {}
     return {
+        **serve,
         "params": sizes["base"] / 4,
         "trained": (sizes["adapters"] if rank else sizes["base"]) / 4,
         "bytes": float(np.median([b for b, _ in updates])),
         "update_s": float(np.median([s for _, s in updates])),
         "optimizer_bytes": float(opt_bytes),
         "step_s": float(np.median(steps)),
+    }
+
+
+def serving_forward(learner: Learner, vocab: int, args) -> dict[str, float]:
+    """How a server could apply adapters: the median forward pass (`--serve-rows` rows of `--serve-seq` tokens, the
+    shape of a decode batch's prefill) of the adapted model, computing with the adapters, against the merged model,
+    and the seconds one merge takes (once per version)."""
+    rows, seq = args.serve_rows, args.serve_seq
+    batch = random_packed_batch(7, rows=rows, seq=seq, vocab=vocab, segments=1)
+    names = ("input_ids", "position_ids", "segment_ids")
+    axes = (hax.Axis("batch", rows), hax.Axis("position", seq))
+    inputs = [hax.named(getattr(batch, k), axes) for k in names]
+    forward = eqx.filter_jit(lambda m, *xs: token_logprobs(m, *xs)[0].array)
+    merge = eqx.filter_jit(lora.merged)
+
+    def median_s(fn, repeats: int = 5) -> float:
+        jax.block_until_ready(fn())  # compile
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
+
+    merged = merge(learner.model)
+    return {
+        "forward_adapters_s": median_s(lambda: forward(learner.model, *inputs)),
+        "forward_merged_s": median_s(lambda: forward(merged, *inputs)),
+        "merge_s": median_s(lambda: merge(learner.model)),
     }
 
 
@@ -125,12 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--updates", type=int, default=3, help="timed weight updates per learner (after two)")
     parser.add_argument("--rows", type=int, default=4, help="rows per train batch")
     parser.add_argument("--seq", type=int, default=512, help="tokens per row")
+    parser.add_argument("--serve-rows", type=int, default=64, help="rows of the serving forward pass")
+    parser.add_argument("--serve-seq", type=int, default=64, help="tokens per row of the serving forward pass")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, two steps (seconds)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     names = ["smoke"] if args.smoke else ["quickstart 0.56M", "llama 134M"]
     if args.smoke:
         args.steps, args.updates, args.rows, args.seq, args.ranks = 1, 1, 2, 64, "2"
+        args.serve_rows, args.serve_seq = 4, 16
     ranks = [int(r) for r in args.ranks.split(",")]
     tok = build_char_tokenizer()
     print(f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform}), {len(jax.devices())} device(s)")
@@ -149,6 +188,12 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{name:<17} {('full' if rank == 0 else rank):>5} {m['trained']:>12,.0f} {m['bytes'] / 1e6:>10.3f} "
                 f"{share:>7.4f} {m['update_s']:>9.4f} {m['optimizer_bytes'] / 1e6:>12.2f} {m['step_s']:>7.3f}"
+            )
+        for rank, m in rows[1:]:
+            print(
+                f"{name:<17} rank {rank}: serving forward ({args.serve_rows}x{args.serve_seq} tokens) computing with "
+                f"the adapters {m['forward_adapters_s'] * 1e3:.2f} ms, merged {m['forward_merged_s'] * 1e3:.2f} ms; "
+                f"one merge {m['merge_s'] * 1e3:.2f} ms"
             )
         ratio = rows[1][1]["bytes"] / full["bytes"]
     print(f"lora_bytes_over_full={ratio:.4f}")

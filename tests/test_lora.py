@@ -145,7 +145,7 @@ def test_servers_merge_adapter_only_versions_and_sample_what_the_learner_scores(
     server = LevanterInferenceServer(
         build_model(ModelConfig(architecture=tiny_llama()), len(tok)),  # a server starts from the initial policy
         tok,
-        InferenceConfig(max_seqs=64, max_seq_len=64, levanter=LevanterServerConfig(engine="dense")),
+        InferenceConfig(max_seqs=64, max_seq_len=64, levanter=LevanterServerConfig(engine="paged", page_size=16)),
         lora=config.lora,
     )
     try:

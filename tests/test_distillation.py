@@ -193,15 +193,23 @@ def _example(rng) -> RlExample:
     )
 
 
-@pytest.mark.parametrize("coef,task_coef", [(1.0, 0.0), (0.5, 2.0)])
-def test_opd_reverse_kl_value_gradient_and_metrics_match_the_formula(coef, task_coef):
-    """A_t = -coef·(logp_sampler - logp_teacher) + task_coef·A_task; loss = -mean over sampled tokens of
+@pytest.mark.parametrize("coef,task_coef,baseline", [(1.0, 0.0, False), (0.5, 2.0, False), (2.0, 0.5, True)])
+def test_opd_reverse_kl_value_gradient_and_metrics_match_the_formula(coef, task_coef, baseline):
+    """A_t = -coef·(logp_sampler - logp_teacher - b) + task_coef·A_task (b: 0, or with opd_baseline the mean of
+    logp_sampler - logp_teacher over sampled tokens); loss = -mean over sampled tokens of
     min(r·A, clip(r)·A) with r = exp(logp - logp_sampler); d loss / d logp = -(r·A where unclipped) / N. Teacher
     logprobs off the mask hold NaN: they must not leak in."""
     rng = np.random.default_rng(5)
     ex = _example(rng)
     lp0 = (np.asarray(ex.sampler_logprobs.array) + rng.normal(size=(2, 8)) * 0.3).astype(np.float32)
-    cfg = LossConfig(objective="opd_reverse_kl", clip_low=0.2, clip_high=0.28, opd_coef=coef, opd_task_coef=task_coef)
+    cfg = LossConfig(
+        objective="opd_reverse_kl",
+        clip_low=0.2,
+        clip_high=0.28,
+        opd_coef=coef,
+        opd_task_coef=task_coef,
+        opd_baseline=baseline,
+    )
     entropy = hax.named(jnp.zeros((2, 8)), (B, P))
 
     def f(lp):
@@ -212,7 +220,9 @@ def test_opd_reverse_kl_value_gradient_and_metrics_match_the_formula(coef, task_
     mask = np.asarray(ex.loss_mask.array)
     lp, sampler = lp0.astype(np.float64), np.asarray(ex.sampler_logprobs.array, np.float64)
     teacher = np.where(mask, np.asarray(ex.teacher_logprobs.array, np.float64), 0.0)
-    adv = -coef * (sampler - teacher) + task_coef * np.asarray(ex.advantages.array, np.float64)
+    gap = sampler - teacher
+    b = (gap * mask).sum() / mask.sum() if baseline else 0.0
+    adv = -coef * (gap - b) + task_coef * np.asarray(ex.advantages.array, np.float64)
     r = np.exp(lp - sampler)
     unclipped, clipped = r * adv, np.clip(r, 0.8, 1.28) * adv
     n = mask.sum()

@@ -96,6 +96,10 @@ class LossConfig:
     opd_task_coef: float = bounded(0.0, ge=0)
     """On-policy distillation: weight of the task's own advantage (the replay buffers' group estimate from the
     environment's reward) added to the distillation advantage (0: distillation alone)."""
+    opd_baseline: bool = False
+    """On-policy distillation: subtract the mean of (logp_sampler - logp_teacher) over the sampled tokens the loss
+    sees (the minibatch, or one slice of it under gradient accumulation) before weighting by `opd_coef`: a constant
+    baseline, which leaves the expected gradient as it is and lowers its variance (false: the plain advantage)."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -498,14 +502,18 @@ for _objective in OBJECTIVES:
 # ---- on-policy distillation ---------------------------------------------------------------------------------------
 def opd_advantages(batch: RlExample, config: LossConfig) -> jnp.ndarray:
     """Per-token advantage of on-policy distillation (0 off the loss mask):
-    A_t = -opd_coef·(logp_sampler_t - logp_teacher_t) + opd_task_coef·A_task_t, the teacher's logprob of each token
-    the student sampled (`RlExample.teacher_logprobs`) against the sampler's, plus the task's group advantage."""
+    A_t = -opd_coef·(logp_sampler_t - logp_teacher_t - b) + opd_task_coef·A_task_t, the teacher's logprob of each
+    token the student sampled (`RlExample.teacher_logprobs`) against the sampler's, plus the task's group advantage;
+    b is 0, or with `opd_baseline` the mean of logp_sampler - logp_teacher over the sampled tokens."""
     if batch.teacher_logprobs is None:
         raise ValueError(
             "on-policy distillation needs the batch's teacher_logprobs: run learner.algorithm: opd with a teacher"
         )
     mask = batch.loss_mask.array
     gap = _masked(batch.sampler_logprobs.array, mask) - _masked(batch.teacher_logprobs.array, mask)
+    if config.opd_baseline:
+        fmask = mask.astype(gap.dtype)
+        gap = gap - jnp.sum(gap * fmask) / jnp.maximum(jnp.sum(fmask), 1.0)
     task = _masked(batch.advantages.array, mask)
     return jnp.where(mask, -config.opd_coef * gap + config.opd_task_coef * task, 0.0)
 

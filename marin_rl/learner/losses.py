@@ -92,7 +92,8 @@ class LossConfig:
     """Normaliser per rollout for aggregation='fixed_budget'."""
     opd_coef: float = bounded(1.0, ge=0)
     """On-policy distillation (objective 'opd_reverse_kl'): weight of the per-token advantage
-    -(logp_sampler - logp_teacher), the teacher's logprob of each sampled token against the sampler's."""
+    -(logp_sampler - logp_teacher), the teacher's logprob of each sampled token against the sampler's (0: no
+    distillation, the task's advantage alone)."""
     opd_task_coef: float = bounded(0.0, ge=0)
     """On-policy distillation: weight of the task's own advantage (the replay buffers' group estimate from the
     environment's reward) added to the distillation advantage (0: distillation alone)."""

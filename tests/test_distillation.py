@@ -121,6 +121,19 @@ def test_a_scoring_answer_is_openais_echo_shape(teacher_server):
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == MAX_SEQ_LEN
 
 
+def test_scoring_in_chunks_gives_the_same_logprobs(teacher_server, monkeypatch):
+    """Prompts beyond one forward pass's token budget are scored in chunks of rows, with the same results."""
+    import marin_rl.inference.levanter_server as levanter_server
+
+    _, server, _ = teacher_server
+    prompts = [[5, 9, 11, 7, 3], [4] * 12, [8, 6, 2]]
+    whole = asyncio.run(server.score(prompts))
+    monkeypatch.setattr(levanter_server, "SCORE_TOKENS", 16)  # one 16-token row per pass
+    chunked = asyncio.run(server.score(prompts))
+    assert [len(x) for x in chunked] == [4, 11, 2]
+    np.testing.assert_allclose(np.concatenate(chunked), np.concatenate(whole), atol=1e-6)
+
+
 # ---- transport and validation -----------------------------------------------------------------------------------
 def _scored(rollout: Rollout, rng) -> Rollout:
     for t in rollout.turns:

@@ -471,6 +471,10 @@ def _prompt_logprobs(model: LmHeadModel, ids: jnp.ndarray, segment_ids: jnp.ndar
 _score_prompts = eqx.filter_jit(_prompt_logprobs)
 
 
+SCORE_TOKENS = 16384
+"""Most token positions (rows × padded length) one scoring forward pass takes."""
+
+
 def _next_power_of_two(n: int, floor: int) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
@@ -673,17 +677,23 @@ class LevanterInferenceServer(CompletionBackend):
         return await asyncio.to_thread(self._score_now, prompts)
 
     def _score_now(self, prompts: list[list[int]]) -> list[list[float]]:
-        rows = _next_power_of_two(len(prompts), 1)
         length = min(_next_power_of_two(max(len(p) for p in prompts), 16), self.max_seq_len)
-        ids = np.zeros((rows, length), np.int32)
-        segments = np.full((rows, length), -1, np.int32)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = p
-            segments[i, : len(p)] = 0
-        with self.context.model_lock, self.context.engine_scope():
-            lp = np.asarray(_score_prompts(self.context.model, jnp.asarray(ids), jnp.asarray(segments)))
+        # at most SCORE_TOKENS positions per forward pass: the logits over the vocabulary are materialised
+        chunk = max(1, 1 << ((SCORE_TOKENS // length).bit_length() - 1)) if length <= SCORE_TOKENS else 1
+        out: list[list[float]] = []
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start : start + chunk]
+            rows = _next_power_of_two(len(part), 1)
+            ids = np.zeros((rows, length), np.int32)
+            segments = np.full((rows, length), -1, np.int32)
+            for i, p in enumerate(part):
+                ids[i, : len(p)] = p
+                segments[i, : len(p)] = 0
+            with self.context.model_lock, self.context.engine_scope():
+                lp = np.asarray(_score_prompts(self.context.model, jnp.asarray(ids), jnp.asarray(segments)))
+            out += [[float(x) for x in lp[i, 1 : len(p)]] for i, p in enumerate(part)]
         self.context.scored_tokens += sum(len(p) for p in prompts)
-        return [[float(x) for x in lp[i, 1 : len(p)]] for i, p in enumerate(prompts)]
+        return out
 
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
         """`request.n` single-sample engine requests per prompt (the engine's own `n > 1` mis-reports logprobs on

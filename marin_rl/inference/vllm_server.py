@@ -621,9 +621,17 @@ class VllmPolicyServer(CompletionBackend):
         return resp.json()
 
     async def score(self, prompts: list[list[int]]) -> list[list[float]]:
-        """Each prompt's token logprobs after its first token, from vLLM's own completions route as a scoring
-        request (`echo: true`, `max_tokens: 0`, `logprobs: 0`: OpenAI's legacy prompt logprobs)."""
-        body = {"model": SERVED_MODEL_NAME, "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 0}
+        """Each prompt's token logprobs after its first token, from vLLM's own completions route (OpenAI's legacy
+        prompt logprobs, `echo: true` with `logprobs: 0`). vLLM's sampler refuses `max_tokens: 0` in some versions,
+        so one greedy token is generated and dropped: the echoed prompt's logprobs come first."""
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompts,
+            "echo": True,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": 0,
+        }
         try:
             resp = await self._http().post(f"{self.server.url}/v1/completions", json=body)
         except httpx.HTTPError as e:

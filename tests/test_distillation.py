@@ -310,6 +310,7 @@ def test_teacher_checkpoint_finds_a_runs_newest_export(tmp_path):
     assert teacher_checkpoint(str(tmp_path)) == str(tmp_path / "hf" / "step-300")
     assert teacher_checkpoint(str(tmp_path / "hf" / "step-20")) == str(tmp_path / "hf" / "step-20")
     assert teacher_checkpoint("someone/some-model") == "someone/some-model"  # a hub id, resolved by the loader
+    assert teacher_checkpoint("runs/teacher", local=True) is None  # where a recipe will write it
     assert teacher_checkpoint("gs://bucket/teacher") == "gs://bucket/teacher"
 
 
@@ -374,3 +375,14 @@ def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towar
 
     stored = read_rollouts(str(tmp_path / "run" / "rollouts" / "addition")).rollouts
     assert stored and all(s.rollout.has_teacher_logprobs for s in stored)
+
+
+def test_a_missing_teacher_without_a_recipe_or_with_a_failing_one_is_named(tmp_path):
+    from marin_rl.orchestrator.teacher_pool import ensure_teacher
+
+    cfg = _opd_config(path=str(tmp_path / "teacher"))
+    with pytest.raises(FileNotFoundError, match="set teacher.recipe"):
+        ensure_teacher(cfg)
+    cfg.teacher.recipe = str(tmp_path / "no_such_recipe.yaml")
+    with pytest.raises(RuntimeError, match="no_such_recipe.yaml failed"):
+        ensure_teacher(cfg)

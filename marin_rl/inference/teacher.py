@@ -29,7 +29,8 @@ class TeacherConfig:
 
     path: str = ""
     """The teacher's weights: a Hugging Face checkpoint directory (local or gs://, with config.json), a run's output
-    directory (its newest `hf/step-N` export), or a Hugging Face hub repository id."""
+    directory (its newest `hf/step-N` export), or a Hugging Face hub repository id (`org/model`, when no local
+    directory of that name exists and `recipe` is not set)."""
     recipe: str | None = None
     """An experiment config (YAML) that makes the teacher: when `path` holds no checkpoint, the run first runs it
     as a step with its output_dir set to `path`, then distils from its export (None: a missing teacher is an
@@ -46,10 +47,10 @@ class TeacherConfig:
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def teacher_checkpoint(path: str) -> str | None:
-    """The Hugging Face checkpoint `path` names: itself when it holds config.json (or is a remote URL or a hub id,
-    which the loader resolves), else the newest `hf/step-N` export of the run directory it is; None when a local
-    `path` holds neither."""
+def teacher_checkpoint(path: str, local: bool = False) -> str | None:
+    """The Hugging Face checkpoint `path` names: itself when it holds config.json (or is a remote URL, or a hub id
+    `org/model`, which the loader resolves), else the newest `hf/step-N` export of the run directory it is; None when
+    it holds neither. `local`: `path` is a local directory (a recipe writes it), never a hub id."""
     if "://" in path:
         return path
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -64,7 +65,7 @@ def teacher_checkpoint(path: str) -> str | None:
         if steps:
             return max(steps)[1]
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
-    return path if looks_like_hub_id else None
+    return path if looks_like_hub_id and not local else None
 
 
 def sequence_teacher_logprobs(rollout: Rollout, scored: list[float]) -> list[list[float] | None]:

@@ -29,7 +29,7 @@ def ensure_teacher(config: RunConfig) -> str:
     `teacher.recipe` is set, the recipe runs first (`python -m marin_rl.run --config RECIPE --output_dir PATH`, its
     progress on this console); FileNotFoundError when there is still none."""
     teacher = config.teacher
-    found = teacher_checkpoint(teacher.path)
+    found = teacher_checkpoint(teacher.path, local=bool(teacher.recipe))
     if found is None and teacher.recipe:
         logger.info("teacher: no checkpoint at %s; making it with %s first", teacher.path, teacher.recipe)
         start = time.time()
@@ -38,7 +38,7 @@ def ensure_teacher(config: RunConfig) -> str:
         if done.returncode != 0:
             raise RuntimeError(f"teacher: the recipe {teacher.recipe} failed (exit status {done.returncode})")
         logger.info("teacher: made in %.0fs at %s", time.time() - start, teacher.path)
-        found = teacher_checkpoint(teacher.path)
+        found = teacher_checkpoint(teacher.path, local=True)
     if found is None:
         raise FileNotFoundError(
             f"teacher.path {teacher.path}: no Hugging Face checkpoint (config.json) or hf/step-N export there"

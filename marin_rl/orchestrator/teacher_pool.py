@@ -18,6 +18,7 @@ import ray
 
 from marin_rl.config import RunConfig
 from marin_rl.inference.teacher import teacher_checkpoint
+from marin_rl.logs import configure_logging
 from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.placement import wait_for_actors
 
@@ -31,6 +32,7 @@ def ensure_teacher(config: RunConfig) -> str:
     teacher = config.teacher
     found = teacher_checkpoint(teacher.path, local=bool(teacher.recipe))
     if found is None and teacher.recipe:
+        configure_logging()  # before the run's own: this step comes first
         logger.info("teacher: no checkpoint at %s; making it with %s first", teacher.path, teacher.recipe)
         start = time.time()
         command = [sys.executable, "-m", "marin_rl.run", "--config", teacher.recipe, "--output_dir", teacher.path]

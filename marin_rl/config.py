@@ -26,6 +26,7 @@ from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.reward_server import RewardModelConfig
+from marin_rl.inference.teacher import TeacherConfig
 from marin_rl.learner.algorithm import Algorithm, get_algorithm, with_reward_models
 from marin_rl.learner.learner import LearnerConfig
 from marin_rl.model.build import ModelConfig
@@ -231,6 +232,8 @@ class RunConfig:
     its own reward servers); an environment uses one by naming it in its `reward_models`."""
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     """Environment shares over learner steps and difficulty-aware problem sampling (off by default)."""
+    teacher: TeacherConfig | None = None
+    """The teacher of on-policy distillation (`learner.algorithm: opd`), scoring every sampled token; None: none."""
 
     @property
     def sampling_temperature(self) -> float:
@@ -318,6 +321,31 @@ class RunConfig:
                 "reward_models, or remove them"
             )
 
+    def _validate_teacher(self) -> None:
+        """A teacher exactly where the algorithm scores with one, and the loss the algorithm trains with."""
+        algorithm = self.algorithm()
+        objective = self.learner.loss.objective
+        if algorithm.uses_teacher and (self.teacher is None or not self.teacher.path.strip()):
+            raise ValueError(
+                f"learner.algorithm: {algorithm.name} scores rollouts with a teacher: set teacher.path (a Hugging Face "
+                "checkpoint, a run directory or a hub id)"
+            )
+        if self.teacher is not None and not algorithm.uses_teacher:
+            raise ValueError(
+                f"teacher is set, but learner.algorithm {algorithm.name!r} uses no teacher: set learner.algorithm: opd "
+                "(or remove teacher)"
+            )
+        if algorithm.loss is not None and objective != algorithm.loss:
+            raise ValueError(
+                f"learner.loss.objective: learner.algorithm {algorithm.name} trains with {algorithm.loss!r}, got "
+                f"{objective!r}"
+            )
+        if objective == "opd_reverse_kl" and not algorithm.uses_teacher:
+            raise ValueError(
+                "learner.loss.objective: 'opd_reverse_kl' reads a teacher's logprobs: set learner.algorithm: opd "
+                "and teacher.path"
+            )
+
     def _validate_local(self) -> None:
         """What the local backend (one process, a colocated embedded engine) cannot run, named before it starts."""
         if self.inference.backend != "levanter":
@@ -334,6 +362,10 @@ class RunConfig:
             raise ValueError(
                 f"orchestrator.backend: local with learner.hosts={self.learner.hosts} (one process per host) samples "
                 "with the dense engine: set inference.levanter.engine: dense"
+            )
+        if self.teacher is not None:
+            raise ValueError(
+                "orchestrator.backend: local does not serve a teacher (teacher); use orchestrator.backend: ray"
             )
         if self.reward_models:
             raise ValueError(
@@ -398,6 +430,7 @@ class RunConfig:
                 f"replay.dynamic_sampling drops groups whose advantages are all zero, but algorithm {algorithm.name!r} "
                 "computes them with the learner's critic (replay.advantage_estimator 'gae'): turn one of them off"
             )
+        self._validate_teacher()
         if self.replay.max_age < self.orchestrator.max_staleness:
             raise ValueError(
                 f"replay.max_age: must be >= orchestrator.max_staleness ({self.orchestrator.max_staleness}), got "

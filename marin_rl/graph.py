@@ -21,6 +21,7 @@ ROLE_COLOURS = {
     "critic": "#fdae6b",
     "ref": "#c7e9c0",
     "reward": "#dadaeb",
+    "teacher": "#fdd0a2",
     "env": "#eeeeee",
     "replay": "#f2f2f2",
 }

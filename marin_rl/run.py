@@ -13,6 +13,7 @@ from marin_rl.cli_help import PLACEHOLDER, placeholder_fields
 from marin_rl.config import RunConfig, parse_config
 from marin_rl.orchestrator.orchestrator import run as run_rl
 from marin_rl.orchestrator.preflight import RunRefused
+from marin_rl.orchestrator.teacher_pool import ensure_teacher
 from marin_rl.placement import PlacementError
 from marin_rl.sft import run_sft
 
@@ -21,9 +22,13 @@ __all__ = ["RunConfig", "main", "parse_config", "run"]
 
 def run(config: RunConfig) -> dict[str, Any]:
     """Run one experiment end to end and return its summary (also in `output_dir/summary.json`): the RL loop, or
-    supervised fine-tuning when `learner.mode` is 'sft'."""
+    supervised fine-tuning when `learner.mode` is 'sft'. A distillation run whose teacher does not exist yet makes it
+    first (`teacher.recipe`)."""
     if config.learner.mode == "sft":
         return run_sft(config)
+    if config.teacher is not None:
+        config.validate()  # refuse a bad config before minutes of making its teacher
+        ensure_teacher(config)
     return run_rl(config)
 
 

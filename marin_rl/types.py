@@ -77,6 +77,9 @@ class Turn:
     """Present for policy-sampled turns."""
     timestamp: float = field(default_factory=time.time)
     """Unix time the turn was created."""
+    teacher_logprobs: list[float] | None = None
+    """A teacher model's log-probability of each token of a sampled turn, given the conversation before it (on-policy
+    distillation, `marin_rl.inference.teacher`); None when no teacher scored the turn."""
 
     @property
     def is_sampled(self) -> bool:
@@ -91,6 +94,7 @@ class Turn:
         """Inverse of `to_dict`; also reads dicts written before the field was named `sampler_logprobs` ('logprobs')."""
         meta = d.get("inference_metadata")
         lp = d["sampler_logprobs"] if "sampler_logprobs" in d else d.get("logprobs")
+        teacher = d.get("teacher_logprobs")
         return Turn(
             role=d["role"],
             message=d["message"],
@@ -100,6 +104,7 @@ class Turn:
             rewards={str(k): float(v) for k, v in (d.get("rewards") or {}).items()},
             inference_metadata=None if meta is None else InferenceMetadata(**meta),
             timestamp=float(d.get("timestamp", 0.0)),
+            teacher_logprobs=None if teacher is None else [float(x) for x in teacher],
         )
 
 
@@ -140,6 +145,21 @@ class Rollout:
         """Sampler logprob per token (0 on tokens that were not sampled)."""
         parts = [
             np.asarray(t.sampler_logprobs, dtype=np.float32) if t.is_sampled else np.zeros(len(t.token_ids), np.float32)
+            for t in self.turns
+        ]
+        return np.concatenate(parts)
+
+    @property
+    def has_teacher_logprobs(self) -> bool:
+        """Whether a teacher scored the sampled turns (`Turn.teacher_logprobs`)."""
+        return any(t.teacher_logprobs is not None for t in self.turns)
+
+    def teacher_logprobs(self) -> np.ndarray:
+        """The teacher's logprob per token (0 on tokens that were not sampled)."""
+        parts = [
+            np.asarray(t.teacher_logprobs, dtype=np.float32)
+            if t.is_sampled and t.teacher_logprobs is not None
+            else np.zeros(len(t.token_ids), np.float32)
             for t in self.turns
         ]
         return np.concatenate(parts)
@@ -213,7 +233,8 @@ class Rollout:
 
         Checks: a non-empty prompt first and at least one sampled turn, known roles, integer token ids inside the
         vocabulary, exactly one finite logprob (<= 0) per sampled token, inference metadata with a policy version on
-        sampled turns, finite rewards (named ones too).
+        sampled turns, finite rewards (named ones too); teacher logprobs, where a teacher scored the rollout, on every
+        sampled turn and only there, one finite logprob (<= 0) per token.
         """
         uid = self.rollout_uid
         if not self.turns:
@@ -241,6 +262,21 @@ class Rollout:
                 raise RolloutFormatError(
                     f"{where}: non-finite reward {t.reward} (named rewards {t.rewards})", "nonfinite_reward"
                 )
+            if self.has_teacher_logprobs:
+                if t.is_sampled != (t.teacher_logprobs is not None):
+                    missing = "a sampled turn without" if t.is_sampled else "a turn that was not sampled with"
+                    raise RolloutFormatError(f"{where}: {missing} teacher logprobs", "teacher_logprobs")
+                if t.teacher_logprobs is not None:
+                    tlp = np.asarray(t.teacher_logprobs, dtype=np.float64)
+                    if tlp.size != len(t.token_ids):
+                        raise RolloutFormatError(
+                            f"{where}: {tlp.size} teacher logprobs for {len(t.token_ids)} sampled tokens",
+                            "teacher_logprobs",
+                        )
+                    if tlp.size and not (np.isfinite(tlp).all() and tlp.max() <= 1e-6):
+                        raise RolloutFormatError(
+                            f"{where}: teacher logprobs must be finite and <= 0", "teacher_logprobs"
+                        )
             if t.is_sampled:
                 if len(t.sampler_logprobs) != len(t.token_ids):
                     raise RolloutFormatError(
@@ -347,6 +383,9 @@ class PackedBatch:
     truncated: np.ndarray | None = None
     """With `rewards`: true on every token of an episode cut off by a length limit (its last step bootstraps from
     the critic's value instead of ending)."""
+    teacher_logprobs: np.ndarray | None = None
+    """A teacher's log-probability of each sampled token (0 elsewhere), when every packed rollout was scored by one
+    (on-policy distillation); None otherwise."""
 
     @property
     def num_rows(self) -> int:
@@ -377,6 +416,8 @@ class RlExample(eqx.Module):
     """Per-token rewards (`PackedBatch.rewards`), for a critic's GAE on the device; None without them."""
     truncated: hax.NamedArray | None = None
     """With `rewards`: true on every token of an episode cut off by a length limit."""
+    teacher_logprobs: hax.NamedArray | None = None
+    """A teacher's logprob of each sampled token (`PackedBatch.teacher_logprobs`); None without a teacher."""
 
     @staticmethod
     def from_packed(batch: PackedBatch, Batch: hax.Axis, Pos: hax.Axis) -> RlExample:
@@ -395,6 +436,7 @@ class RlExample(eqx.Module):
             token_versions=named(batch.token_versions, np.int32),
             rewards=None if batch.rewards is None else named(batch.rewards, np.float32),
             truncated=None if batch.rewards is None else named(_truncated(batch), np.bool_),
+            teacher_logprobs=None if batch.teacher_logprobs is None else named(batch.teacher_logprobs, np.float32),
         )
 
 

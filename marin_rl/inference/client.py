@@ -293,6 +293,44 @@ class PolicyClient:
             self.queue_s += queued
             return self._parse(answer, len(prompts), n, server, latency)
 
+    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each token sequence's logprobs under the served model, one per token after the first (given the tokens
+        before it, at temperature 1): one scoring request (OpenAI's `echo: true`, `max_tokens: 0`, `logprobs: 0`)
+        to the least-loaded reachable server, sent to another when one cannot be reached."""
+        body = {"model": self.model, "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 0}
+        tried: list[str] = []
+        while True:
+            server = self._pick_server(tried)
+            self._outstanding[server] += len(prompts)
+            start = time.time()
+            try:
+                async with self._slots[server]:
+                    answer = await self._post(server, body)
+            except (httpx.TransportError, ServerUnreachable) as e:
+                if isinstance(e, httpx.TimeoutException):
+                    raise
+                tried.append(server)
+                self._unreachable_until[server] = time.time() + self.UNREACHABLE_S
+                if len(tried) == len(self.servers):
+                    raise ServerUnreachable(f"no server could be reached ({', '.join(tried)}): {e!r}") from e
+                self.retried_requests += 1
+                continue
+            finally:
+                self._outstanding[server] -= len(prompts)
+            self.requests += 1
+            self.request_s += time.time() - start
+            self.backend_s += float(answer.get("backend_s", 0.0))
+            choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
+            if len(choices) != len(prompts):
+                raise RuntimeError(f"server {server} scored {len(choices)} of {len(prompts)} sequences")
+            out = []
+            for choice, prompt in zip(choices, prompts, strict=True):
+                lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                if len(lps) != len(prompt) or any(x is None for x in lps[1:]):
+                    raise RuntimeError(f"server {server} returned {len(lps)} logprobs for {len(prompt)} tokens")
+                out.append([float(x) for x in lps[1:]])
+            return out
+
     async def _post(self, server: str, body: dict) -> dict:
         """POST `body` to `server`'s completions route; 5xx answers are resent `RETRIES` times."""
         for attempt in range(self.RETRIES + 1):

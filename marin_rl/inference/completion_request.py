@@ -19,7 +19,11 @@ What is checked, against the server's `RequestLimits`:
   is null); `stop`: at most 4 strings (OpenAI's bound); `stop_token_ids` within the vocabulary; stop sequences
   within the backend's limits where it has them;
 * `seed`: any int64 (the embedded engine samples choice k with `seed_key(seed, k)`, a 64-bit key);
-* OpenAI fields this server does not implement (`stream`, `echo`, `suffix`, `best_of`, penalties, `logit_bias`)
+* `echo: true` with `max_tokens: 0` and `logprobs` set is a scoring request (OpenAI's legacy prompt logprobs, which
+  vLLM serves too): nothing is sampled, and each choice carries the prompt's own tokens with the logprob of each
+  given the ones before it (`null` for the first), at temperature 1; a prompt may then fill the whole context.
+  `echo` is refused otherwise, and `max_tokens: 0` without `echo`;
+* OpenAI fields this server does not implement (`stream`, `suffix`, `best_of`, penalties, `logit_bias`)
   are refused unless they ask for the default behaviour; fields unknown to OpenAI are ignored, as vLLM ignores
   them;
 * types are strict, as OpenAI's: `"5"`, `5.0` and `true` are not integers.
@@ -80,6 +84,11 @@ class CompletionRequest(BaseModel):
     user: str | None = None
 
     @property
+    def is_scoring(self) -> bool:
+        """Whether this asks for the prompt's logprobs only (`echo` with `max_tokens: 0`), sampling nothing."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (one string, several, or none)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,7 +96,6 @@ class CompletionRequest(BaseModel):
 
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "stream": (None, False),
-    "echo": (None, False),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -161,6 +169,12 @@ def check_request(request: CompletionRequest, tokenizer, limits: RequestLimits) 
             raise InvalidRequest(f"{name} is not supported by this server", name)
     if request.best_of is not None and request.best_of != request.n:
         raise InvalidRequest("best_of is not supported by this server (only best_of equal to n)", "best_of")
+    if request.echo and not request.is_scoring:
+        raise InvalidRequest(
+            "echo is supported only for scoring a prompt: echo: true with max_tokens: 0 and logprobs set", "echo"
+        )
+    if request.is_scoring:
+        return _check_scoring(request, tokenizer, limits)
     if not 1 <= request.n <= limits.max_n:
         raise InvalidRequest(f"n must be between 1 and {limits.max_n}, got {request.n}", "n")
     if not 1 <= request.max_tokens < limits.max_seq_len:
@@ -184,6 +198,19 @@ def check_request(request: CompletionRequest, tokenizer, limits: RequestLimits) 
         raise InvalidRequest(f"seed must be a 64-bit signed integer, got {request.seed}", "seed")
     _check_stops(request, tokenizer, limits)
     return _prompt_ids(request.prompt, tokenizer, limits)
+
+
+def _check_scoring(request: CompletionRequest, tokenizer, limits: RequestLimits) -> list[list[int]]:
+    """The prompts of a scoring request (`echo` with `max_tokens: 0`): one choice each, logprobs asked for."""
+    if request.logprobs is None:
+        raise InvalidRequest("a scoring request (echo with max_tokens: 0) needs logprobs (0 to 5)", "logprobs")
+    if not 0 <= request.logprobs <= OPENAI_MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"logprobs must be between 0 and {OPENAI_MAX_LOGPROBS}, got {request.logprobs}", "logprobs"
+        )
+    if request.n != 1:
+        raise InvalidRequest(f"a scoring request (echo with max_tokens: 0) takes n = 1, got {request.n}", "n")
+    return _prompt_ids(request.prompt, tokenizer, limits, scoring=True)
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str, what: str) -> None:
@@ -213,7 +240,7 @@ def _check_stops(request: CompletionRequest, tokenizer, limits: RequestLimits) -
                 )
 
 
-def _prompt_ids(prompt, tokenizer, limits: RequestLimits) -> list[list[int]]:
+def _prompt_ids(prompt, tokenizer, limits: RequestLimits, scoring: bool = False) -> list[list[int]]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -227,7 +254,7 @@ def _prompt_ids(prompt, tokenizer, limits: RequestLimits) -> list[list[int]]:
         if not ids:
             raise InvalidRequest(f"{what} is empty", "prompt")
         _check_ids(ids, limits.vocab_size, "prompt", what)
-        if len(ids) >= limits.max_seq_len:
+        if len(ids) > limits.max_seq_len or (len(ids) == limits.max_seq_len and not scoring):
             raise InvalidRequest(
                 f"{what} of {len(ids)} tokens exceeds max_seq_len={limits.max_seq_len} (no room to generate)",
                 "prompt",

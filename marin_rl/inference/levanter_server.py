@@ -56,6 +56,7 @@ from marin_rl.inference.openai_api import (
     openai_app,
     warn_if_unprotected,
 )
+from marin_rl.model.logprobs import token_logprobs
 from marin_rl.model.lora import AdapterMerger, LoraConfig
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class _VersionedContext(InferenceContext):
         self.engine_s = 0.0  # seconds inside engine calls
         self.num_weight_swaps = 0
         self.generated_tokens = 0
+        self.scored_tokens = 0  # prompt tokens scored (`LevanterInferenceServer.score`)
         self._rng = np.random.default_rng()
         self._pending_lock = threading.Lock()
         self._pending: tuple[int, Any, threading.Event] | None = None
@@ -458,6 +460,26 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, new_leaves), static)
 
 
+def _prompt_logprobs(model: LmHeadModel, ids: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """Logprob of each token of `(rows, length)` prompts given the tokens before it in its row (0 at position 0),
+    at temperature 1; padding carries segment id -1."""
+    axes = (hax.Axis("batch", ids.shape[0]), hax.Axis("position", ids.shape[1]))
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    lp, _ = token_logprobs(model, hax.named(ids, axes), hax.named(positions, axes), hax.named(segment_ids, axes))
+    return lp.array
+
+
+_score_prompts = eqx.filter_jit(_prompt_logprobs)
+
+
+SCORE_TOKENS = 16384
+"""Most token positions (rows × padded length) one scoring forward pass takes."""
+
+
+def _next_power_of_two(n: int, floor: int) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
 class LevanterInferenceServer(CompletionBackend):
     """Levanter's engine serving one policy over HTTP (`openai_api`'s dialect). Run it in-process or as a Ray actor.
 
@@ -636,6 +658,7 @@ class LevanterInferenceServer(CompletionBackend):
             "batches": self.context.num_batches,
             "weight_swaps": self.context.num_weight_swaps,
             "generated_tokens": self.context.generated_tokens,
+            "scored_tokens": self.context.scored_tokens,
             "requests": self.counters.requests,
             "outstanding_requests": self.counters.outstanding,
             "busy_s": self.counters.busy_s,
@@ -655,6 +678,30 @@ class LevanterInferenceServer(CompletionBackend):
             if len(self._stop_cache) < 1024:
                 self._stop_cache[key] = cached
         return cached
+
+    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's token logprobs after its first token (one forward pass of the served weights over the
+        prompts, padded to power-of-two rows and lengths so that few shapes compile), between two engine calls."""
+        return await asyncio.to_thread(self._score_now, prompts)
+
+    def _score_now(self, prompts: list[list[int]]) -> list[list[float]]:
+        length = min(_next_power_of_two(max(len(p) for p in prompts), 16), self.max_seq_len)
+        # at most SCORE_TOKENS positions per forward pass: the logits over the vocabulary are materialised
+        chunk = max(1, 1 << ((SCORE_TOKENS // length).bit_length() - 1)) if length <= SCORE_TOKENS else 1
+        out: list[list[float]] = []
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start : start + chunk]
+            rows = _next_power_of_two(len(part), 1)
+            ids = np.zeros((rows, length), np.int32)
+            segments = np.full((rows, length), -1, np.int32)
+            for i, p in enumerate(part):
+                ids[i, : len(p)] = p
+                segments[i, : len(p)] = 0
+            with self.context.model_lock, self.context.engine_scope():
+                lp = np.asarray(_score_prompts(self.context.model, jnp.asarray(ids), jnp.asarray(segments)))
+            out += [[float(x) for x in lp[i, 1 : len(p)]] for i, p in enumerate(part)]
+        self.context.scored_tokens += sum(len(p) for p in prompts)
+        return out
 
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
         """`request.n` single-sample engine requests per prompt (the engine's own `n > 1` mis-reports logprobs on

@@ -10,6 +10,9 @@ It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this projec
 * `stop_token_ids` adds stop tokens;
 * every choice carries `policy_version_start`, `policy_version_end` and `policy_version_spans` (vLLM's weight-version
   spans: `[start, end)` token ranges sampled by one policy version);
+* `echo: true` with `max_tokens: 0` scores the prompt instead of sampling (OpenAI's legacy prompt logprobs, served by
+  vLLM too): each choice echoes its prompt's tokens, `logprobs.token_logprobs` holding the logprob of each given the
+  ones before it (`null` for the first), from the backend's `score`;
 * `GET /v1/version` is the version served now; `/health` answers 503 with the reason when the server has failed.
 
 A backend (`CompletionBackend`) turns a validated request into `Completion`s; `openai_app` builds the FastAPI app
@@ -138,6 +141,36 @@ def completion_choice(
     return choice
 
 
+def scoring_choice(
+    index: int, prompt: list[int], logprobs: list[float], request: CompletionRequest, tokenizer, served_version: int
+) -> dict[str, Any]:
+    """The OpenAI choice of a scored prompt (echo, nothing sampled): the prompt's text and tokens, and the logprob of
+    each token given the ones before it (`None` for the first, as OpenAI and vLLM answer)."""
+    if len(logprobs) != len(prompt) - 1:
+        raise RuntimeError(f"the backend scored {len(logprobs)} tokens of a {len(prompt)}-token prompt")
+    if request.return_tokens_as_token_ids:
+        token_strs = None if request.return_token_ids else [f"token_id:{t}" for t in prompt]
+    else:
+        token_strs = tokenizer.convert_ids_to_tokens(prompt)
+    choice = {
+        "index": index,
+        "text": tokenizer.decode(prompt),
+        "finish_reason": "length",
+        "logprobs": {
+            "tokens": token_strs,
+            "token_logprobs": [None, *(float(x) for x in logprobs)],
+            "text_offset": None,
+            "top_logprobs": None,
+        },
+        "policy_version_start": int(served_version),
+        "policy_version_end": int(served_version),
+        "policy_version_spans": [],
+    }
+    if request.return_token_ids:
+        choice["token_ids"] = [int(t) for t in prompt]
+    return choice
+
+
 def completion_response(
     request: CompletionRequest,
     created: float,
@@ -238,6 +271,11 @@ class CompletionBackend(abc.ABC):
         prompt. Raises ValueError for a request the backend cannot serve (HTTP 400; `InvalidRequest` to name the
         field) and `BackendUnavailable` when it cannot serve now (HTTP 503)."""
 
+    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Logprob of each token of each prompt after the first, given the tokens before it, at temperature 1 (a
+        scoring request: `echo` with `max_tokens: 0`). Raises `InvalidRequest` where the backend cannot score."""
+        raise InvalidRequest(f"{type(self).__name__} cannot score prompts (echo)", "echo")
+
     def failure(self) -> str | None:
         """Why the backend has failed for good (then `/health` answers 503), or None while it is healthy."""
         return None
@@ -296,6 +334,15 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
             prompts = check_request(request, backend.tokenizer, backend.limits)
             served = backend.version
             start = time.time()
+            if request.is_scoring:
+                scored = await backend.score(prompts)
+                backend_s = time.time() - start
+                counts.backend_s += backend_s
+                choices = [
+                    scoring_choice(i, p, lp, request, backend.tokenizer, served)
+                    for i, (p, lp) in enumerate(zip(prompts, scored, strict=True))
+                ]
+                return _json(completion_response(request, start, prompts, choices, 0, backend_s))
             completions = await backend.complete(request, prompts)
             backend_s = time.time() - start
             expected = request.n * len(prompts)

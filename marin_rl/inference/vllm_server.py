@@ -629,6 +629,34 @@ class VllmPolicyServer(CompletionBackend):
             )
         return resp.json()
 
+    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's token logprobs after its first token, from vLLM's own completions route (OpenAI's legacy
+        prompt logprobs, `echo: true` with `logprobs: 0`). vLLM's sampler refuses `max_tokens: 0` in some versions,
+        so one greedy token is generated and dropped: the echoed prompt's logprobs come first."""
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompts,
+            "echo": True,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": 0,
+        }
+        try:
+            resp = await self._http().post(f"{self.server.url}/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            raise BackendUnavailable(f"vLLM unavailable: {e}") from e
+        if resp.status_code == 400:
+            raise ValueError(f"vLLM rejected the scoring request: {resp.text[:1000]}")
+        if resp.status_code != 200:
+            raise BackendUnavailable(f"vLLM answered {resp.status_code}: {resp.text[:1000]}")
+        out = []
+        for choice, prompt in zip(sorted(resp.json()["choices"], key=lambda c: c["index"]), prompts, strict=True):
+            lps = ((choice.get("logprobs") or {}).get("token_logprobs") or [])[1 : len(prompt)]
+            if len(lps) != len(prompt) - 1 or any(x is None for x in lps):
+                raise RuntimeError(f"{self.name}: vLLM scored {len(lps)} of the {len(prompt) - 1} prompt tokens")
+            out.append([float(x) for x in lps])
+        return out
+
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:
         """Each prompt through vLLM's token-in/token-out API (`n` samples in one call); the per-token versions come
         from vLLM's weight-version spans."""

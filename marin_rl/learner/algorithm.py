@@ -22,15 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-ROLES = ("actor", "critic", "ref", "reward")
+ROLES = ("actor", "critic", "ref", "reward", "teacher")
 """Model roles a call can run on ('env' for calls of the environments, 'replay' for the replay buffers)."""
 CALL_KINDS = ("generate", "inference", "train", "compute")
 SIDES = ("rollout", "learner")
 INPUTS = ("prompts",)
 """Keys the loop provides before any call (problems handed to the env actors)."""
-DELIVERED = ("rollouts", "advantages", "token_rewards")
-"""Rollout-side keys that reach the learner in its batches: the packed rollouts, their group advantages (per token)
-and per-token rewards (`replay.advantage_estimator: gae`). Other rollout-side keys stay on the rollout side."""
+DELIVERED = ("rollouts", "advantages", "token_rewards", "teacher_logprobs")
+"""Rollout-side keys that reach the learner in its batches: the packed rollouts, their group advantages (per token),
+per-token rewards (`replay.advantage_estimator: gae`) and a teacher's logprob of each sampled token (`teacher_inf`).
+Other rollout-side keys stay on the rollout side."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class Algorithm:
     """Env actors sample a greedy episode with each group (ReMax)."""
     reward_models: tuple[str, ...] = ()
     """Reward models whose scores enter the rewards (`with_reward_models`), by name."""
+    loss: str | None = None
+    """The loss it trains with (`learner.loss.objective` must name it), or None: any loss."""
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether a teacher scores the rollouts (a call on the 'teacher' role): the run then needs `teacher`."""
+        return any(c.role == "teacher" for c in self.calls)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -304,6 +312,25 @@ register_algorithm(
         "remax",
         "ReMax: each reward minus the reward of the prompt's greedy completion",
         greedy_baseline=True,
+    )
+)
+
+TEACHER_LOGPROBS = "teacher_logprobs"
+"""The key the `teacher_inf` call writes: the teacher's logprob of each sampled token."""
+
+register_algorithm(
+    Algorithm(
+        "opd",
+        (
+            GENERATE,
+            Call("teacher_inf", "teacher", "inference", ("rollouts",), (TEACHER_LOGPROBS,), side="rollout"),
+            Call("rloo_advantages", "replay", "compute", ("rewards",), ("advantages",), side="rollout"),
+            Call("actor_train", "actor", "train", ("rollouts", "advantages", TEACHER_LOGPROBS), ("actor",)),
+        ),
+        "rloo",
+        "on-policy distillation: per-token advantage -(logp_student - logp_teacher), plus the task's RLOO advantage "
+        "weighted by learner.loss.opd_task_coef",
+        loss="opd_reverse_kl",
     )
 )
 

@@ -132,6 +132,17 @@ class LossConfig:
     'fixed_budget' (Dr.GRPO: token sum divided by `num_sequences × max_response_tokens`)."""
     max_response_tokens: int = bounded(128, ge=1)
     """Normaliser per rollout for aggregation='fixed_budget'."""
+    opd_coef: float = bounded(1.0, ge=0)
+    """On-policy distillation (objective 'opd_reverse_kl'): weight of the per-token advantage
+    -(logp_sampler - logp_teacher), the teacher's logprob of each sampled token against the sampler's (0: no
+    distillation, the task's advantage alone)."""
+    opd_task_coef: float = bounded(0.0, ge=0)
+    """On-policy distillation: weight of the task's own advantage (the replay buffers' group estimate from the
+    environment's reward) added to the distillation advantage (0: distillation alone)."""
+    opd_baseline: bool = False
+    """On-policy distillation: subtract the mean of (logp_sampler - logp_teacher) over the sampled tokens the loss
+    sees (the minibatch, or one slice of it under gradient accumulation) before weighting by `opd_coef`: a constant
+    baseline, which leaves the expected gradient as it is and lowers its variance (false: the plain advantage)."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -647,3 +658,55 @@ def _objective_loss(objective: str) -> LossFn:
 
 for _objective in OBJECTIVES:
     register_loss(_objective, uses_proximal=_objective == "decoupled")(_objective_loss(_objective))
+
+
+# ---- on-policy distillation ---------------------------------------------------------------------------------------
+def opd_advantages(batch: RlExample, config: LossConfig) -> jnp.ndarray:
+    """Per-token advantage of on-policy distillation (0 off the loss mask):
+    A_t = -opd_coef·(logp_sampler_t - logp_teacher_t - b) + opd_task_coef·A_task_t, the teacher's logprob of each
+    token the student sampled (`RlExample.teacher_logprobs`) against the sampler's, plus the task's group advantage;
+    b is 0, or with `opd_baseline` the mean of logp_sampler - logp_teacher over the sampled tokens."""
+    if batch.teacher_logprobs is None:
+        raise ValueError(
+            "on-policy distillation needs the batch's teacher_logprobs: run learner.algorithm: opd with a teacher"
+        )
+    mask = batch.loss_mask.array
+    gap = _masked(batch.sampler_logprobs.array, mask) - _masked(batch.teacher_logprobs.array, mask)
+    if config.opd_baseline:
+        fmask = mask.astype(gap.dtype)
+        gap = gap - jnp.sum(gap * fmask) / jnp.maximum(jnp.sum(fmask), 1.0)
+    task = _masked(batch.advantages.array, mask)
+    return jnp.where(mask, -config.opd_coef * gap + config.opd_task_coef * task, 0.0)
+
+
+@register_loss("opd_reverse_kl")
+def opd_reverse_kl(
+    logprobs: hax.NamedArray,
+    entropy: hax.NamedArray,
+    batch: RlExample,
+    *,
+    config: LossConfig | None = None,
+    normalizers: LossNormalizers | None = None,
+) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+    """On-policy distillation by reverse KL (Thinking Machines, "On-Policy Distillation", 2025): the clipped objective
+    (objective 'ppo': ratio to the sampler; `tis_cap`, KL and entropy terms as configured) with the per-token
+    advantages of `opd_advantages` in place of the batch's. Its mean over sampled tokens is a policy gradient of
+    -KL(π_student || π_teacher) on the student's own samples (plus the task reward's when `opd_task_coef` > 0).
+
+    Metrics beside `policy_loss`'s: 'opd/reverse_kl' (mean of logp_sampler - logp_teacher over sampled tokens, the
+    per-token estimate of KL(student || teacher)), 'opd/teacher_logprob' (mean teacher logprob of the sampled tokens)
+    and 'opd/advantage' (mean combined advantage)."""
+    config = config if config is not None else LossConfig(objective="opd_reverse_kl")
+    inner = dataclasses.replace(config, objective="ppo")
+    advantages = opd_advantages(batch, config)
+    distilled = dataclasses.replace(batch, advantages=hax.named(advantages, batch.advantages.axes))
+    if normalizers is None:
+        normalizers = loss_normalizers(distilled, inner)
+    loss, metrics = policy_loss(logprobs, entropy, distilled, inner, normalizers)
+    mask = batch.loss_mask.array
+    fmask = mask.astype(jnp.float32)
+    gap = _masked(batch.sampler_logprobs.array, mask) - _masked(batch.teacher_logprobs.array, mask)
+    metrics["opd/reverse_kl"] = jnp.sum(gap * fmask) / normalizers.tokens
+    metrics["opd/teacher_logprob"] = jnp.sum(_masked(batch.teacher_logprobs.array, mask) * fmask) / normalizers.tokens
+    metrics["opd/advantage"] = jnp.sum(advantages * fmask) / normalizers.tokens
+    return loss, metrics

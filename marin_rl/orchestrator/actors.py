@@ -19,6 +19,7 @@ from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
 from marin_rl.envs.model_rewards import attach_reward_models
 from marin_rl.inference.reward_server import RewardClient, RewardModelConfig, RewardServer
+from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.learner import distributed
 from marin_rl.logs import configure_logging
 from marin_rl.tokenizer import load_tokenizer
@@ -198,6 +199,7 @@ class EnvActor:
         replica: int,
         servers: list[str],
         reward_servers: dict[str, list[str]] | None = None,
+        teacher_servers: list[str] | None = None,
     ):
         configure_logging()
         self.env_config = config.envs[env_index]
@@ -215,6 +217,13 @@ class EnvActor:
         )
         self.eval_seed = config.orchestrator.seed if config.orchestrator.deterministic else None
         self.greedy_baseline = config.algorithm().greedy_baseline  # ReMax: a greedy episode beside each group
+        self.teacher = None  # on-policy distillation: the teacher scores every group (the graph's `teacher_inf`)
+        if config.algorithm().uses_teacher:
+            if not teacher_servers:
+                raise ValueError(f"env actor of {self.env_config.name}: the algorithm needs a teacher's servers")
+            self.teacher = TeacherScorer(
+                teacher_servers, timeout_s=config.teacher.request_timeout_s, api_key=config.inference.api_key
+            )
         self.problems = self.env.train_problems()
         if not self.problems:
             raise ValueError(f"environment {self.env_config.name} has no training problems")
@@ -247,6 +256,8 @@ class EnvActor:
                 greedy_baseline=self.greedy_baseline,
                 overlong=cfg.overlong_penalty,
             )
+            if self.teacher is not None:
+                await self.teacher.score_group(group)
         except Exception as e:
             raise EpisodeError.wrapping(e) from None
         out = group.to_dict()

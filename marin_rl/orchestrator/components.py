@@ -29,6 +29,7 @@ from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.reward_pool import RewardServerPool
 from marin_rl.orchestrator.server_pool import ServerPool
+from marin_rl.orchestrator.teacher_pool import TeacherServerPool, ensure_teacher
 from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
 from marin_rl.tokenizer import load_tokenizer
@@ -65,6 +66,7 @@ class RunComponents:
         self.learner: LearnerGroup | None = None
         self.servers: ServerPool | None = None
         self.reward_servers: RewardServerPool | None = None
+        self.teacher_servers: TeacherServerPool | None = None
         self.pools: dict[str, EnvPool] = {}
         self.rollouts: RolloutController | None = None
         """The rollout pipeline: gates, groups in flight, admission into the replay buffers, the batcher."""
@@ -141,10 +143,16 @@ class RunComponents:
         self.servers.addresses = list(addresses)
         logger.info("inference servers up at %s (%.1fs)", addresses, time.time() - t)
         reward_addresses = self.reward_servers.start()
+        teacher_addresses = []
+        if cfg.algorithm().uses_teacher:  # on-policy distillation: the teacher's servers (never given new weights)
+            self.teacher_servers = TeacherServerPool(cfg, ensure_teacher(cfg))
+            teacher_addresses = self.teacher_servers.start()
         budget = cfg.batcher.num_rows * cfg.batcher.max_seq_len
         fractions = cfg.env_fractions()
         self.pools = {
-            e.name: EnvPool(cfg, i, addresses, fractions[e.name] * budget, self.launcher, reward_addresses)
+            e.name: EnvPool(
+                cfg, i, addresses, fractions[e.name] * budget, self.launcher, reward_addresses, teacher_addresses
+            )
             for i, e in enumerate(cfg.envs)
         }
         self.rollouts = run_rollout_controller(cfg, self.pools, vocab_size, self._section, self._count)
@@ -170,6 +178,8 @@ class RunComponents:
             self.servers.stop()
         if self.reward_servers is not None:
             self.reward_servers.stop()
+        if self.teacher_servers is not None:
+            self.teacher_servers.stop()
         if self.learner is not None:
             try:
                 ray.get(self.learner.call("close"), timeout=10)  # frees the broadcast's shared memory

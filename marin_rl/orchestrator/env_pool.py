@@ -46,11 +46,14 @@ class EnvPool(WorkerPool):
         tokens_per_batch: float,
         launcher: Launcher | None = None,
         reward_servers: dict[str, list[str]] | None = None,
+        teacher_servers: list[str] | None = None,
     ):
         super().__init__()
         self.config = config
         self.reward_servers = dict(reward_servers or {})
         """Addresses of the reward models' servers, by model name (for the actors' model rewards)."""
+        self.teacher_servers = list(teacher_servers or [])
+        """Addresses of the teacher's servers (on-policy distillation), or none."""
         self.launcher = launcher
         self.index = index
         self.env = config.envs[index]
@@ -86,7 +89,7 @@ class EnvPool(WorkerPool):
     def _spawn(self, replica: int):
         options = {} if self.launcher is None else self.launcher.env_options(self.index, replica)
         return EnvActor.options(name=None, max_concurrency=max(4, self.env.concurrency * 2), **options).remote(
-            self.config, self.index, replica, self.servers, self.reward_servers
+            self.config, self.index, replica, self.servers, self.reward_servers, self.teacher_servers
         )
 
     def launch(self, groups: int) -> int:

@@ -28,6 +28,8 @@ class Sequence:
     """Reward credited to each token (GAE batches; see `PackedBatch.rewards`), or None."""
     episode_truncated: bool = False
     """The episode was cut off by a length limit (GAE bootstraps its last step)."""
+    teacher_logprobs: np.ndarray | None = None
+    """A teacher's logprob of each sampled token (0 elsewhere), or None when no teacher scored the rollout."""
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -57,6 +59,7 @@ class Sequence:
             token_versions=rollout.token_versions(),
             rewards=rewards,
             episode_truncated=rollout.truncated,
+            teacher_logprobs=rollout.teacher_logprobs() if rollout.has_teacher_logprobs else None,
         )
 
     def truncated(self, max_len: int) -> Sequence:
@@ -70,6 +73,7 @@ class Sequence:
             token_versions=self.token_versions[:max_len],
             rewards=None if self.rewards is None else self.rewards[:max_len],
             episode_truncated=self.episode_truncated or len(self) > max_len,
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[:max_len],
         )
 
     @staticmethod
@@ -136,10 +140,19 @@ def pack(
     """Pack sequences into a `(num_rows, row_len)` batch, by `pack_rows` unless `assignment` gives rows.
 
     Returns the batch and the indices of the sequences that were placed (in input order); the others did not
-    fit. Segment ids number the sequences within each row from 0; padding has segment id -1 and no loss.
+    fit. Segment ids number the sequences within each row from 0; padding has segment id -1 and no loss. The batch
+    carries teacher logprobs when the sequences do (ValueError when only some of them do).
     """
     if assignment is None:
         assignment = pack_rows([len(s) for s in sequences], num_rows, row_len)
+    scored = [s.teacher_logprobs is not None for s, row in zip(sequences, assignment, strict=True) if row is not None]
+    with_teacher = any(scored)
+    if with_teacher and not all(scored):
+        raise ValueError(
+            f"{scored.count(False)} of {len(scored)} packed rollouts have no teacher logprobs: a batch is scored "
+            "by a teacher whole or not at all"
+        )
+    teacher_logprobs = np.zeros((num_rows, row_len), np.float32) if with_teacher else None
     input_ids = np.zeros((num_rows, row_len), np.int32)
     position_ids = np.zeros((num_rows, row_len), np.int32)
     segment_ids = np.full((num_rows, row_len), -1, np.int32)
@@ -170,6 +183,8 @@ def pack(
             if seq.rewards is not None:
                 rewards[row, a:b] = seq.rewards
             truncated[row, a:b] = seq.episode_truncated
+        if with_teacher:
+            teacher_logprobs[row, a:b] = seq.teacher_logprobs
         fill[row] = b
         nseg[row] += 1
         placed.append(i)
@@ -183,5 +198,6 @@ def pack(
         token_versions=token_versions,
         rewards=rewards,
         truncated=truncated,
+        teacher_logprobs=teacher_logprobs,
     )
     return batch, placed

@@ -44,7 +44,8 @@ SCHEMA_VERSION = 2
 `logprobs`; `read_rollouts` reads both."""
 
 OPTIONAL_COLUMNS = ("token_advantages", "segment", "group_index")
-"""Columns added without a version bump: files written before them lack them and read as None."""
+"""Columns added without a version bump: files written before them lack them and read as None (so do the turns'
+`teacher_logprobs`, a field of the turn struct added the same way)."""
 
 _META = pa.struct(
     [
@@ -69,6 +70,7 @@ _TURN = pa.struct(
         ("rewards", pa.map_(pa.string(), pa.float64())),
         ("inference_metadata", _META),
         ("timestamp", pa.float64()),
+        ("teacher_logprobs", pa.list_(pa.float64())),
     ]
 )
 ROLLOUT_SCHEMA = pa.schema(
@@ -157,6 +159,7 @@ def rollout_to_row(
                 "rewards": list(t.rewards.items()),
                 "inference_metadata": None if t.inference_metadata is None else vars(t.inference_metadata).copy(),
                 "timestamp": float(t.timestamp),
+                "teacher_logprobs": None if t.teacher_logprobs is None else list(t.teacher_logprobs),
             }
         )
     return {

@@ -1,0 +1,126 @@
+"""On-policy distillation against reward-only RL on the addition task, from the same student start, same steps.
+
+    python benchmarks/distillation.py [--config experiments/distill_addition.yaml] [--learning-rates 3e-4 1e-3]
+                                      [--field.path VALUE ...]
+    python benchmarks/distillation.py --replot benchmarks/distillation.json
+
+Runs the distillation experiment (which makes its teacher first when `teacher.path` holds none), then the same
+experiment as reward-only RL (`learner.algorithm: rloo`, the clipped decoupled objective, no teacher), each into a
+fresh output directory, back to back; the two share the warm start (same seed and steps). With several learning
+rates, the pair runs at each. Writes `benchmarks/distillation.png` (held-out reward against learner step, one panel
+per learning rate) and `benchmarks/distillation.json` (the curves), and prints them as Markdown tables. Extra
+`--field value` arguments override every run's config. `--replot` draws the figure of recorded curves again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+
+from marin_rl.config import RunConfig, parse_config
+from marin_rl.run import run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def eval_curve(output_dir: str, env: str) -> list[tuple[int, float]]:
+    """(learner step, held-out reward) of every evaluation in a run's metrics."""
+    curve = []
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if f"eval/{env}/reward" in row:
+                curve.append((int(row.get("step", 0)), float(row[f"eval/{env}/reward"])))
+    return sorted(dict(curve).items())
+
+
+DISTILL, REWARD_ONLY = "distillation (opd_reverse_kl)", "reward-only RL (rloo)"
+
+
+def run_pair(distill: RunConfig, env: str) -> dict[str, list[tuple[int, float]]]:
+    """Run `distill` and its reward-only twin (same config, no teacher, rloo with the decoupled objective) into fresh
+    directories `<output_dir>_opd` and `<output_dir>_rl`; their held-out reward curves."""
+    base_dir = distill.output_dir
+    distill = copy.deepcopy(distill)
+    distill.output_dir = f"{base_dir}_opd"
+    reward_only = copy.deepcopy(distill)
+    reward_only.output_dir = f"{base_dir}_rl"
+    reward_only.teacher = None
+    reward_only.learner.algorithm = "rloo"
+    reward_only.learner.loss.objective = "decoupled"
+    curves = {}
+    for label, config in ((DISTILL, distill), (REWARD_ONLY, reward_only)):
+        shutil.rmtree(config.output_dir, ignore_errors=True)
+        print(f"== {label}: {config.output_dir}", file=sys.stderr, flush=True)
+        run(config)
+        curves[label] = eval_curve(config.output_dir, env)
+    return curves
+
+
+def plot(results: dict[str, dict[str, list]], env: str, path: str) -> None:
+    """One panel per learning rate, held-out reward against learner step for each method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), sharey=True, squeeze=False)
+    for ax, (lr, curves) in zip(axes[0], results.items(), strict=True):
+        for label, curve in curves.items():
+            ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o", label=label)
+        ax.set_title(f"learning rate {lr}")
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"held-out reward ({env})")
+    axes[0][0].legend()
+    fig.suptitle("Student from the same warm start: on-policy distillation vs reward-only RL")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(curves: dict[str, list]) -> str:
+    """The curves as a Markdown table, one row per evaluated step."""
+    labels = list(curves)
+    lines = ["| step | " + " | ".join(labels) + " |", "|---:|" + "---:|" * len(labels)]
+    for s in sorted({s for c in curves.values() for s, _ in c}):
+        lines.append(f"| {s} | " + " | ".join(f"{dict(curves[k]).get(s, float('nan')):.3f}" for k in labels) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="experiments/distill_addition.yaml")
+    parser.add_argument("--output", default=os.path.join(HERE, "distillation.png"))
+    parser.add_argument("--learning-rates", nargs="*", type=float, default=None)
+    parser.add_argument("--replot", default=None, help="a recorded curves JSON to draw again (runs nothing)")
+    args, overrides = parser.parse_known_args()
+    if args.replot:
+        with open(args.replot) as f:
+            recorded = json.load(f)
+        plot(recorded["curves"], recorded["env"], args.output)
+        print(f"wrote {args.output}")
+        return
+    config = parse_config(["--config", args.config, *overrides])
+    env = config.envs[0].name
+    rates = args.learning_rates or [config.learner.optimizer.learning_rate]
+    results = {}
+    for lr in rates:
+        pair = copy.deepcopy(config)
+        pair.learner.optimizer.learning_rate = lr
+        if len(rates) > 1:
+            pair.output_dir = f"{config.output_dir}_lr{lr:g}"
+        results[f"{lr:g}"] = run_pair(pair, env)
+    plot(results, env, args.output)
+    with open(os.path.splitext(args.output)[0] + ".json", "w") as f:
+        json.dump({"env": env, "curves": results}, f, indent=1)
+    for lr, curves in results.items():
+        print(f"\nlearning rate {lr}\n{table(curves)}")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

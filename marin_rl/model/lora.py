@@ -63,7 +63,7 @@ class LoraConfig:
     random: the LoRA paper's and PEFT's) or 'zero_a' (A zero, B random: Levanter's default). On the quickstart,
     zero_b learned as fast per step as full fine-tuning and zero_a at half the pace (benchmarks/RESULTS.md)."""
     seed: int = bounded(0, ge=0)
-    """PRNG seed of the adapters' random factor."""
+    """PRNG seed of the adapters' random factor (an integer >= 0)."""
     init_from_peft: str | None = None
     """Local or fsspec directory of PEFT-format adapters (`adapter_config.json`, `adapter_model.safetensors`: what a
     run exports under `hf/step-N/peft`, or `peft`'s `save_pretrained`) to start the adapters from instead of

@@ -3,13 +3,16 @@
     python benchmarks/distillation.py [--config experiments/distill_addition.yaml] [--learning-rates 3e-4 1e-3]
                                       [--field.path VALUE ...]
     python benchmarks/distillation.py --replot benchmarks/distillation.json
+    python benchmarks/distillation.py --smoke     # a tiny random teacher, two steps each (seconds; the test suite)
 
 Runs the distillation experiment (which makes its teacher first when `teacher.path` holds none), then the same
 experiment as reward-only RL (`learner.algorithm: rloo`, the clipped decoupled objective, no teacher), each into a
 fresh output directory, back to back; the two share the warm start (same seed and steps). With several learning
 rates, the pair runs at each. Writes `benchmarks/distillation.png` (held-out reward against learner step, one panel
 per learning rate) and `benchmarks/distillation.json` (the curves), and prints them as Markdown tables. Extra
-`--field value` arguments override every run's config. `--replot` draws the figure of recorded curves again.
+`--field value` arguments override every run's config. `--replot` draws the figure of recorded curves again. The
+last line is `distill_over_rl=<held-out reward at the last evaluation, distillation ÷ reward-only RL>` (the first
+learning rate's).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 from marin_rl.config import RunConfig, parse_config
 from marin_rl.run import run
@@ -39,6 +43,34 @@ def eval_curve(output_dir: str, env: str) -> list[tuple[int, float]]:
 
 
 DISTILL, REWARD_ONLY = "distillation (opd_reverse_kl)", "reward-only RL (rloo)"
+
+
+SMOKE = [
+    "--learner.warm_start.steps",
+    "5",
+    "--orchestrator.num_steps",
+    "2",
+    "--orchestrator.eval_every",
+    "2",
+    "--checkpoint.every",
+    "0",
+    "--orchestrator.num_cpus",
+    "2",
+]
+"""Overrides of `--smoke`: two steps after a five-step warm start, held-out evaluation at the end only."""
+
+
+def random_teacher(config: RunConfig, path: str) -> str:
+    """`--smoke`'s teacher: a randomly initialised policy of the run's architecture (another seed), exported."""
+    import dataclasses
+
+    from marin_rl.model.build import build_model
+    from marin_rl.model.hf import export_hf_checkpoint
+    from marin_rl.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.tokenizer)
+    model = build_model(dataclasses.replace(config.model, seed=config.model.seed + 1), len(tokenizer))
+    return export_hf_checkpoint(model, tokenizer, path)
 
 
 def run_pair(distill: RunConfig, env: str) -> dict[str, list[tuple[int, float]]]:
@@ -97,6 +129,7 @@ def main() -> None:
     parser.add_argument("--output", default=os.path.join(HERE, "distillation.png"))
     parser.add_argument("--learning-rates", nargs="*", type=float, default=None)
     parser.add_argument("--replot", default=None, help="a recorded curves JSON to draw again (runs nothing)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random teacher, two steps each (seconds)")
     args, overrides = parser.parse_known_args()
     if args.replot:
         with open(args.replot) as f:
@@ -104,7 +137,16 @@ def main() -> None:
         plot(recorded["curves"], recorded["env"], args.output)
         print(f"wrote {args.output}")
         return
+    scratch = tempfile.mkdtemp(prefix="distillation-bench-") if args.smoke else None
+    if args.smoke:
+        args.output = os.path.join(scratch, "distillation.png")
+        overrides = [*SMOKE, "--output_dir", os.path.join(scratch, "run"), *overrides]
     config = parse_config(["--config", args.config, *overrides])
+    if args.smoke:
+        config.envs[0].args["num_eval"] = 8
+        config.envs[0].eval_samples_per_problem = 1
+        config.teacher.path = random_teacher(config, os.path.join(scratch, "teacher"))
+        config.teacher.recipe = None
     env = config.envs[0].name
     rates = args.learning_rates or [config.learner.optimizer.learning_rate]
     results = {}
@@ -120,6 +162,11 @@ def main() -> None:
     for lr, curves in results.items():
         print(f"\nlearning rate {lr}\n{table(curves)}")
     print(f"wrote {args.output}")
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+    first = next(iter(results.values()))
+    distilled, reward_only = first[DISTILL][-1][1], first[REWARD_ONLY][-1][1]
+    print(f"distill_over_rl={distilled / max(reward_only, 1e-3):.3f}")
 
 
 if __name__ == "__main__":

@@ -340,6 +340,11 @@ class RunConfig:
                 f"learner.loss.objective: learner.algorithm {algorithm.name} trains with {algorithm.loss!r}, got "
                 f"{objective!r}"
             )
+        if self.teacher is not None and self.teacher.temperature != 1.0 and self.inference.backend == "vllm":
+            raise ValueError(
+                f"teacher.temperature: vLLM scores prompts at temperature 1 only, got {self.teacher.temperature} "
+                "(inference.backend: vllm)"
+            )
         if objective == "opd_reverse_kl" and not algorithm.uses_teacher:
             raise ValueError(
                 "learner.loss.objective: 'opd_reverse_kl' reads a teacher's logprobs: set learner.algorithm: opd "

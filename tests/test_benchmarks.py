@@ -16,6 +16,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "broadcast_nodes": "cross_node_over_memcpy",
     "colocated": "default_over_local",
     "credit_assignment": "turn_over_group_reward",
+    "distillation": "distill_over_rl",
     "inference": "http_over_engine",
     "learner_mfu": "mfu",
     "loop": "loop_over_limit",

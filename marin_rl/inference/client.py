@@ -293,11 +293,13 @@ class PolicyClient:
             self.queue_s += queued
             return self._parse(answer, len(prompts), n, server, latency)
 
-    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+    async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each token sequence's logprobs under the served model, one per token after the first (given the tokens
-        before it, at temperature 1): one scoring request (OpenAI's `echo: true`, `max_tokens: 0`, `logprobs: 0`)
+        before it, at `temperature`): one scoring request (OpenAI's `echo: true`, `max_tokens: 0`, `logprobs: 0`)
         to the least-loaded reachable server, sent to another when one cannot be reached."""
         body = {"model": self.model, "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 0}
+        if temperature != 1.0:
+            body["temperature"] = float(temperature)
         tried: list[str] = []
         while True:
             server = self._pick_server(tried)

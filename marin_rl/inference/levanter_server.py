@@ -44,7 +44,7 @@ from levanter.models.lm_model import LmHeadModel
 from levanter.trainer import TrainerConfig
 
 from marin_rl.broadcast.base import cast_on_host
-from marin_rl.inference.completion_request import GREEDY_BELOW, RequestLimits, seed_key
+from marin_rl.inference.completion_request import GREEDY_BELOW, InvalidRequest, RequestLimits, seed_key
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams, DenseEngine
 from marin_rl.inference.http_server import HttpServerThread, resolve_future, resolve_futures
@@ -460,12 +460,13 @@ def _replace_leaves(model: LmHeadModel, leaves: list[np.ndarray], name: str) -> 
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, new_leaves), static)
 
 
-def _prompt_logprobs(model: LmHeadModel, ids: jnp.ndarray, segment_ids: jnp.ndarray) -> jnp.ndarray:
+def _prompt_logprobs(model: LmHeadModel, ids: jnp.ndarray, segment_ids: jnp.ndarray, temperature: float) -> jnp.ndarray:
     """Logprob of each token of `(rows, length)` prompts given the tokens before it in its row (0 at position 0),
-    at temperature 1; padding carries segment id -1."""
+    at `temperature` (logits / temperature); padding carries segment id -1."""
     axes = (hax.Axis("batch", ids.shape[0]), hax.Axis("position", ids.shape[1]))
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    lp, _ = token_logprobs(model, hax.named(ids, axes), hax.named(positions, axes), hax.named(segment_ids, axes))
+    named = (hax.named(ids, axes), hax.named(positions, axes), hax.named(segment_ids, axes))
+    lp, _ = token_logprobs(model, *named, temperature=temperature)
     return lp.array
 
 
@@ -679,12 +680,16 @@ class LevanterInferenceServer(CompletionBackend):
                 self._stop_cache[key] = cached
         return cached
 
-    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+    async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each prompt's token logprobs after its first token (one forward pass of the served weights over the
         prompts, padded to power-of-two rows and lengths so that few shapes compile), between two engine calls."""
-        return await asyncio.to_thread(self._score_now, prompts)
+        if not temperature >= GREEDY_BELOW:
+            raise InvalidRequest(
+                f"a scoring request needs a temperature >= {GREEDY_BELOW}, got {temperature}", "temperature"
+            )
+        return await asyncio.to_thread(self._score_now, prompts, temperature)
 
-    def _score_now(self, prompts: list[list[int]]) -> list[list[float]]:
+    def _score_now(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         length = min(_next_power_of_two(max(len(p) for p in prompts), 16), self.max_seq_len)
         # at most SCORE_TOKENS positions per forward pass: the logits over the vocabulary are materialised
         chunk = max(1, 1 << ((SCORE_TOKENS // length).bit_length() - 1)) if length <= SCORE_TOKENS else 1
@@ -698,7 +703,8 @@ class LevanterInferenceServer(CompletionBackend):
                 ids[i, : len(p)] = p
                 segments[i, : len(p)] = 0
             with self.context.model_lock, self.context.engine_scope():
-                lp = np.asarray(_score_prompts(self.context.model, jnp.asarray(ids), jnp.asarray(segments)))
+                args = (jnp.asarray(ids), jnp.asarray(segments), float(temperature))  # static: one compile each
+                lp = np.asarray(_score_prompts(self.context.model, *args))
             out += [[float(x) for x in lp[i, 1 : len(p)]] for i, p in enumerate(part)]
         self.context.scored_tokens += sum(len(p) for p in prompts)
         return out

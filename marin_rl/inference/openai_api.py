@@ -271,9 +271,10 @@ class CompletionBackend(abc.ABC):
         prompt. Raises ValueError for a request the backend cannot serve (HTTP 400; `InvalidRequest` to name the
         field) and `BackendUnavailable` when it cannot serve now (HTTP 503)."""
 
-    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
-        """Logprob of each token of each prompt after the first, given the tokens before it, at temperature 1 (a
-        scoring request: `echo` with `max_tokens: 0`). Raises `InvalidRequest` where the backend cannot score."""
+    async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Logprob of each token of each prompt after the first, given the tokens before it, at `temperature` (a
+        scoring request: `echo` with `max_tokens: 0`; the distribution of logits / temperature). Raises
+        `InvalidRequest` where the backend cannot score (or not at that temperature)."""
         raise InvalidRequest(f"{type(self).__name__} cannot score prompts (echo)", "echo")
 
     def failure(self) -> str | None:
@@ -335,7 +336,7 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
             served = backend.version
             start = time.time()
             if request.is_scoring:
-                scored = await backend.score(prompts)
+                scored = await backend.score(prompts, request.temperature)
                 backend_s = time.time() - start
                 counts.backend_s += backend_s
                 choices = [

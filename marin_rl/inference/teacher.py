@@ -7,7 +7,8 @@ the logprob of each sampled token given everything before it is written to its t
 travels with the rollout to the learner token-exactly, like the sampler's logprobs (the `teacher_inf` call of the
 `opd` algorithm, `marin_rl.learner.algorithm`).
 
-The teacher scores at temperature 1 (its own distribution), whatever temperature the student sampled at.
+The teacher scores at `teacher.temperature` (1: its own distribution; below 1 a sharper one, closer to its greedy
+answers), whatever temperature the student sampled at.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class TeacherConfig:
     """An experiment config (YAML) that makes the teacher: when `path` holds no checkpoint, the run first runs it
     as a step with its output_dir set to `path`, then distils from its export (None: a missing teacher is an
     error)."""
+    temperature: float = bounded(1.0, gt=0)
+    """Temperature of the teacher's distribution that the student is distilled toward: its logits / temperature (1:
+    the teacher as it samples; below 1 sharper, toward its greedy answers, a stronger target than its own samples).
+    The embedded server only: vLLM scores at 1."""
     num_servers: int = bounded(1, ge=1)
     """Servers serving the teacher (the env actors spread their scoring requests over them)."""
     request_timeout_s: float = bounded(600.0, gt=0)
@@ -87,8 +92,11 @@ def sequence_teacher_logprobs(rollout: Rollout, scored: list[float]) -> list[lis
 class TeacherScorer:
     """Scores rollouts with a teacher served at `servers` ('host:port' of policy servers serving the teacher)."""
 
-    def __init__(self, servers: list[str], *, timeout_s: float = 600.0, api_key: str | None = None):
+    def __init__(
+        self, servers: list[str], *, timeout_s: float = 600.0, api_key: str | None = None, temperature: float = 1.0
+    ):
         self.client = PolicyClient(servers, timeout_s=timeout_s, api_key=api_key)
+        self.temperature = temperature
         self.scored_tokens = 0
         """Tokens whose teacher logprob was written (sampled tokens of scored rollouts)."""
 
@@ -96,7 +104,7 @@ class TeacherScorer:
         """Write `teacher_logprobs` on every sampled turn of the group's rollouts (one request for the group);
         returns the group."""
         rollouts = group.rollouts
-        scored = await self.client.score([r.token_ids for r in rollouts])
+        scored = await self.client.score([r.token_ids for r in rollouts], self.temperature)
         for rollout, lps in zip(rollouts, scored, strict=True):
             for turn, teacher in zip(rollout.turns, sequence_teacher_logprobs(rollout, lps), strict=True):
                 turn.teacher_logprobs = teacher

@@ -39,7 +39,7 @@ import numpy as np
 from haliax.state_dict import to_torch_compatible_state_dict
 from levanter.models.lm_model import LmHeadModel
 
-from marin_rl.inference.completion_request import RequestLimits
+from marin_rl.inference.completion_request import InvalidRequest, RequestLimits
 from marin_rl.inference.config import InferenceConfig, VllmConfig
 from marin_rl.inference.http_server import HttpServerThread
 from marin_rl.inference.openai_api import (
@@ -629,10 +629,13 @@ class VllmPolicyServer(CompletionBackend):
             )
         return resp.json()
 
-    async def score(self, prompts: list[list[int]]) -> list[list[float]]:
+    async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each prompt's token logprobs after its first token, from vLLM's own completions route (OpenAI's legacy
         prompt logprobs, `echo: true` with `logprobs: 0`). vLLM's sampler refuses `max_tokens: 0` in some versions,
-        so one greedy token is generated and dropped: the echoed prompt's logprobs come first."""
+        so one greedy token is generated and dropped: the echoed prompt's logprobs come first. vLLM's prompt logprobs
+        are those of the raw logits: any temperature but 1 is refused."""
+        if temperature != 1.0:
+            raise InvalidRequest(f"vLLM scores prompts at temperature 1 only, got {temperature}", "temperature")
         body = {
             "model": SERVED_MODEL_NAME,
             "prompt": prompts,

@@ -222,7 +222,10 @@ class EnvActor:
             if not teacher_servers:
                 raise ValueError(f"env actor of {self.env_config.name}: the algorithm needs a teacher's servers")
             self.teacher = TeacherScorer(
-                teacher_servers, timeout_s=config.teacher.request_timeout_s, api_key=config.inference.api_key
+                teacher_servers,
+                timeout_s=config.teacher.request_timeout_s,
+                api_key=config.inference.api_key,
+                temperature=config.teacher.temperature,
             )
         self.problems = self.env.train_problems()
         if not self.problems:

@@ -13,7 +13,7 @@ from marin_rl.cli_help import PLACEHOLDER, placeholder_fields
 from marin_rl.config import RunConfig, parse_config
 from marin_rl.orchestrator.orchestrator import run as run_rl
 from marin_rl.orchestrator.preflight import RunRefused
-from marin_rl.orchestrator.teacher_pool import ensure_teacher
+from marin_rl.orchestrator.teacher_recipe import ensure_teacher
 from marin_rl.placement import PlacementError
 from marin_rl.sft import run_sft
 

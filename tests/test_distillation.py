@@ -384,7 +384,7 @@ def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towar
 
 
 def test_a_missing_teacher_without_a_recipe_or_with_a_failing_one_is_named(tmp_path):
-    from marin_rl.orchestrator.teacher_pool import ensure_teacher
+    from marin_rl.orchestrator.teacher_recipe import ensure_teacher
 
     cfg = _opd_config(path=str(tmp_path / "teacher"))
     with pytest.raises(FileNotFoundError, match="set teacher.recipe"):

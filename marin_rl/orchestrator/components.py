@@ -29,7 +29,8 @@ from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.learner_group import LearnerGroup
 from marin_rl.orchestrator.reward_pool import RewardServerPool
 from marin_rl.orchestrator.server_pool import ServerPool
-from marin_rl.orchestrator.teacher_pool import TeacherServerPool, ensure_teacher
+from marin_rl.orchestrator.teacher_pool import TeacherServerPool
+from marin_rl.orchestrator.teacher_recipe import ensure_teacher
 from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
 from marin_rl.tokenizer import load_tokenizer

@@ -65,6 +65,14 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float, expect_rc: int = 
 
 # ---- the whole run ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+def test_the_run_program_imports_where_ray_is_not_installed(tmp_path):
+    """Every module `python -m marin_rl.run` imports loads without Ray (the local backend's promise); the end-to-end
+    run below shows it too, this names the import that breaks it in seconds."""
+    code = "import marin_rl.run, marin_rl.orchestrator.local, marin_rl.orchestrator.local_learner"
+    done = subprocess.run([sys.executable, "-c", code], env=_without_ray(tmp_path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
     """experiments/quickstart_local.yaml, shortened to 100 RL steps, in a process where `import ray` fails: held-out
     reward rises, every version is handed over with 0 bytes copied and one resident copy of the policy."""

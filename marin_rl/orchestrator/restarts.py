@@ -56,6 +56,19 @@ def kill_quietly(actor: Any) -> None:
         pass
 
 
+def stop_actors(actors: list, timeout_s: float = 10.0) -> None:
+    """Ask each server actor to `stop` (at most `timeout_s` each), then kill it; one that is gone or does not answer
+    is killed anyway."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.get(actor.stop.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - stopping anyway
+            pass
+        kill_quietly(actor)
+
+
 def start_replacement(
     what: str,
     role: str,

@@ -8,11 +8,10 @@ import logging
 import os
 import time
 
-import ray
-
 from marin_rl.config import RunConfig
 from marin_rl.model.reward import read_reward_model_spec
 from marin_rl.orchestrator.actors import RewardServerActor
+from marin_rl.orchestrator.restarts import stop_actors
 from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")
@@ -60,13 +59,5 @@ class RewardServerPool:
     def stop(self) -> None:
         """Stop every server (10 s each at most) and kill its actor."""
         for actors in self.actors.values():
-            for a in actors:
-                try:
-                    ray.get(a.stop.remote(), timeout=10)
-                except Exception:  # noqa: BLE001 - stopping anyway
-                    pass
-                try:
-                    ray.kill(a)
-                except Exception:  # noqa: BLE001
-                    pass
+            stop_actors(actors)
         self.actors = {}

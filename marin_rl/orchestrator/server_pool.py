@@ -19,7 +19,7 @@ from marin_rl.config import RunConfig
 from marin_rl.model.lora import MissingBaseError
 from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.launcher import Launcher
-from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement
+from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement, stop_actors
 
 logger = logging.getLogger("marin_rl")
 
@@ -146,12 +146,4 @@ class ServerPool:
 
     def stop(self) -> None:
         """Stop every server (10 s each at most) and kill its actor."""
-        for s in self.actors:
-            try:
-                ray.get(s.stop.remote(), timeout=10)
-            except Exception:
-                pass
-            try:
-                ray.kill(s)
-            except Exception:
-                pass
+        stop_actors(self.actors)

@@ -12,10 +12,9 @@ import logging
 import os
 import time
 
-import ray
-
 from marin_rl.config import RunConfig
 from marin_rl.orchestrator.actors import ServerActor
+from marin_rl.orchestrator.restarts import stop_actors
 from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")
@@ -55,13 +54,5 @@ class TeacherServerPool:
 
     def stop(self) -> None:
         """Stop every server (10 s each at most) and kill its actor."""
-        for a in self.actors:
-            try:
-                ray.get(a.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - stopping anyway
-                pass
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001
-                pass
+        stop_actors(self.actors)
         self.actors = []

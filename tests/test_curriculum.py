@@ -12,7 +12,7 @@ import yaml
 from deterministic_run import deterministic_config
 from test_local_backend import _finish, _start, _without_ray
 from test_replay import make_group
-from test_resume import _markers, _reap_session, _signal_when
+from test_resume import _markers, _reap_session, _signal_when, _stop_all
 
 from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
@@ -434,11 +434,7 @@ def test_curriculum_run_killed_with_sigkill_resumes_with_the_same_schedule_and_p
         _finish(proc, log, 400)
         _finish(reference, ref_log, 400)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            _reap_session(p.pid)
+        _stop_all(procs)
     assert [m["step"] for m in _markers(out)] == [max(saved)] and max(saved) < killed_after < steps
     rows = read_metrics(str(out / "metrics.jsonl"))
     ref_rows = read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))

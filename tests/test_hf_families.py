@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import Mesh
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
+from reference_python import reference_python
 
 from marin_rl.model.build import ModelConfig, build_model
 from marin_rl.model.hf_config import architecture_from_hf, normalised_hf_config, unhonoured_setting
@@ -54,23 +55,10 @@ REFUSED = {
 """Cases that must be refused, and the start of what the one-line error names."""
 
 
-def _reference_python() -> str:
-    from marin_rl.inference.vllm_env import vllm_python
-
-    try:
-        python = vllm_python(None)
-    except FileNotFoundError as e:
-        pytest.skip(f"no interpreter with transformers >= 5 and torch for the reference: {e}")
-    probe = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"{python} cannot import torch and transformers: {probe.stderr.strip()[-300:]}")
-    return python
-
-
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> tuple[Path, dict]:
     """The checkpoints and transformers' logprobs on them, made once per test session."""
-    python = _reference_python()
+    python = reference_python()
     out = tmp_path_factory.mktemp("hf_families")
     script = Path(__file__).with_name("hf_reference.py")
     done = subprocess.run([python, str(script), str(out)], capture_output=True, text=True, timeout=300)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 from deterministic_run import deterministic_config, final_learner_arrays, warm_starts
-from test_resume import _markers, _progress, _reap_session, _signal_when
+from test_resume import _markers, _progress, _reap_session, _signal_when, _stop_all
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.inference.client import PolicyClient
@@ -141,11 +141,7 @@ def test_local_run_killed_with_sigkill_resumes_exactly(tmp_path):
         _finish(proc, log, 400)
         _finish(reference, ref_log, 400)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            _reap_session(p.pid)
+        _stop_all(procs)
     text = log.read_text()
     assert f"resumed from step {first_resume}" in text and warm_starts(text) == 1
     assert [m["step"] for m in _markers(out)] == [first_resume]

@@ -15,6 +15,7 @@ import pytest
 from levanter.adaptor.lora import LORA_R, LoraLinear
 from random_adapters import perturbed_adapters
 from random_packed_batch import random_packed_batch
+from reference_python import reference_python
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import SamplingParams, run_groups
@@ -223,19 +224,6 @@ def test_quickstart_lora_learns_ships_only_adapters_and_a_replaced_server_gets_t
     assert (out / "hf" / "step-60" / "peft" / "adapter_config.json").exists()
 
 
-def _peft_python() -> str:
-    from marin_rl.inference.vllm_env import vllm_python
-
-    try:
-        python = vllm_python(None)
-    except FileNotFoundError as e:
-        pytest.skip(f"no interpreter with torch, transformers and peft for the reference: {e}")
-    probe = subprocess.run([python, "-c", "import torch, transformers, peft"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"{python} cannot import torch, transformers and peft: {probe.stderr.strip()[-300:]}")
-    return python
-
-
 def test_exported_peft_adapters_load_in_peft_and_give_the_learners_logprobs(tmp_path):
     tok = build_char_tokenizer()
     learner = _lora_learner(len(tok))
@@ -254,7 +242,7 @@ def test_exported_peft_adapters_load_in_peft_and_give_the_learners_logprobs(tmp_
     for a, b in zip(lora.array_leaves(learner.model), lora.array_leaves(resumed.model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    python = _peft_python()
+    python = reference_python("torch, transformers, peft")
     rng = np.random.default_rng(0)
     sequences = [rng.integers(0, len(tok), size=n).tolist() for n in (12, 20, 31)]
     (tmp_path / "sequences.json").write_text(json.dumps(sequences))

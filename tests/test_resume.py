@@ -292,6 +292,15 @@ def _reap_session(sid: int) -> None:
                 pass
 
 
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """Kill what still runs of the runs `procs` a test started, and whatever is left of their sessions."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        _reap_session(p.pid)
+
+
 def _wait(proc: subprocess.Popen, log: Path, timeout: float, expect_rc: int = 0) -> None:
     try:
         rc = proc.wait(timeout=timeout)
@@ -374,11 +383,7 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
         _wait(proc, log, 400)
         _wait(reference, ref_log, 400)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            _reap_session(p.pid)
+        _stop_all(procs)
 
     text = log.read_text()
     assert f"resumed from step {first_resume} at {ckpts / f'step-{first_resume}'}" in text
@@ -450,11 +455,7 @@ def test_ppo_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tm
         _wait(proc, log, 400)
         _wait(reference, ref_log, 400)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            _reap_session(p.pid)
+        _stop_all(procs)
     assert f"resumed from step {max(saved)}" in log.read_text() and max(saved) < killed_after < steps
     rows = read_metrics(str(out / "metrics.jsonl"))
     ref_rows = read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))

@@ -70,7 +70,7 @@ MODELS = {
 }
 
 
-def measure(name: str, arch: LlamaConfig, vocab: int, rank: int, args, tok) -> dict[str, float]:
+def measure(arch: LlamaConfig, vocab: int, rank: int, args, tok) -> dict[str, float]:
     """Update bytes and seconds, optimizer bytes and step time of one learner (rank 0: full fine-tuning)."""
     model_config = ModelConfig(architecture=arch)
     config = LearnerConfig(lora=lora.LoraConfig(rank=rank, alpha=2.0 * max(rank, 1)))
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ratio = 0.0
     for name in names:
         arch, vocab = MODELS[name]
-        full = measure(name, arch, vocab, 0, args, tok)
-        rows = [(0, full)] + [(r, measure(name, arch, vocab, r, args, tok)) for r in ranks]
+        full = measure(arch, vocab, 0, args, tok)
+        rows = [(0, full)] + [(r, measure(arch, vocab, r, args, tok)) for r in ranks]
         for rank, m in rows:
             share = m["bytes"] / full["bytes"]
             print(

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import haliax as hax
+import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,8 +48,6 @@ def _lora_layers(model) -> list[LoraLinear]:
 
 def _linear_weights(model) -> list:
     """The weight of every linear layer, in tree order (of a plain model)."""
-    import haliax.nn as hnn
-
     is_linear = lambda x: isinstance(x, hnn.Linear)  # noqa: E731
     return [x.weight for x in jax.tree_util.tree_leaves(model, is_leaf=is_linear) if is_linear(x)]
 

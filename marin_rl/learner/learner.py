@@ -402,7 +402,7 @@ class Learner:
         self.optimizer = config.optimizer.build()
         with self._sharding():
             self.model = self._shard_params(self.model)
-        self.opt_state = None if config.lora.enabled else self._initial_opt_state()
+        self.opt_state = None if config.lora.enabled else self.supervised_optimizer_state(self.optimizer)
         """The RL optimizer's state over the trainable parameters (with LoRA: None until `add_adapters`)."""
         self._publish_full = True  # with LoRA, the next publish carries the base (see `publish_params`)
         self.version = 0
@@ -432,12 +432,6 @@ class Learner:
         if self.mesh is not None:
             logger.info("learner: mesh %s over %s devices", dict(self.mesh.shape), self.mesh.devices.size)
 
-    def _initial_opt_state(self):
-        """A fresh RL optimizer state for the trainable parameters (the adapters with LoRA), laid out like them."""
-        with self._sharding():
-            trainable, _ = lora.split(self.model)
-            return self._shard_params(self.optimizer.init(eqx.filter(trainable, eqx.is_inexact_array)))
-
     # ---- LoRA -------------------------------------------------------------------------------------------
     def add_adapters(self) -> bool:
         """With `learner.lora`, wrap the policy's linear layers in adapters (once: the policy as it is becomes the
@@ -450,7 +444,7 @@ class Learner:
                 adapted = lora.load_peft(adapted, self.config.lora, self.config.lora.init_from_peft)
                 logger.info("learner: LoRA adapters from %s", self.config.lora.init_from_peft)
             self.model = self._shard_params(adapted)
-        self.opt_state = self._initial_opt_state()
+        self.opt_state = self.supervised_optimizer_state(self.optimizer)
         self._offloaded = None
         sizes = lora.lora_bytes(self.model)
         logger.info(
@@ -891,7 +885,8 @@ class Learner:
 
     # ---- supervised training: the warm start and `learner.mode: sft` ---------------------------------------
     def supervised_optimizer_state(self, optimizer: optax.GradientTransformation) -> optax.OptState:
-        """A fresh state of `optimizer` for the current parameters, laid out like them on the mesh."""
+        """A fresh state of `optimizer` (the supervised steps', or the RL one's) for the trainable parameters (the
+        adapters with LoRA), laid out like them on the mesh."""
         with self._sharding():
             trainable, _ = lora.split(self.model)
             return self._shard_params(optimizer.init(eqx.filter(trainable, eqx.is_inexact_array)))

@@ -1,11 +1,54 @@
+import fcntl
 import gc
 import os
 import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "exclusive: runs while no other test of the suite runs (wall-clock bounds, or checks of machine-wide state "
+        "such as every Ray process or /dev/shm); others run two at a time under pytest-xdist",
+    )
+
+
+@contextmanager
+def _suite_turn(exclusive: bool):
+    """Take this test's turn among the suite's parallel workers: shared for most tests, alone for `exclusive` ones.
+
+    One lock file per suite run (`PYTEST_XDIST_TESTRUNUID`, the same in every worker) is held shared by a running
+    test and exclusively by an `exclusive` one. A turnstile taken first gives a waiting exclusive test priority:
+    while it waits, no new shared turn starts, so it waits only for the tests already running."""
+    uid = os.environ["PYTEST_XDIST_TESTRUNUID"]
+    base = os.path.join(tempfile.gettempdir(), f"marin_rl-suite-{uid}")
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (the suite's default, `-n 2`) every test, its fixtures' set-up and tear-down included, runs
+    inside its turn (`_suite_turn`); without it, tests run one at a time as usual."""
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
+        yield
+        return
+    with _suite_turn(item.get_closest_marker("exclusive") is not None):
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -110,6 +110,7 @@ def test_ray_object_store_round_trip_in_another_process(tmp_path):
         ray.shutdown()
 
 
+@pytest.mark.exclusive  # its wall-clock bound shows the fetches overlap
 def test_flight_fetches_tickets_in_parallel_and_polls_across_processes(tmp_path, monkeypatch):
     active, peak = [0], [0]
     lock = threading.Lock()

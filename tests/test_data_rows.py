@@ -244,6 +244,7 @@ def test_driver_check_reports_counts_and_refuses_bad_data(tmp_path):
         check_environment_data(config)
 
 
+@pytest.mark.exclusive  # the refusal's wall-clock bound
 def test_bad_data_stops_the_command_with_one_line_before_ray_starts(tmp_path):
     """The whole command line (`parse_config`, then `run`): the data is loaded in the driver and the run is refused
     with one line before Ray, a server or the learner starts."""

@@ -94,6 +94,7 @@ def test_lists_server_tools_in_openai_format(env):
     assert '"name": "shout"' in text and text.endswith("<eos><|assistant|>")
 
 
+@pytest.mark.exclusive  # the call timeout's wall-clock bound
 def test_calls_go_to_the_server_and_errors_come_back_as_text(env):
     async def run():
         return await asyncio.gather(

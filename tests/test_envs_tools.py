@@ -170,6 +170,7 @@ def test_registries_belong_to_instances(tok):
     assert tok.decode(hidden.encode_prompt(hidden.train_problems()[0])) == "<|user|>What is 2+3?<eos><|assistant|>"
 
 
+@pytest.mark.exclusive  # the tool timeout's wall-clock bound
 def test_aexecute_returns_results_and_errors_as_text(tok):
     env = QA(tok, tool_timeout_s=0.3, max_tool_output_chars=40)
     for fn in (weather, add, divide, nap, block):
@@ -278,6 +279,7 @@ def test_tool_errors_reach_the_policy_as_tool_turns(tok):
     assert env.final_answer(conv) == "The answer is 5."
 
 
+@pytest.mark.exclusive  # the tool's wall-time limit, measured
 def test_code_tool_output_and_limits(tok):
     async def run():
         return await asyncio.gather(

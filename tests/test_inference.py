@@ -98,6 +98,7 @@ def test_concurrent_load_keeps_requests_apart(setup):
     assert diff.max() <= 1e-4
 
 
+@pytest.mark.exclusive  # the update's wall-clock bound
 def test_apply_weights_changes_outputs_and_version_without_recompiling(setup):
     tok, env, learner, server, address = setup
     greedy = SamplingParams(temperature=0.0, max_tokens=5)

@@ -140,6 +140,7 @@ def test_a_warm_start_is_reused_bit_identical_from_its_cache_and_only_when_ident
     assert "cached" not in warm(cache_max_mb=0, steps=13)[1] and len(entries()) == 4
 
 
+@pytest.mark.exclusive  # the interruption's wall-clock bound
 def test_a_warm_start_in_progress_ends_after_its_current_step_when_interrupted():
     # the local backend's learner runs in a thread; a stopped run sets `interrupted` and waits for that thread
     import concurrent.futures

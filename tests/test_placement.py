@@ -153,6 +153,7 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.exclusive  # the refusal's wall-clock bound
 def test_run_without_the_requested_gpu_fails_fast(local_ray):
     config = _config("--placement.servers.num_gpus", "1")
     start = time.time()
@@ -161,6 +162,7 @@ def test_run_without_the_requested_gpu_fails_fast(local_ray):
     assert time.time() - start < 5
 
 
+@pytest.mark.exclusive  # the wait timeout's wall-clock bound
 def test_pending_actors_fail_after_the_wait_timeout(local_ray):
     @ray.remote
     class Holder:
@@ -179,6 +181,7 @@ def test_pending_actors_fail_after_the_wait_timeout(local_ray):
     ray.kill(holder)
 
 
+@pytest.mark.exclusive  # the limits' wall-clock bounds
 def test_placement_and_start_up_have_their_own_limits(local_ray):
     @ray.remote(max_concurrency=2)  # as the run's actors: answers `__ray_ready__` while it starts
     class SlowStart:

@@ -11,6 +11,7 @@ from marin_rl.run import parse_config, run
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # checks that no Ray process and no weight slot of any run is left
 def test_shortened_quickstart_learns(tmp_path):
     out = tmp_path / "run"
     config = parse_config(

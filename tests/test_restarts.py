@@ -31,6 +31,7 @@ def test_zero_means_a_dead_actor_ends_the_run_and_negative_is_refused():
         parse_config(["--config", "experiments/quickstart.yaml", "--orchestrator.max_restarts_per_role", "-1"])
 
 
+@pytest.mark.exclusive  # the waits' wall-clock bounds
 def test_a_replacement_fails_at_once_when_it_cannot_be_built_and_after_the_wait_when_it_cannot_be_placed():
     import ray
     from ray.exceptions import RayActorError
@@ -76,6 +77,7 @@ def test_a_replacement_fails_at_once_when_it_cannot_be_built_and_after_the_wait_
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # checks that no Ray process of any run is left
 def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing(tmp_path):
     """A live run with `max_restarts_per_role: 1`: the env actor killed after step 2 is replaced (and counted in
     the step metrics); killed again after step 4, the run stops with the bound's error and shuts everything down."""

@@ -134,6 +134,7 @@ def test_force_resumes_anyway_and_logs_the_differences(tmp_path, caplog):
         CheckpointConfig(resume="always")
 
 
+@pytest.mark.exclusive  # the refusal's wall-clock bound
 def test_a_changed_config_stops_the_command_before_ray_starts(tmp_path):
     """The whole command line (`parse_config`, then `run`) on a run directory with a checkpoint and another config:
     refused, without a traceback, before Ray or any process starts; the remembered config is left as it was."""

@@ -63,6 +63,7 @@ def test_process_token_names_one_live_process_and_never_a_dead_or_zombie_one():
 
 
 @pytest.mark.skipif(not os.path.isdir(DEFAULT_ROOT), reason="needs /dev/shm")
+@pytest.mark.exclusive  # the clean-up's wall-clock bound
 def test_a_sigkilled_driver_leaves_no_process_and_no_weight_slot(tmp_path):
     mark = new_mark()
     driver = subprocess.Popen(

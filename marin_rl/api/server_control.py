@@ -60,19 +60,19 @@ class ServerControl:
 
     def pause(self) -> None:
         """Pause sampling on every server (requests in progress wait). Blocking."""
-        for s in self.servers:
-            s.pause()
-        if not self.servers:
-            for address in self.addresses:
-                self._control(address, "pause")
+        self._on_every_server("pause")
 
     def resume(self) -> None:
         """Undo `pause`: the servers sample again. Blocking."""
+        self._on_every_server("resume")
+
+    def _on_every_server(self, action: str) -> None:
+        """Call `action` ('pause' or 'resume') on each in-process server, or on each remote one's control route."""
         for s in self.servers:
-            s.resume()
+            getattr(s, action)()
         if not self.servers:
             for address in self.addresses:
-                self._control(address, "resume")
+                self._control(address, action)
 
     def close(self) -> None:
         """Close the broadcast transport (the servers are stopped by their owner)."""

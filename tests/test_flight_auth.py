@@ -12,7 +12,7 @@ import pytest
 from marin_rl.broadcast import BroadcastConfig
 from marin_rl.broadcast.arrow_flight import ArrowFlightTransport
 from marin_rl.config import RunConfig
-from marin_rl.orchestrator.orchestrator import _redacted
+from marin_rl.orchestrator.run_metrics import redacted as _redacted
 
 SECRET = "the-run-secret"
 

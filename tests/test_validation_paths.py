@@ -153,7 +153,7 @@ def test_prepare_batch_hands_out_only_valid_groups_and_counts_the_rest_under_the
     expected = replay_reasons(groups)
     assert [expected[pid] for pid in groups] == [*BAD_KINDS, None, None]
     workflow = ScriptedWorkflow(groups)
-    with caplog.at_level(logging.WARNING, logger="marin_rl.api.inference"), engine() as inference:
+    with caplog.at_level(logging.WARNING, logger="marin_rl.api.gated_rollouts"), engine() as inference:
         batch = inference.prepare_batch(workflow.train_problems(), workflow, timeout=20)
         wait_for(lambda: inference.counters["finished"] == len(kinds))
         assert sorted(g.group_id for g in batch) == sorted(groups[pid].group_id for pid in ("p5", "p6"))
@@ -165,7 +165,9 @@ def test_prepare_batch_hands_out_only_valid_groups_and_counts_the_rest_under_the
         assert stats["in_flight_rollouts"] == 0 and stats["finished_groups"] == 0
         assert_no_request_sent(inference, workflow)
     warnings = [
-        r.getMessage() for r in caplog.records if r.name == "marin_rl.api.inference" and r.levelno == logging.WARNING
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "marin_rl.api.gated_rollouts" and r.levelno == logging.WARNING
     ]
     for kind in BAD_KINDS:
         [line] = [w for w in warnings if f"({kind})" in w]

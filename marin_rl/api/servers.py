@@ -1,4 +1,5 @@
-"""`make_policy_server`: an inference server of the run's backend in this process, serving its initial policy.
+"""`make_policy_server`: an inference server of the run's backend in this process, serving its initial policy;
+`start_local_servers`: a run's policy and reward servers, started in this process.
 
 The one way marin_rl builds a server: `InferenceEngine.local` builds its servers with it, and so does each of the
 orchestrator's server actors.
@@ -7,8 +8,10 @@ orchestrator's server actors.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 
 from marin_rl.config import RunConfig
+from marin_rl.inference.reward_server import RewardServer
 from marin_rl.model.build import build_model, with_seq_len
 from marin_rl.model.hf import export_hf_checkpoint
 
@@ -36,3 +39,38 @@ def make_policy_server(run_config: RunConfig, tokenizer, name: str, *, hf_checkp
 
     model = build_model(run_config.model, len(tokenizer))
     return LevanterInferenceServer(model, tokenizer, inference, name=name, lora=run_config.learner.lora)
+
+
+@dataclass
+class LocalServers:
+    """Servers running in this process (`start_local_servers`)."""
+
+    servers: list
+    """The policy servers."""
+    addresses: list[str]
+    """Their 'host:port' addresses."""
+    reward_servers: list
+    """The reward models' servers."""
+    reward_addresses: dict[str, list[str]]
+    """The reward servers' addresses by model name."""
+
+
+def start_local_servers(run_config: RunConfig, tokenizer, num_servers: int) -> LocalServers:
+    """Start `num_servers` policy servers (`make_policy_server`) and `model.num_servers` servers of each reward model
+    the environments use, in this process. Blocks until every one listens; when one cannot start, those already
+    started are stopped and its error raised."""
+    servers, reward_servers, reward_addresses = [], [], {}
+    try:
+        for i in range(num_servers):
+            servers.append(make_policy_server(run_config, tokenizer, f"server-{i}"))
+        addresses = [s.start() for s in servers]
+        for name in run_config.used_reward_models():
+            model = run_config.reward_model(name)
+            for i in range(model.num_servers):
+                reward_servers.append(RewardServer.from_checkpoint(model, f"{name}-{i}"))
+                reward_addresses.setdefault(name, []).append(reward_servers[-1].start())
+    except BaseException:
+        for s in [*servers, *reward_servers]:
+            s.stop()
+        raise
+    return LocalServers(servers, addresses, reward_servers, reward_addresses)

@@ -36,41 +36,30 @@ placed (after a lost node, for a node with its resources to join), then its role
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from marin_rl.api.controller import RolloutController
-from marin_rl.config import RunConfig, without_secrets
-from marin_rl.learner.checkpoint import (
-    RUN_STATE_FILE,
-    checkpoint_step,
-    latest_checkpoint,
-    prune_checkpoints,
-    read_json,
-    write_json,
-)
+from marin_rl.config import RunConfig
 from marin_rl.logs import configure_logging
+from marin_rl.orchestrator.checkpoints import RunCheckpoints
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
-from marin_rl.orchestrator.preflight import RunRefused, preflight
-from marin_rl.orchestrator.profile import LoopProfile, format_profile
+from marin_rl.orchestrator.preflight import preflight
+from marin_rl.orchestrator.profile import LoopProfile
 from marin_rl.orchestrator.restarts import RestartBudget
+from marin_rl.orchestrator.run_metrics import RunMetrics
+from marin_rl.orchestrator.run_state import RunState
+from marin_rl.orchestrator.run_summary import report_summary, run_summary
 from marin_rl.orchestrator.stop import StopRequest
+from marin_rl.orchestrator.warm_start import WarmStart
 from marin_rl.progress import StepProgress
 from marin_rl.replay.batcher import FormedBatch
-from marin_rl.report import headline_line, headline_summary, plot_rewards, write_summary
-from marin_rl.tracking import console_line, make_tracker
 
 if TYPE_CHECKING:
     from marin_rl.orchestrator.components import RunComponents
     from marin_rl.orchestrator.local import LocalComponents
 
 logger = logging.getLogger("marin_rl")
-
-RUN_STATE_FORMAT = 2
-"""Version of the driver's checkpoint state (`run_state.json`); format 1 (before the replay buffers handled
-too-long rollouts and the per-token names) is still read."""
 
 
 def make_components(config: RunConfig, section, count) -> RunComponents | LocalComponents:
@@ -92,8 +81,6 @@ class Orchestrator:
         config.validate()
         config = config.resolved()
         self.config = config
-        self.output_dir = config.output_dir
-        self.env_names = [e.name for e in config.envs]
         self.stop = stop or StopRequest()
         self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
         self.parts = make_components(
@@ -104,29 +91,17 @@ class Orchestrator:
         self.rolled_back_steps = 0
         """Learner steps lost to learner deaths (trained, then rolled back to a checkpoint and trained again)."""
         self._last_server_check = time.time()
-        self.started_at = time.time()
-        """When this process started the run (`run()`): `time/elapsed_s` counts from here."""
-        # Run progress (saved in checkpoints).
-        self.step = 0
-        self.total_gen_tokens = 0
-        self.total_trained_tokens = 0
-        self.eval_start: dict[str, float] = {}
-        self.last_eval: dict[str, float] = {}
-        self.warm: dict[str, Any] = {}
-        self.last_saved_step: int | None = None
+        self.state = RunState()
+        """Run progress (saved in checkpoints)."""
+        self.checkpoints = RunCheckpoints(config, self.parts)
+        self.warm_start = WarmStart(config, self.parts)
+        self.metrics = RunMetrics(config)
+        """The metric rows: tracker, clock, throughput, console line, progress display."""
         # Loop state.
         self.served_version = 0
         self.training: list[Any] | None = None  # the learner step in flight (one handle per process)
         self.formed: FormedBatch | None = None  # the batch it trains on
-        self.window = {"gen_tokens": 0, "since": time.time()}
         self.hooks = self._make_hooks()
-        self.jsonl = None  # the metrics log (a rollback marks it like a resume)
-        self._initial_state: dict[str, Any] | None = None  # pools and buffers before step 1: a rollback target
-        self._warm_examples: list | None = None  # the warm start's demonstrations, for that rollback
-        self.data_report: dict[str, float] = {}
-        """What the environments loaded and skipped (`data/<env>/<key>`), from the check before the start."""
-        self.progress: StepProgress | None = None
-        """The RL phase's progress display while the loop runs."""
 
     @property
     def learner(self):
@@ -149,8 +124,8 @@ class Orchestrator:
         return self.parts.rollouts
 
     # ---- the loop -----------------------------------------------------------------------------------
-    def _loop(self, tracker) -> None:
-        """From `self.step` to `orchestrator.num_steps` (or a stop request). One iteration: book a finished learner
+    def _loop(self) -> None:
+        """From `state.step` to `orchestrator.num_steps` (or a stop request). One iteration: book a finished learner
         step (its hooks may checkpoint), form a batch if the learner is idle, start the groups the staleness gate
         allows, wait briefly, admit finished groups into the buffers. A checkpoint is taken in the first part, so a
         resumed run, which starts at the second, continues the same sequence of decisions."""
@@ -159,8 +134,10 @@ class Orchestrator:
             try:
                 with section("book"):
                     if self.training is not None and self._training_done():
-                        self._complete_step(tracker)
-                if self.step >= self.config.orchestrator.num_steps or (self.stop.requested and self.training is None):
+                        self._complete_step()
+                if self.state.step >= self.config.orchestrator.num_steps or (
+                    self.stop.requested and self.training is None
+                ):
                     return
                 if self.training is None and not self.stop.requested:
                     with section("batch"):
@@ -187,43 +164,40 @@ class Orchestrator:
 
     def _try_train(self) -> None:
         """Form a batch and start a learner step on it (deterministic runs: only once no group is in flight)."""
-        formed = self.rollouts.try_make_batch(self.step)
+        formed = self.rollouts.try_make_batch(self.state.step)
         if formed is not None:
             self.formed = formed
             self.training = self.learner.call("train_step", formed.batch)
 
     def _launch_groups(self) -> None:
-        self.rollouts.launch(self.served_version, batches_formed=self.step + (self.training is not None))
+        self.rollouts.launch(self.served_version, batches_formed=self.state.step + (self.training is not None))
 
     def _admit_finished_groups(self) -> None:
-        admitted = self.rollouts.admit_finished(self.step)
-        self.window["gen_tokens"] += admitted.sampled_tokens
-        self.total_gen_tokens += admitted.sampled_tokens
+        admitted = self.rollouts.admit_finished(self.state.step)
+        self.metrics.count_generated(admitted.sampled_tokens)
+        self.state.generated_tokens += admitted.sampled_tokens
         due = time.time() - self._last_server_check > self.config.inference.health_check_every_s
         if admitted.failures or due:  # a group failed or an env actor died: a server (or its node) may be gone
             self._last_server_check = time.time()
             self.parts.check_servers()
 
-    def _complete_step(self, tracker) -> None:
+    def _complete_step(self) -> None:
         """Book a finished learner step: its metrics, the batch's and the buffers', the due hooks, the log line."""
         metrics = self.learner.get(self.training)[0]
         self.training = None
-        self.step += 1
-        step, last = self.step, self.step == self.config.orchestrator.num_steps
+        self.state.step += 1
+        step, last = self.state.step, self.state.step == self.config.orchestrator.num_steps
         metrics["learner/version"] = step
         metrics.update(self.formed.metrics)
-        self.total_trained_tokens += int(self.formed.metrics["batches/trained_tokens"])
+        self.state.trained_tokens += int(self.formed.metrics["batches/trained_tokens"])
         self.formed = None
         metrics.update(self.rollouts.step_metrics(step))
-        now = time.time()
-        metrics["throughput/generated_tokens_per_s"] = self.window["gen_tokens"] / max(now - self.window["since"], 1e-9)
-        metrics.update(self._clock(now))
+        metrics.update(self.metrics.step_columns())
         server_stats = self.parts.servers.stats()
         metrics.update(server_stats)
         self.profile.observe_servers(server_stats)
         metrics["learner/restarts"] = float(self.learner_budget.spent)
         metrics["learner/rolled_back_steps"] = float(self.rolled_back_steps)
-        self.window = {"gen_tokens": 0, "since": now}
         # Hooks that need the learner (publish, export, checkpoint) run first; then the next learner step starts,
         # and the servers' weight update and the evaluation run while it trains (`StepHooks.split`). The batch is
         # the one the loop would form next anyway: nothing is admitted in between, and new groups start after.
@@ -235,17 +209,7 @@ class Orchestrator:
                     self._try_train()
             metrics.update(self.hooks.run(step, last, section=self.profile.section, hooks=during))
         metrics.update(self.profile.end_step(metrics.get("learner/step_time_s", 0.0)))
-        tracker.log(metrics, step=step)
-        if step % self.config.tracking.console_every == 0 or last:
-            logger.info(console_line(step, metrics, self.env_names))
-        if self.progress is not None:
-            rewards = ((n, metrics.get(f"batches/{n}/reward/mean")) for n in self.env_names)
-            self.progress.advance_to(step, " | ".join(f"{n} reward {r:.3f}" for n, r in rewards if r is not None))
-
-    def _clock(self, now: float) -> dict[str, float]:
-        """`time/elapsed_s`: seconds since this process started the run (a resumed run counts from its restart);
-        `time/unix`: the Unix time of the row."""
-        return {"time/elapsed_s": now - self.started_at, "time/unix": now}
+        self.metrics.log_step(step, metrics, last)
 
     # ---- a dead learner ----------------------------------------------------------------------------------
     def _replace_learner(self, error: BaseException) -> None:
@@ -259,7 +223,7 @@ class Orchestrator:
         gets a resume marker, so each step has one effective row. `RestartLimitExceeded` once the learner was
         replaced `orchestrator.max_restarts_per_role` times.
         """
-        started, before = time.time(), self.step
+        started, before = time.time(), self.state.step
         while True:
             self.learner_budget.spend("a learner process")
             cause = str(error).splitlines()[0][:200] if str(error) else ""
@@ -274,15 +238,14 @@ class Orchestrator:
             self.training = self.formed = None
             dropped = self.rollouts.drop_in_flight()
             restarts = {n: pool.restarts for n, pool in self.pools.items()}
-            path = latest_checkpoint(self.config.checkpoint_dir)
+            path = self.checkpoints.latest()
             try:
                 self.parts.start_learner(wait=True)
                 if path is not None:
                     self._restore(path)
                 else:
-                    self._warm_start()  # a fresh learner has the initial weights; the warm start is deterministic
-                    self._load_run_state(self._initial_state)
-                    self.last_saved_step = None
+                    self.warm_start.run()  # a fresh learner has the initial weights; the warm start is deterministic
+                    self._load_run_state(self.checkpoints.rewind_to_start())
                 self.parts.broadcast()
             except self.parts.learner_errors as e:
                 if not self.learner.owns(e):
@@ -293,16 +256,16 @@ class Orchestrator:
         for n, pool in self.pools.items():  # counted over the whole run, not only up to the checkpoint
             pool.restarts = max(pool.restarts, restarts[n])
         self._begin_segment()  # the groups the lost steps accepted stay on disk, superseded
-        self.served_version = self.step
-        self.rolled_back_steps += before - self.step
-        if self.jsonl is not None:
-            self.jsonl.mark_resume(self.step, path)
-        self.window = {"gen_tokens": 0, "since": time.time()}
+        self.served_version = self.state.step
+        self.rolled_back_steps += before - self.state.step
+        if self.metrics.jsonl is not None:
+            self.metrics.jsonl.mark_resume(self.state.step, path)
+        self.metrics.restart_window()
         logger.warning(
             "learner replaced in %.1fs: rolled back from step %d to step %d (%s); %d group(s) in flight dropped",
             time.time() - started,
             before,
-            self.step,
+            self.state.step,
             path or "the start of the run",
             dropped,
         )
@@ -320,16 +283,11 @@ class Orchestrator:
             return out
 
         def evaluate(step: int) -> dict[str, float]:
-            self.last_eval = self.parts.evaluate()
-            return self.last_eval
-
-        def export(step: int) -> None:
-            path = os.path.join(self.output_dir, "hf", f"step-{step}")
-            self.learner.run("export_hf", path)
-            logger.info("exported the policy as a Hugging Face checkpoint to %s", path)
+            self.state.last_eval = self.parts.evaluate()
+            return self.state.last_eval
 
         def checkpoint(step: int) -> dict[str, float] | None:
-            if self.last_saved_step == step:
+            if self.checkpoints.last_saved_step == step:
                 return None
             return {"checkpoint/seconds": self.save_checkpoint()}
 
@@ -339,7 +297,7 @@ class Orchestrator:
                 StepHook("publish", cfg.broadcast.sync_every, publish),
                 StepHook("broadcast", cfg.broadcast.sync_every, broadcast, uses_learner=False),
                 StepHook("eval", cfg.orchestrator.eval_every, evaluate, uses_learner=False),
-                StepHook("export", cfg.model.export_every, export),
+                StepHook("export", cfg.model.export_every, self.checkpoints.export_hf),
                 StepHook("checkpoint", ck.every, checkpoint, at_end=ck.save_on_exit, when_stopping=ck.save_on_exit),
             ]
         )
@@ -347,197 +305,86 @@ class Orchestrator:
     def _begin_segment(self) -> None:
         """Groups accepted from now on belong to a new run segment, continuing the state just set up (fresh, or
         restored)."""
-        segment = self.rollouts.begin_segment(self.step)
-        logger.info("rollouts: run segment %d begins at step %d", segment, self.step)
+        segment = self.rollouts.begin_segment(self.state.step)
+        logger.info("rollouts: run segment %d begins at step %d", segment, self.state.step)
 
-    def _warm_start(self) -> dict[str, Any]:
-        """Supervised warm start on the environments' demonstrations (the same ones again when a learner that died
-        before the first checkpoint is replaced: an environment may draw them at random)."""
-        if self.config.learner.warm_start.steps <= 0:
-            return {}
-        if self._warm_examples is None:
-            self._warm_examples = self.parts.warm_start_examples()
-        examples = self._warm_examples
-        logger.info(
-            "warm start: %d supervised steps on %d demonstrations", self.config.learner.warm_start.steps, len(examples)
-        )
-        result = self.learner.run("warm_start", examples)
-        if result["losses"] and not result.get("cached"):  # a reused one: the learner's line says so
-            logger.info("warm start done in %.1fs, final loss %.4f", result["seconds"], result["losses"][-1])
-        return result
-
-    # ---- checkpoints --------------------------------------------------------------------------------
-    def _find_resume(self) -> str | None:
-        """The checkpoint to resume from (None: start fresh); refuses to mix runs when resuming is off."""
-        ckpt = self.config.checkpoint
-        latest = latest_checkpoint(self.config.checkpoint_dir)
-        if latest is not None and not ckpt.resume:
-            raise RunRefused(
-                f"checkpoint.resume is false but {self.config.checkpoint_dir} already holds checkpoints (latest: "
-                f"{latest}); set checkpoint.resume: true to continue that run, or choose another output_dir or "
-                "checkpoint.path"
-            )
-        return latest
-
+    # ---- checkpoints (`RunCheckpoints`) ---------------------------------------------------------------
     def _run_state(self) -> dict[str, Any]:
-        return {
-            "format": RUN_STATE_FORMAT,
-            "step": self.step,
-            "warm_start": self.warm,
-            "eval_start": self.eval_start,
-            "last_eval": self.last_eval,
-            "generated_tokens": self.total_gen_tokens,
-            "trained_tokens": self.total_trained_tokens,
-            **self.rollouts.state_dict(),
-        }
+        """The driver's state a checkpoint saves: the run's counters and the rollout controller's state."""
+        return {**self.state.state_dict(), **self.rollouts.state_dict()}
 
     def save_checkpoint(self) -> float:
-        """Checkpoint the run at the current step (no learner step may be in flight); returns seconds taken.
-
-        The driver's state is written first, then the learner's arrays, whose completion marker comes last; then
-        incomplete leftovers and checkpoints beyond `checkpoint.keep` are deleted.
-        """
-        start = time.time()
-        root = self.config.checkpoint_dir
-        path = self.parts.begin_checkpoint(root, self.step)
-        self.rollouts.flush()  # every group the checkpoint counts as accepted is in the rollout files first
-        write_json(path, RUN_STATE_FILE, self._run_state())
-        self.learner.run("save_checkpoint", path, self.step)
-        prune_checkpoints(root, self.config.checkpoint.keep)
-        self.last_saved_step = self.step
-        self._initial_state = self._warm_examples = None  # a dead learner now returns to this checkpoint
-        seconds = time.time() - start
-        logger.info("checkpoint: saved step %d to %s in %.1fs", self.step, path, seconds)
+        """Checkpoint the run at the current step (no learner step may be in flight); returns seconds taken
+        (`RunCheckpoints.save`). From then on a dead learner returns to this checkpoint."""
+        seconds = self.checkpoints.save(self.state.step, self._run_state())
+        self.warm_start.forget()
         return seconds
 
     def _restore(self, path: str) -> None:
         """Load the learner, buffers, problem order and counters from the complete checkpoint at `path`."""
-        state = read_json(path, RUN_STATE_FILE)
-        if int(state.get("format", 1)) > RUN_STATE_FORMAT:
-            raise ValueError(f"checkpoint {path} was written by a newer marin_rl (run state format {state['format']})")
-        step = int(state["step"])
-        if step != checkpoint_step(path):
-            raise ValueError(f"checkpoint {path}: run state is at step {step}, its marker at {checkpoint_step(path)}")
-        if set(state["pools"]) != set(self.pools):  # checked before the learner loads anything
-            raise ValueError(f"checkpoint {path} has envs {sorted(state['pools'])}, the config {sorted(self.pools)}")
-        version = self.learner.run("load_checkpoint", path)
-        if version != step:
-            raise ValueError(f"checkpoint {path}: the learner is at version {version}, the run at step {step}")
-        self._load_run_state(state)
-        self.last_saved_step = step
+        self._load_run_state(self.checkpoints.restore(path))
 
     def _load_run_state(self, state: dict[str, Any]) -> None:
         """Set the buffers, problem order and counters from a `_run_state()` (the learner is restored separately)."""
-        step = int(state["step"])
         self.rollouts.load_state_dict(state)
-        self.step = self.served_version = step
-        self.warm = state["warm_start"]
-        self.eval_start = state["eval_start"]
-        self.last_eval = state["last_eval"]
-        self.total_gen_tokens = int(state["generated_tokens"])
-        self.total_trained_tokens = int(state["trained_tokens"])
+        self.state.load_state_dict(state)
+        self.served_version = self.state.step
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Start everything, train (resuming from the latest checkpoint when there is one), and shut down."""
         cfg = self.config
-        start_time = self.started_at = time.time()
-        resume_path = self._find_resume()
-        self.data_report = preflight(cfg, resume_path)  # before anything starts: the run dir's config, the data
+        self.metrics.started_at = time.time()
+        resume_path = self.checkpoints.find_resume()
+        self.metrics.data_report = preflight(cfg, resume_path)  # before anything starts: the run dir's config, the data
         self.parts.start_backend()
         # After ray.init: Ray's driver installs its own SIGTERM handler (which aborts); ours must replace it.
         previous = self.stop.install()
-        tracker = None
         try:
             self.parts.start()
             if resume_path is not None:
                 self._restore(resume_path)
-                logger.info("resumed from step %d at %s", self.step, resume_path)
+                logger.info("resumed from step %d at %s", self.state.step, resume_path)
             self._begin_segment()
-            run_name = cfg.tracking.run_name or os.path.basename(os.path.normpath(self.output_dir))
-            tracker, self.jsonl = make_tracker(
-                self.output_dir,
-                cfg.tracking.wandb_mode,
-                cfg.tracking.wandb_project,
-                run_name,
-                resume_step=self.step if resume_path is not None else None,
-                resume_path=resume_path,
-            )
-            tracker.log_hyperparameters(_redacted(asdict(cfg)))
+            self.metrics.open(self.state.step if resume_path is not None else None, resume_path)
             if resume_path is None:
-                warm = self._warm_start()
-                self.warm = {"final_loss": warm["losses"][-1] if warm.get("losses") else None}
+                warm = self.warm_start.run()
+                self.state.warm_start = {"final_loss": warm["losses"][-1] if warm.get("losses") else None}
                 bmetrics = self.parts.broadcast()
-                self.eval_start = self.last_eval = self.parts.evaluate()
-                self._initial_state = self._run_state()  # where a learner that dies before a checkpoint returns
-                logger.info("eval at start: %s", _fmt(self.eval_start))
-                start = {
-                    **self.eval_start,
-                    **bmetrics,
-                    **self.data_report,
-                    "learner/version": 0,
-                    **self._clock(time.time()),
-                }
-                tracker.log(start, step=0)
+                self.state.eval_start = self.state.last_eval = self.parts.evaluate()
+                self.checkpoints.initial_state = self._run_state()  # a learner that dies before a checkpoint returns
+                self.metrics.log_start(self.state.eval_start, bmetrics)
             else:
                 self.parts.broadcast()  # the restored weights reach every server before any new generation
-            self.served_version = self.step
-            self.window = {"gen_tokens": 0, "since": time.time()}
+            self.served_version = self.state.step
+            self.metrics.restart_window()
             self.stop.armed = True
             self.profile = LoopProfile()
-            with StepProgress("RL", cfg.orchestrator.num_steps, start=self.step) as self.progress:
-                self._loop(tracker)
-            self.progress = None
+            with StepProgress("RL", cfg.orchestrator.num_steps, start=self.state.step) as self.metrics.progress:
+                self._loop()
+            self.metrics.progress = None
             self.stop.armed = False
             if self.stop.requested:
-                if cfg.checkpoint.save_on_exit and self.last_saved_step != self.step:
+                if cfg.checkpoint.save_on_exit and self.checkpoints.last_saved_step != self.state.step:
                     self.save_checkpoint()  # stopped between learner steps: nothing saved this step yet
                 raise KeyboardInterrupt("stopped on request after a checkpoint")
-            summary = self._summary(start_time, resume_path)
-            logger.info(format_profile(summary["profile"]))
-            tracker.log_summary(summary)
-            write_summary(self.output_dir, summary)
-            plot_rewards(self.output_dir, self.jsonl.history, self.env_names)
-            logger.info(headline_line(summary))
+            summary = run_summary(
+                cfg,
+                self.state,
+                self.parts,
+                self.metrics,
+                learner_restarts=self.learner_budget.spent,
+                rolled_back_steps=self.rolled_back_steps,
+                resumed_from=resume_path,
+                profile=self.profile.summary(),
+            )
+            report_summary(self.metrics, summary)
             return summary
         finally:
             self.stop.armed = False
-            if tracker is not None:
-                tracker.finish()
+            self.metrics.finish()
             self.parts.shutdown()
             self.stop.uninstall(previous)
-
-    def _summary(self, start_time: float, resume_path: str | None) -> dict[str, Any]:
-        summary = {
-            "steps": self.step,
-            **headline_summary(self.eval_start, self.last_eval, self.env_names),
-            "generated_tokens": self.total_gen_tokens,
-            "trained_tokens": self.total_trained_tokens,
-            **self.rollouts.totals(),
-            "server_restarts": self.parts.servers.restarts,
-            "learner_restarts": self.learner_budget.spent,
-            "rolled_back_steps": self.rolled_back_steps,
-            "server_addresses": list(self.parts.servers.addresses),
-            "broadcast_transport": self.parts.broadcast_transport,
-            "final_checkpoint": os.path.join(self.output_dir, "hf", f"step-{self.step}"),
-            "warm_start_steps": self.config.learner.warm_start.steps,
-            "warm_start_final_loss": self.warm.get("final_loss"),
-            "wall_time_s": time.time() - start_time,
-            "output_dir": self.output_dir,
-            "resumed_from": resume_path,
-            "profile": self.profile.summary(),
-            **self.data_report,
-        }
-        return summary
-
-
-def _redacted(hparams: dict[str, Any]) -> dict[str, Any]:
-    """The config as logged: secrets replaced."""
-    return without_secrets(hparams, "<redacted>")
-
-
-def _fmt(m: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.3f}" for k, v in m.items() if isinstance(v, float))
 
 
 def run(config: RunConfig) -> dict[str, Any]:

@@ -86,8 +86,8 @@ def test_ppo_quickstart_with_critic_and_gae_learns(tmp_path):
             "150",
             "--orchestrator.eval_every",
             "150",
-            "--orchestrator.num_cpus",
-            "2",
+            "--orchestrator.backend",  # PPO's Ray path: test_resume's PPO run, killed and resumed
+            "local",
             "--checkpoint.every",
             "0",
         ]

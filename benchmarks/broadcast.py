@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
                 # (measured here: 0.095 -> 0.27 of memcpy for 'ray' float32).
                 os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
                 store = (256 << 20) if args.smoke else (3 << 30)
-                ray.init(num_cpus=2, object_store_memory=store, include_dashboard=False, log_to_driver=False)
+                ray.init(
+                    address="local", num_cpus=2, object_store_memory=store, include_dashboard=False, log_to_driver=False
+                )
             for dtype in args.dtypes.split(","):
                 cast = None if dtype == "float32" else dtype
                 # Slots belong on a memory filesystem; the others write files to the temporary directory.

@@ -89,7 +89,7 @@ def test_bfloat16_broadcast_within_bf16_precision(name, tmp_path):
 
 def test_ray_object_store_round_trip_in_another_process(tmp_path):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
 
         @ray.remote(num_cpus=0)

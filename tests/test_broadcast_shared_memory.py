@@ -190,7 +190,7 @@ def test_embedded_server_serves_straight_from_the_slot(shm_dir):
 
 def test_auto_picks_shared_memory_on_one_machine_and_ray_when_it_cannot(monkeypatch, shm_dir):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
 
         @ray.remote(num_cpus=0)

@@ -148,7 +148,7 @@ def test_a_resource_lost_with_its_node_is_named_with_the_node():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, resources={"rollout_node": 1}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={"rollout_node": 1}, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

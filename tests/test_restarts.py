@@ -36,7 +36,7 @@ def test_a_replacement_fails_at_once_when_it_cannot_be_built_and_after_the_wait_
     import ray
     from ray.exceptions import RayActorError
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
 
         @ray.remote(num_cpus=0)

@@ -120,7 +120,7 @@ def served(vllm_env, tmp_path_factory):
         ),
         broadcast=BroadcastConfig(transport="in_process"),
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     shm_at_start = _shm_entries()
     started = time.time()
     actor = ServerActor.remote(config, "vllm-test")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from marked_processes import wait_until
 
 PARENT = textwrap.dedent(
@@ -39,6 +40,7 @@ def _members(pgid: int) -> list[int]:
     ]
 
 
+@pytest.mark.exclusive  # the clean-up's wall-clock bound
 def test_a_sigkilled_parent_takes_its_server_group_with_it():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parent = subprocess.Popen(

@@ -342,6 +342,7 @@ def _signal_when(proc: subprocess.Popen, log: Path, out: Path, sig: int, ready, 
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # the clean-up's wall-clock bound, and no dead run's weight slot anywhere
 def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_path):
     """Deterministic runs (orchestrator.deterministic): one uninterrupted; one SIGKILLed after a checkpoint and a
     later step, resumed, stopped with SIGTERM (clean stop: checkpoint at that step), resumed again to the end."""

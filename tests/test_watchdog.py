@@ -97,6 +97,7 @@ def test_a_sigkilled_driver_leaves_no_process_and_no_weight_slot(tmp_path):
             os.rmdir(slot_dir)
 
 
+@pytest.mark.exclusive  # any run starting meanwhile sweeps the dead driver's process first
 def test_the_next_run_sweeps_the_processes_of_a_dead_driver_whose_watchdog_died_too():
     gone = subprocess.Popen(["sleep", "60"])
     dead_driver = process_token(gone.pid)  # a driver that has died since

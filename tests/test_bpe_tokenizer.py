@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -24,9 +28,11 @@ from marin_rl.inference.client import PolicyClient, Sample
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.replay.store import read_rollouts
 from marin_rl.run import parse_config
 from marin_rl.tokenizer import TokenizerConfig, load_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1024
 MAX_SEQ_LEN = 256
 
@@ -270,3 +276,39 @@ def test_a_sampled_multi_turn_episode_is_the_templates_rendering(tok, server):
         for turn in r.turns:
             if not turn.is_sampled:
                 assert turn.token_ids == _enc(tok, tok.decode(turn.token_ids))
+
+
+# ---- the quickstart through the BPE tokenizer ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_quickstart_learns_through_the_bpe_tokenizer_and_chat_template(tmp_path):
+    """experiments/quickstart_bpe.yaml as shipped (local backend): held-out reward rises by at least 0.3, every
+    prompt is the chat template's rendering and every answer that stopped ends with the <|im_end|> it sampled."""
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    config = str(ROOT / "experiments" / "quickstart_bpe.yaml")
+    with open(log, "wb") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "marin_rl.run", "--config", config, "--output_dir", str(out)],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=3000,
+        )
+    assert done.returncode == 0, log.read_text()[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    gain = summary["eval_reward_end"] - summary["eval_reward_start"]
+    print(f"quickstart_bpe: held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}")
+    assert gain >= 0.3, summary
+    tok = load_tokenizer(TokenizerConfig(kind="bpe", vocab_size=VOCAB))
+    stored = read_rollouts(str(out / "rollouts" / "addition")).rollouts
+    assert stored
+    for s in stored[:2000]:
+        prompt, turn = s.rollout.turns
+        assert prompt.token_ids == _render_ids(
+            tok, [{"role": "user", "content": prompt.message}], add_generation_prompt=True
+        )
+        stopped = turn.inference_metadata.finish_reason == "stop"
+        assert (turn.token_ids[-1] == tok.eos_token_id) == stopped and tok.eos_token_id not in turn.token_ids[:-1]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    on_policy = [r for r in rows if r.get("batches/staleness/max") == 0 and "learner/logprob_diff_sampler/max_abs" in r]
+    assert on_policy and all(r["learner/logprob_diff_sampler/max_abs"] < 1e-4 for r in on_policy)

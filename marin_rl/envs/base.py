@@ -52,6 +52,40 @@ PROMPT_CACHE_SIZE = 1 << 16
 """Distinct prompts whose token ids an environment keeps (`SingleTurnEnvironment.encode_prompt`)."""
 
 
+# ---- chat-template helpers (the method is described in `marin_rl.envs.multi_turn`) -------------------------
+_ANCHOR_MARK = "MARINRLANCHOR7F3A"
+_ANCHOR = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _ANCHOR_MARK}]
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be used for token-exact multi-turn episodes (the message says why)."""
+
+
+def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat template")
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _after_mark(text: str, what: str) -> tuple[str, str]:
+    at = text.find(_ANCHOR_MARK)
+    if at < 0:
+        raise ChatTemplateError(f"the chat template drops assistant content ({what}); cannot locate turn boundaries")
+    return text[: at + len(_ANCHOR_MARK)], text[at + len(_ANCHOR_MARK) :]
+
+
+def assistant_close_text(tokenizer) -> str:
+    """The text the chat template puts after an assistant message's content (e.g. '<eos>', '<|im_end|>\\n')."""
+    _, close = _after_mark(_render(tokenizer, _ANCHOR, add_generation_prompt=False), "anchor")
+    return close
+
+
 class Environment(abc.ABC):
     """A task: training and held-out problems, and an episode that turns a problem into a scored `Rollout`.
 
@@ -202,8 +236,6 @@ class SingleTurnEnvironment(Environment):
             eos = self.tokenizer.eos_token_id
             stops = [] if eos is None else [int(eos)]
             if self.chat:
-                from marin_rl.envs.multi_turn import assistant_close_text  # multi_turn builds on this module
-
                 close = self.tokenizer(assistant_close_text(self.tokenizer), add_special_tokens=False)["input_ids"]
                 if close and close[0] in set(self.tokenizer.all_special_ids):
                     stops = [int(close[0])] + [t for t in stops if t != close[0]]

@@ -21,7 +21,7 @@ import yaml
 from marin_rl.bounds import bounded, check_fields, deferred_checks, field_errors
 from marin_rl.broadcast.base import BroadcastConfig
 from marin_rl.cli_help import preflight
-from marin_rl.envs.base import Environment, SamplingParams, load_environment_class
+from marin_rl.envs.base import Environment, SamplingParams, SingleTurnEnvironment, load_environment_class
 from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.inference.config import InferenceConfig
@@ -72,6 +72,12 @@ class EnvConfig:
     """Names of `reward_models` (the run's top-level list) whose scores are named rewards of this environment, each
     under the model's name and weighted by the environment's `reward_weights` (its `args.reward_weights`, or the
     class's), which must give each a weight (0 records the score without training on it)."""
+    chat_template: bool = False
+    """Single-turn environments: render each prompt with the tokenizer's chat template (`system_prompt`, then the
+    problem as the user message, then the generation prompt) and end the policy's turn at the template's
+    end-of-turn token (e.g. <|im_end|>). Multi-turn environments always render with it."""
+    system_prompt: str | None = None
+    """The system message of chat-rendered single-turn prompts (with `chat_template`; None: none)."""
     overlong_penalty: OverlongPenalty = field(default_factory=OverlongPenalty)
     """DAPO's soft overlong penalty of training rollouts (off unless `max_response_tokens` is set): the named reward
     'overlong' on each rollout's last sampled turn, 0 up to L_max - L_cache sampled tokens, falling linearly to -1
@@ -407,6 +413,8 @@ class RunConfig:
         self.curriculum.validate(names, {e.name: e.fraction for e in self.envs if e.fraction is not None})
         for e in self.envs:
             e.overlong_penalty.check(f"envs[{e.name}].overlong_penalty")
+            if e.system_prompt is not None and not e.chat_template:
+                raise ValueError(f"envs[{e.name}].system_prompt: a system message needs chat_template: true")
             if e.group_size < self.replay.min_group_size:
                 raise ValueError(
                     f"envs[{e.name}].group_size={e.group_size} < replay.min_group_size={self.replay.min_group_size}: "
@@ -520,9 +528,17 @@ def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: i
     if max_seq_len is not None and "max_seq_len" not in args and "max_seq_len" in inspect.signature(cls).parameters:
         args["max_seq_len"] = max_seq_len
     try:
-        return cls(tokenizer, name=env_config.name, seed=seed, **args)
+        env = cls(tokenizer, name=env_config.name, seed=seed, **args)
     except TypeError as e:
         raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from e
+    if env_config.chat_template:
+        if not isinstance(env, SingleTurnEnvironment):
+            raise ValueError(
+                f"envs[{env_config.name}].chat_template: {env_config.env_class} is not a single-turn environment "
+                "(multi-turn environments always render with the chat template; set their system_prompt in args)"
+            )
+        env.use_chat_template(env_config.system_prompt)
+    return env
 
 
 def _type_name(annotation: Any) -> str:

@@ -1,7 +1,9 @@
-"""Tokenizers: load a Hugging Face tokenizer from a local or `gs://` path, or build a character-level one.
+"""Tokenizers: load a Hugging Face tokenizer from a local or `gs://` path, or build one locally.
 
-The character tokenizer needs no network: every printable ASCII character is one token, plus the special
-tokens. It is saved in the standard HF format so the inference server and `transformers` load it like any other.
+The character tokenizer (the default) needs no network: every printable ASCII character is one token, plus the
+special tokens. The BPE tokenizer (`kind: bpe`, `marin_rl.bpe`) is a byte-level BPE trained locally, with Qwen's
+special tokens and ChatML chat template. Both are standard HF tokenizers, which the inference server and
+`transformers` use like any other.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from marin_rl.bounds import bounded
+from marin_rl.bpe import build_bpe_tokenizer
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Every message is '<|role|>content<eos>' (roles system, user, assistant, tool); the generation prompt is
@@ -42,9 +45,25 @@ class TokenizerConfig:
     """Which tokenizer to use."""
 
     path: str | None = None
-    """Local or `gs://` directory of a Hugging Face tokenizer. None builds the character-level tokenizer."""
+    """Local or `gs://` directory of a Hugging Face tokenizer (e.g. a checkpoint's). None builds the tokenizer that
+    `kind` names."""
+    kind: str = "char"
+    """Without `path`: 'char' (one token per printable ASCII character, role markers, <eos>) or 'bpe' (a byte-level
+    BPE of `vocab_size` tokens with Qwen's special tokens and ChatML chat template, trained locally and cached;
+    `marin_rl.bpe`)."""
     vocab_multiple: int = bounded(64, ge=1)
     """The character tokenizer's vocabulary is padded to a multiple of this (friendlier matmul shapes)."""
+    vocab_size: int = bounded(1024, ge=261)
+    """The BPE tokenizer's vocabulary size (kind 'bpe'): 256 bytes, merges, special and added tokens."""
+
+    def __post_init__(self):
+        if self.kind not in TOKENIZER_KINDS:
+            raise ValueError(f"tokenizer.kind must be one of {TOKENIZER_KINDS}, got {self.kind!r}")
+        if self.path is not None and self.kind != "char":
+            raise ValueError(f"tokenizer.kind: {self.kind!r} builds a tokenizer, but tokenizer.path loads one: set one")
+
+
+TOKENIZER_KINDS = ("char", "bpe")
 
 
 def build_char_tokenizer(vocab_multiple: int = 64) -> PreTrainedTokenizerFast:
@@ -76,6 +95,8 @@ def build_char_tokenizer(vocab_multiple: int = 64) -> PreTrainedTokenizerFast:
 def load_tokenizer(config: TokenizerConfig) -> PreTrainedTokenizerBase:
     """Load the configured tokenizer (copying a remote directory to a local temp dir first)."""
     if config.path is None:
+        if config.kind == "bpe":
+            return build_bpe_tokenizer(config.vocab_size)
         return build_char_tokenizer(config.vocab_multiple)
     path = config.path
     if "://" in path and not path.startswith("file://"):

@@ -16,6 +16,7 @@ PACKAGE = ROOT / "marin_rl"
 LAYERS: list[tuple[str, list[str]]] = [
     ("fields", ["bounds"]),
     ("logging", ["logs"]),
+    ("text", ["bpe"]),
     ("foundation", ["types", "tokenizer", "progress", "tracking", "report", "placement", "processes", "cli_help"]),
     ("model", ["model"]),
     ("replay", ["replay"]),

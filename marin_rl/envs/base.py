@@ -52,6 +52,40 @@ PROMPT_CACHE_SIZE = 1 << 16
 """Distinct prompts whose token ids an environment keeps (`SingleTurnEnvironment.encode_prompt`)."""
 
 
+# ---- chat-template helpers (the method is described in `marin_rl.envs.multi_turn`) -------------------------
+_ANCHOR_MARK = "MARINRLANCHOR7F3A"
+_ANCHOR = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _ANCHOR_MARK}]
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be used for token-exact multi-turn episodes (the message says why)."""
+
+
+def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat template")
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _after_mark(text: str, what: str) -> tuple[str, str]:
+    at = text.find(_ANCHOR_MARK)
+    if at < 0:
+        raise ChatTemplateError(f"the chat template drops assistant content ({what}); cannot locate turn boundaries")
+    return text[: at + len(_ANCHOR_MARK)], text[at + len(_ANCHOR_MARK) :]
+
+
+def assistant_close_text(tokenizer) -> str:
+    """The text the chat template puts after an assistant message's content (e.g. '<eos>', '<|im_end|>\\n')."""
+    _, close = _after_mark(_render(tokenizer, _ANCHOR, add_generation_prompt=False), "anchor")
+    return close
+
+
 class Environment(abc.ABC):
     """A task: training and held-out problems, and an episode that turns a problem into a scored `Rollout`.
 
@@ -148,20 +182,65 @@ class SingleTurnEnvironment(Environment):
 
     Subclasses implement the problems and either `score` or `reward_functions` (named rule-based reward functions,
     see `marin_rl.envs.rewards`); the named rewards are combined with `reward_weights` into the turn's reward.
+
+    The prompt is the problem's text as it is, and the policy's turn ends at EOS; after `use_chat_template` (an env's
+    `chat_template: true` in the config) it is the tokenizer's chat template rendering of a user message (after an
+    optional system message) with the generation prompt, and the turn ends at the template's end-of-turn token
+    (e.g. <|im_end|>) or EOS.
     """
 
     reward_functions: dict[str, RewardFunction] = {}
+    chat: bool = False
+    """Whether prompts are rendered with the tokenizer's chat template (`use_chat_template`)."""
+    system_prompt: str | None = None
+    """The system message of a chat-rendered prompt (None: none)."""
+
+    def use_chat_template(self, system_prompt: str | None = None) -> None:
+        """Render prompts with the tokenizer's chat template from now on: `system_prompt` (if given) and the
+        problem's prompt as the user message, then the generation prompt. Raises ValueError when the tokenizer has
+        no chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.name}: chat_template is set, but the tokenizer has no chat template")
+        self.chat, self.system_prompt = True, system_prompt
+        self.__dict__.pop("_prompt_ids", None)
+        self.__dict__.pop("_stop_token_ids", None)
+
+    def prompt_messages(self, problem: Problem) -> list[dict]:
+        """The chat messages of a problem's prompt (when rendered with the chat template)."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": "user", "content": problem.prompt}]
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        """Token ids of the prompt (no special tokens added; each distinct prompt is tokenized once per
-        environment)."""
+        """Token ids of the prompt: its text (no special tokens added) or, with the chat template, the rendered
+        messages and generation prompt. Each distinct prompt is tokenized once per environment."""
         cache = self.__dict__.setdefault("_prompt_ids", {})
         ids = cache.get(problem.prompt)
         if ids is None:
-            ids = tuple(self.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"])
+            if self.chat:
+                rendered = self.tokenizer.apply_chat_template(
+                    self.prompt_messages(problem), add_generation_prompt=True, tokenize=True
+                )
+                ids = tuple(int(t) for t in getattr(rendered, "input_ids", rendered))
+            else:
+                ids = tuple(self.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"])
             if len(cache) < PROMPT_CACHE_SIZE:
                 cache[problem.prompt] = ids
         return list(ids)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end the policy's turn: EOS; with the chat template, the template's end-of-turn token first
+        (when it is a special token other than EOS, e.g. <|im_end|> of a tokenizer whose EOS is <|endoftext|>)."""
+        stops = self.__dict__.get("_stop_token_ids")
+        if stops is None:
+            eos = self.tokenizer.eos_token_id
+            stops = [] if eos is None else [int(eos)]
+            if self.chat:
+                close = self.tokenizer(assistant_close_text(self.tokenizer), add_special_tokens=False)["input_ids"]
+                if close and close[0] in set(self.tokenizer.all_special_ids):
+                    stops = [int(close[0])] + [t for t in stops if t != close[0]]
+            self.__dict__["_stop_token_ids"] = stops
+        return list(stops)
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
         """Named rewards of a completion; combined with `reward_weights` into the turn's reward.
@@ -220,13 +299,12 @@ class SingleTurnEnvironment(Environment):
         self, policy: PolicyClient, problem: Problem, n: int, sampling: SamplingParams
     ) -> list[Rollout]:
         prompt_ids = self.encode_prompt(problem)
-        eos = self.tokenizer.eos_token_id
         samples = await policy.sample(
             prompt_ids,
             n=n,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
-            stop_token_ids=[eos] if eos is not None else None,
+            stop_token_ids=self.stop_token_ids or None,
         )
         completions = [s.text for s in samples]  # the server's decoding of the sampled ids (special tokens skipped)
         # concurrently: a reward model's client sends the group's completions in one request
@@ -272,19 +350,22 @@ def policy_turn(
 
 
 def reference_examples(env: Environment, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, completion_ids + EOS) of the reference completions of `env`'s training problems, for a
-    supervised warm start (problems without one are skipped; environments without `encode_prompt` give none)."""
+    """(prompt_ids, completion_ids + the end of the turn) of the reference completions of `env`'s training problems,
+    for a supervised warm start (problems without one are skipped; environments without `encode_prompt` give none).
+    The turn ends with the first of a single-turn environment's `stop_token_ids` (EOS, or the chat template's
+    end-of-turn token), else EOS."""
     encode = getattr(env, "encode_prompt", None)
     if encode is None:
         return []
     eos = tokenizer.eos_token_id
+    end = env.stop_token_ids[:1] if isinstance(env, SingleTurnEnvironment) else ([] if eos is None else [eos])
     out = []
     for p in env.train_problems():
         completion = env.reference_completion(p)
         if completion is None:
             continue
         ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-        out.append((encode(p), ids + ([eos] if eos is not None else [])))
+        out.append((encode(p), ids + end))
     return out
 
 

@@ -436,7 +436,10 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
         kept = []
         for start in range(0, len(problems), PROMPT_CHUNK):
             chunk = problems[start : start + PROMPT_CHUNK]
-            encoded = self.tokenizer([p.prompt for p in chunk], add_special_tokens=False)["input_ids"]
+            if self.chat:
+                encoded = [self.encode_prompt(p) for p in chunk]
+            else:
+                encoded = self.tokenizer([p.prompt for p in chunk], add_special_tokens=False)["input_ids"]
             for problem, ids in zip(chunk, encoded, strict=True):
                 with self.bad_rows.check():
                     if len(ids) + 1 > self.max_seq_len:
@@ -446,6 +449,17 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
                         )
                     kept.append(problem)
         return kept
+
+    def use_chat_template(self, system_prompt: str | None = None) -> None:
+        """As `SingleTurnEnvironment.use_chat_template`; the loaded problems are checked against `max_seq_len` again,
+        with their rendered prompts."""
+        super().use_chat_template(system_prompt)
+        self._train, self._eval = self.fitting(self._train), self.fitting(self._eval)
+        if not self._train or not self._eval:
+            raise DataFormatError(
+                f"{self.name}: no {'training' if not self._train else 'held-out'} problems fit max_seq_len="
+                f"{self.max_seq_len} once rendered with the chat template"
+            )
 
     def data_report(self) -> dict[str, int]:
         """The problem counts, and the rows `skip_bad_rows` left out: `skipped_malformed_rows`,

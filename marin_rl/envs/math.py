@@ -19,6 +19,7 @@ from marin_rl.envs.data import ProblemSetEnvironment, load_gsm8k, load_qa
 
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 FORMATS = ("gsm8k", "jsonl")
+DEMONSTRATIONS = ("answer", "solution")
 
 _MAX_ANSWER_CHARS = 200
 _MAX_EXPONENT = 1000
@@ -180,6 +181,8 @@ class MathEnvironment(ProblemSetEnvironment):
       skip_bad_rows: leave out (and count) malformed rows and problems whose prompt does not fit `max_seq_len`,
         instead of refusing the data (`ProblemSetEnvironment`).
       max_seq_len: given by the run (its `batcher.max_seq_len`): longer prompts are refused (or skipped).
+      demonstration: the warm-start completion: 'answer' (' ' + the final answer) or 'solution' (format 'gsm8k':
+        the row's worked solution, '... #### 42', with its '<<48/2=24>>' calculator annotations removed).
     """
 
     name = "math"
@@ -201,6 +204,7 @@ class MathEnvironment(ProblemSetEnvironment):
         storage_options: dict[str, Any] | None = None,
         skip_bad_rows: bool = False,
         max_seq_len: int | None = None,
+        demonstration: str = "answer",
     ):
         super().__init__(
             tokenizer,
@@ -212,6 +216,9 @@ class MathEnvironment(ProblemSetEnvironment):
         )
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        if demonstration not in DEMONSTRATIONS or (demonstration == "solution" and format != "gsm8k"):
+            raise ValueError(f"demonstration must be 'answer', or 'solution' (format gsm8k), got {demonstration!r}")
+        self.demonstration = demonstration
         if format == "gsm8k" and (question_field, answer_field) != ("question", "answer"):
             raise ValueError("question_field/answer_field apply to format 'jsonl'; GSM8K uses question/answer")
 
@@ -235,6 +242,12 @@ class MathEnvironment(ProblemSetEnvironment):
             eval_fraction,
             train_path if eval_path is None else f"{train_path} and {eval_path}",
         )
+
+    def reference_completion(self, problem: Problem) -> str:
+        """The final answer (' 42'), or with `demonstration: solution` the worked solution without annotations."""
+        if self.demonstration == "solution":
+            return re.sub(r"<<[^<>]*>>", "", str(problem.fields["solution"]))
+        return super().reference_completion(problem)
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
         return {"correct": verify(completion, problem.answer)}

@@ -31,7 +31,18 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from marin_rl.envs.base import Environment, Problem, SamplingParams, policy_turn
+from marin_rl.envs.base import (  # the chat-template helpers are re-exported here, where they are documented
+    _ANCHOR,
+    ChatTemplateError,
+    Environment,
+    Problem,
+    SamplingParams,
+    _after_mark,
+    _encode,
+    _render,
+    assistant_close_text,
+    policy_turn,
+)
 from marin_rl.envs.rewards import (
     RewardFunction,
     aevaluate_rewards,
@@ -40,38 +51,7 @@ from marin_rl.envs.rewards import (
 from marin_rl.inference.client import PolicyClient, Sample
 from marin_rl.types import ROLES, Rollout, Turn
 
-_ANCHOR_MARK = "MARINRLANCHOR7F3A"
-_ANCHOR = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _ANCHOR_MARK}]
 ENV_ROLES = tuple(r for r in ROLES if r != "assistant")
-
-
-class ChatTemplateError(ValueError):
-    """The tokenizer's chat template cannot be used for token-exact multi-turn episodes (the message says why)."""
-
-
-def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat template")
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _after_mark(text: str, what: str) -> tuple[str, str]:
-    at = text.find(_ANCHOR_MARK)
-    if at < 0:
-        raise ChatTemplateError(f"the chat template drops assistant content ({what}); cannot locate turn boundaries")
-    return text[: at + len(_ANCHOR_MARK)], text[at + len(_ANCHOR_MARK) :]
-
-
-def assistant_close_text(tokenizer) -> str:
-    """The text the chat template puts after an assistant message's content (e.g. '<eos>', '<|im_end|>\\n')."""
-    _, close = _after_mark(_render(tokenizer, _ANCHOR, add_generation_prompt=False), "anchor")
-    return close
 
 
 def rendered_delta(tokenizer, messages: list[dict]) -> tuple[list[int], int]:

@@ -38,6 +38,7 @@ from levanter.layers.attention import Attention
 from levanter.layers.sampler import Sampler
 from levanter.models.llama import LlamaDecoderLayer
 from levanter.models.lm_model import LmHeadModel
+from levanter.models.qwen import QwenDecoderLayer
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,9 @@ def check_supported(model: LmHeadModel) -> None:
             "(use inference.levanter.engine: paged)"
         )
     layer = layers.unstacked()[0]
-    if not isinstance(layer, LlamaDecoderLayer):
+    if isinstance(layer, QwenDecoderLayer) and layer.config.use_sliding_window:
+        raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
+    if not isinstance(layer, LlamaDecoderLayer | QwenDecoderLayer):  # Qwen2: Llama's layer without extra norms
         raise ValueError(
             f"the dense engine decodes Llama-family models (LlamaDecoderLayer stacks), not {type(model).__name__} "
             f"({type(layer).__name__} layers); use inference.levanter.engine: paged"
@@ -86,7 +89,7 @@ def check_supported(model: LmHeadModel) -> None:
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
 
 
-def _layer_step(layer: LlamaDecoderLayer, x: hax.NamedArray, cache, t, pos_ids: hax.NamedArray):
+def _layer_step(layer: LlamaDecoderLayer | QwenDecoderLayer, x: hax.NamedArray, cache, t, pos_ids: hax.NamedArray):
     """One decoder layer on one token per row (`x`: [batch, position=1, embed]) at position `t`, reading and
     extending the dense cache (keys [batch, kv_head, head_size, S], values [batch, kv_head, S, head_size]); mirrors
     `LlamaDecoderLayer.decode` with `Attention.paged_decode`."""
@@ -111,12 +114,12 @@ def _layer_step(layer: LlamaDecoderLayer, x: hax.NamedArray, cache, t, pos_ids: 
     out = hax.named(out[:, None], ("batch", "position", "kv_head", "q_heads_per_group", "head_size"))
     out = out.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(x.dtype)
     attn_output = attn.o_proj(out, key=None)
-    if layer.post_attn_layernorm is not None:
+    if getattr(layer, "post_attn_layernorm", None) is not None:
         attn_output = layer.post_attn_layernorm(attn_output)
     x = residual + attn_output
     residual = x
     mlp_output = layer.mlp(layer.post_attention_layernorm(x), key=None)
-    if layer.post_mlp_layernorm is not None:
+    if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_output = layer.post_mlp_layernorm(mlp_output)
     return residual + mlp_output, (keys, values)
 

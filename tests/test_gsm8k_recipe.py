@@ -1,0 +1,124 @@
+"""The GSM8K recipes: gsm8k_qwen.yaml is accepted once its paths point at a Qwen-shaped checkpoint and its tokenizer,
+the shipped word problems are what their script writes and verify, and gsm8k_qwen_tiny.yaml runs to completion."""
+
+from __future__ import annotations
+
+import dataclasses
+import filecmp
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from marin_rl.bpe import build_bpe_tokenizer
+from marin_rl.envs.math import MathEnvironment, verify
+from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.hf import export_hf_checkpoint
+from marin_rl.model.hf_config import architecture_from_hf
+from marin_rl.replay.store import read_rollouts
+from marin_rl.run import parse_config
+from marin_rl.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "experiments" / "data" / "word_problems"
+
+
+def test_the_real_recipe_is_accepted_with_a_qwen_shaped_checkpoint_and_its_tokenizer(tmp_path):
+    tiny = parse_config(["--config", str(ROOT / "experiments" / "gsm8k_qwen_tiny.yaml")])
+    tok = build_bpe_tokenizer(tiny.tokenizer.vocab_size, cache_dir=tmp_path / "cache")
+    model = build_model(ModelConfig(architecture=tiny.model.architecture), len(tok))
+    checkpoint = export_hf_checkpoint(model, tok, str(tmp_path / "qwen-tiny"))
+    config = parse_config(
+        [
+            "--config",
+            str(ROOT / "experiments" / "gsm8k_qwen.yaml"),
+            "--model.init_from_hf",
+            checkpoint,
+            "--tokenizer.path",
+            checkpoint,
+        ]
+    )
+    assert config.model.init_from_hf == config.tokenizer.path == checkpoint
+    assert config.learner.loss.objective == "decoupled" and config.envs[0].chat_template
+    env = config.envs[0]
+    assert env.env_class == "marin_rl.envs.math:MathEnvironment" and env.sampling.max_tokens >= 256
+    # the recipe's architecture is the checkpoint's in everything but the sizes (Qwen2.5: GQA, qkv bias, tying, rope)
+    derived = architecture_from_hf(checkpoint, config.model.architecture.max_seq_len)
+    sizes = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads", "layer_norm_epsilon")
+    recipe = config.model.architecture
+    assert type(derived) is type(recipe)
+    for f in dataclasses.fields(recipe):
+        if f.name not in sizes and f.name not in ("gradient_checkpointing", "scan_layers", "reference_checkpoint"):
+            assert getattr(derived, f.name) == getattr(recipe, f.name), f.name
+    assert recipe.num_kv_heads < recipe.num_heads and recipe.tie_word_embeddings
+    # the tokenizer loads from the checkpoint's directory with its chat template and stops at <|im_end|>
+    loaded = load_tokenizer(config.tokenizer)
+    assert len(loaded) == len(tok) and loaded.eos_token == "<|im_end|>" and loaded.chat_template == tok.chat_template
+
+
+def test_the_shipped_word_problems_are_what_the_script_writes_and_verify(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "word_problems.py"), str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("train.jsonl", "test.jsonl"):
+        assert filecmp.cmp(tmp_path / name, DATA / name, shallow=False), f"{name} differs from the script's output"
+    tok = build_bpe_tokenizer(1024, cache_dir=tmp_path / "cache")
+    env = MathEnvironment(
+        tok,
+        train_path=str(DATA / "train.jsonl"),
+        eval_path=str(DATA / "test.jsonl"),
+        demonstration="solution",
+        max_seq_len=192,
+    )
+    assert len(env.train_problems()) == 320 and len(env.eval_problems()) == 80
+    questions = lambda problems: {p.fields["question"] for p in problems}
+    assert not questions(env.train_problems()) & questions(env.eval_problems())
+    for p in env.train_problems() + env.eval_problems():
+        demo = env.reference_completion(p)
+        assert "<<" not in demo and verify(demo, p.answer) == 1.0 and demo.endswith(f"#### {p.answer}")
+    with pytest.raises(ValueError, match="demonstration must be"):
+        MathEnvironment(tok, train_path=str(DATA / "train.jsonl"), format="jsonl", demonstration="solution")
+
+
+@pytest.mark.slow
+def test_the_tiny_gsm8k_recipe_trains_evaluates_and_finishes(tmp_path):
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    with open(log, "wb") as f:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "marin_rl.run",
+                "--config",
+                str(ROOT / "experiments" / "gsm8k_qwen_tiny.yaml"),
+                "--output_dir",
+                str(out),
+            ],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+        )
+    assert done.returncode == 0, log.read_text()[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    print("GSM8K tiny:", {k: summary[k] for k in ("eval_reward_start", "eval_reward_end", "steps", "wall_time_s")})
+    assert summary["steps"] == 6
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/gsm8k/reward" in r] == [0, 3, 6]
+    assert len([r for r in rows if "learner/loss" in r]) == 6
+    # the policy's turns: chat-rendered prompts, and a sampled <|im_end|> (the tokenizer's EOS) ends a turn
+    tok = build_bpe_tokenizer(1024, cache_dir=tmp_path / "cache")
+    stored = read_rollouts(str(out / "rollouts" / "gsm8k")).rollouts
+    assert stored
+    for s in stored:
+        prompt, turn = s.rollout.turns
+        assert tok.decode(prompt.token_ids).startswith("<|im_start|>system\nSolve the problem step by step.")
+        assert tok.decode(prompt.token_ids).endswith("<|im_end|>\n<|im_start|>assistant\n")
+        stopped = turn.inference_metadata.finish_reason == "stop"
+        assert (turn.token_ids[-1] == tok.eos_token_id) == stopped
+        assert tok.eos_token_id not in turn.token_ids[:-1] and "<|im_end|>" not in turn.message
+    assert any(s.rollout.turns[1].inference_metadata.finish_reason == "stop" for s in stored)

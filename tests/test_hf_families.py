@@ -218,21 +218,45 @@ def test_honoured_settings_pass(cfg):
     assert unhonoured_setting(cfg, 128) is None
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_dense_engine_samples_what_the_learner_scores_on_a_checkpoint_of_the_family(reference, name):
+    """The dense engine decodes Llama and Qwen2 layers (qkv bias, GQA, tied embeddings): the logprob it reports for
+    each token it samples equals the learner's forward on the sampled sequence (itself equal to transformers')."""
+    from test_dense_engine import _request
+
+    from marin_rl.inference.dense_engine import DenseEngine
+    from marin_rl.inference.levanter_server import _FullDistributionSampler
+
+    root, ref = reference
+    path = root / name
+    model = build_model(ModelConfig(architecture=architecture_from_hf(str(path)), init_from_hf=str(path)), _vocab(path))
+    engine = DenseEngine(
+        model, _FullDistributionSampler(model.Vocab), max_seqs=8, max_seq_len=64, max_stop_seqs=1, max_stop_tokens=1
+    )
+    prompts = np.asarray(ref["sequences"])[:, :8]
+    out = engine.generate([_request(list(p), 10 + i, 6, rid=i) for i, p in enumerate(prompts)])
+    assert all(len(t) == 6 for t in out.tokens)
+    sequences = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
+    want = _learner_logprobs(path, sequences)[:, 7:]  # the logprob of token t+1 given the tokens up to t
+    delta = float(np.abs(np.asarray(out.logprobs) - want).max())
+    print(f"PARITY dense {name} max|dlogprob|={delta:.2e}")
+    assert delta <= TOLERANCE, f"{name}: the dense engine's logprobs differ from the learner's by {delta:.2e}"
+
+
 @pytest.mark.parametrize(
     ("name", "family"),
     [
-        ("qwen2", "QwenLMHeadModel"),
         ("olmo2", "Olmo2LMHeadModel"),
         ("gemma2", "Gemma2LMHeadModel"),
         ("gemma3", "Gemma3LMHeadModel"),
     ],
 )
 def test_dense_engine_refuses_other_families_by_name(reference, name, family):
-    """The dense engine decodes Llama-family layers only; a checkpoint of another family is refused at start."""
+    """The dense engine decodes Llama and Qwen2 layers only; a checkpoint of another family is refused at start."""
     from marin_rl.inference.dense_engine import check_supported
 
     root, _ = reference
     arch = architecture_from_hf(str(root / name))
     model = arch.build(hax.Axis("vocab", _vocab(root / name)), key=jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match=rf"decodes Llama-family models .*not {family} .*engine: paged"):
+    with pytest.raises(ValueError, match=rf"decodes Llama and Qwen2 models .*not {family} .*engine: paged"):
         check_supported(model)

@@ -68,7 +68,7 @@ def check_supported(model: LmHeadModel) -> None:
     layers = getattr(transformer, "layers", None)
     if layers is None or not hasattr(layers, "unstacked"):
         raise ValueError(
-            f"the dense engine decodes Llama-family models; {type(model).__name__} has no layer stack "
+            f"the dense engine decodes Llama and Qwen2 models; {type(model).__name__} has no layer stack "
             "(use inference.levanter.engine: paged)"
         )
     layer = layers.unstacked()[0]
@@ -76,7 +76,7 @@ def check_supported(model: LmHeadModel) -> None:
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
     if not isinstance(layer, LlamaDecoderLayer | QwenDecoderLayer):  # Qwen2: Llama's layer without extra norms
         raise ValueError(
-            f"the dense engine decodes Llama-family models (LlamaDecoderLayer stacks), not {type(model).__name__} "
+            f"the dense engine decodes Llama and Qwen2 models (their decoder layer stacks), not {type(model).__name__} "
             f"({type(layer).__name__} layers); use inference.levanter.engine: paged"
         )
     attn = layer.self_attn

@@ -212,6 +212,9 @@ def unhonoured_setting(cfg: dict[str, Any], max_seq_len: int) -> str | None:
             return f"{key}: {value} is not applied by Levanter's {model_type} architecture"
     if model_type == "qwen2" and cfg.get("attention_bias", True) is not True:
         return "attention_bias: false (Levanter's Qwen2 always has query, key and value biases)"
+    if model_type == "qwen2" and cfg.get("no_bias", True) is not True:
+        # Levanter's own key (its Qwen export writes it): false gives the MLP biases transformers' Qwen2 lacks
+        return "no_bias: false (Levanter's Qwen2 would add MLP biases that transformers' Qwen2 does not have)"
     if model_type in ("gemma2", "gemma3_text"):
         scalar, head_dim = cfg.get("query_pre_attn_scalar"), cfg.get("head_dim")
         if scalar is not None and head_dim is not None and scalar != head_dim:
@@ -253,10 +256,10 @@ def unread_setting(arch: HFCompatConfig, cfg: dict[str, Any]) -> str | None:
     """`key: reason` for a setting of the normalised HF config `cfg` that the HF config class `arch` converts
     through (transformers 4.x's) does not define, so that Levanter would never read it; None if there is none.
     Unset (null or false) settings and those checked elsewhere (`head_dim` against the built head size, Qwen2's
-    `attention_bias` in `unhonoured_setting`) are not counted."""
+    `attention_bias` and Levanter's own `no_bias` in `unhonoured_setting`) are not counted."""
     hf_class = type(arch.to_hf_config(int(cfg.get("vocab_size") or 0)))
     known = set(hf_class().to_dict())
-    checked = {"head_dim"} | ({"attention_bias"} if cfg.get("model_type") == "qwen2" else set())
+    checked = {"head_dim"} | ({"attention_bias", "no_bias"} if cfg.get("model_type") == "qwen2" else set())
     unknown = sorted(k for k in set(_compared(cfg)) - known - checked if cfg[k] not in (None, False))
     if not unknown:
         return None

@@ -107,7 +107,7 @@ class AgentEnvironment(Environment):
         self.agent = load_object(agent, "agent")
         if not inspect.iscoroutinefunction(self.agent):
             raise ValueError(f"agent {agent!r} must be an async function agent(client, task)")
-        self.demonstration = getattr(inspect.getmodule(self.agent), "demonstration", None)
+        self.demonstration = getattr(self.agent, "__globals__", {}).get("demonstration")
         self.verifier = load_object(verifier, "verifier")
         self.reward_functions = {"correct": self.verifier}
         if not request_timeout_s > 0:

@@ -13,6 +13,9 @@ It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this projec
 * `echo: true` with `max_tokens: 0` scores the prompt instead of sampling (OpenAI's legacy prompt logprobs, served by
   vLLM too): each choice echoes its prompt's tokens, `logprobs.token_logprobs` holding the logprob of each given the
   ones before it (`null` for the first), from the backend's `score`;
+* `POST /v1/chat/completions` is OpenAI's chat route over the same backend (`chat`: the chat template renders the
+  messages and tools, tool calls are parsed from the output); a request that names a session has every choice's
+  tokens recorded (`sessions`), and `POST /v1/sessions/{id}/pop` returns and forgets a session's records;
 * `GET /v1/version` is the version served now; `/health` answers 503 with the reason when the server has failed.
 
 A backend (`CompletionBackend`) turns a validated request into `Completion`s; `openai_app` builds the FastAPI app
@@ -21,8 +24,9 @@ and its checks are `completion_request`'s. Every error is in OpenAI's shape, `{"
 "code"}}`: a request the client got wrong is a 400 naming the field (`param`), never a 500; an unavailable backend
 is a 503; an unexpected failure is a 500 whose traceback the server logs.
 
-With an API key (`inference.api_key`), `/v1/completions` and `/v1/models` need `Authorization: Bearer <key>` (401
-without it, as OpenAI answers); `/health` and `/v1/version` stay open for monitors.
+With an API key (`inference.api_key`), `/v1/completions`, `/v1/chat/completions`, `/v1/sessions` and `/v1/models`
+need `Authorization: Bearer <key>` (401 without it, as OpenAI answers); `/health` and `/v1/version` stay open
+for monitors.
 
 Routes that change what is served — `POST /v1/control/pause`, `/v1/control/resume` and `/v1/control/weights`
 (apply the latest published weights) — require the run's secret as `Authorization: Bearer <secret>`: 401 without

@@ -127,3 +127,25 @@ def test_bad_agent_paths_are_named():
         load_object("solve", "agent")
     with pytest.raises(ValueError, match="must be an async function"):
         _env(tok, agent="experiments/openai_agent.py:calc")
+
+
+@pytest.mark.slow
+def test_the_sdk_only_agent_learns_end_to_end(tmp_path):
+    """experiments/openai_agent.yaml as shipped: the agent (openai SDK only) is trained through the capturing chat
+    route; its held-out reward rises by at least 0.2 and no rollout is dropped for a broken prefix."""
+    import json
+
+    from marin_rl.run import parse_config, run
+
+    out = tmp_path / "run"
+    config = parse_config(
+        ["--config", "experiments/openai_agent.yaml", "--output_dir", str(out), "--orchestrator.num_cpus", "2"]
+    )
+    summary = run(config)
+    assert summary["eval_reward_end"] - summary["eval_reward_start"] >= 0.2, summary
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "learner/loss" in r]
+    assert len(steps) == config.orchestrator.num_steps
+    dropped = max(r.get("replays/openai_agent/dropped/prefix_mismatch", 0) for r in steps)
+    accepted = steps[-1]["replays/openai_agent/accepted_groups"]
+    assert dropped <= 0.05 * accepted * config.envs[0].group_size, (dropped, accepted)

@@ -89,6 +89,7 @@ class AgentEnvironment(Environment):
 
     name = "agent"
     reward_weights = {"correct": 1.0}
+    driver_check = True  # construction imports the agent and builds the task problems: a bad path stops the run early
 
     def __init__(
         self,

@@ -16,7 +16,10 @@ PACKAGE = ROOT / "marin_rl"
 LAYERS: list[tuple[str, list[str]]] = [
     ("fields", ["bounds"]),
     ("logging", ["logs"]),
-    ("foundation", ["types", "tokenizer", "tool_calls", "progress", "tracking", "report", "placement", "processes", "cli_help"]),
+    (
+        "foundation",
+        ["types", "tokenizer", "tool_calls", "progress", "tracking", "report", "placement", "processes", "cli_help"],
+    ),
     ("model", ["model"]),
     ("replay", ["replay"]),
     ("broadcast", ["broadcast"]),

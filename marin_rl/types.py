@@ -19,6 +19,10 @@ import jax
 import numpy as np
 
 ROLES = ("system", "user", "assistant", "tool")
+DROP_REASON = "drop_reason"
+"""The `Rollout.metadata` key by which an environment marks a rollout not to train on (its tokens cannot be trusted,
+e.g. a token capture whose turns do not extend each other): the value is a short reason code. The rollout still
+counts in its group's advantages; the replay buffer drops it unused, counted under `replays/{env}/dropped/{reason}`."""
 
 
 class RolloutFormatError(ValueError):

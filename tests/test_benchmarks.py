@@ -14,6 +14,7 @@ BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
 FIGURE = {  # the last line each benchmark prints: name=value
     "broadcast": "broadcast_over_memcpy",
     "broadcast_nodes": "cross_node_over_memcpy",
+    "chat": "chat_over_completions",
     "colocated": "default_over_local",
     "credit_assignment": "turn_over_group_reward",
     "distillation": "distill_over_rl",

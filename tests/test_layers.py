@@ -17,7 +17,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("fields", ["bounds"]),
     ("logging", ["logs"]),
     ("text", ["bpe"]),
-    ("foundation", ["types", "tokenizer", "progress", "tracking", "report", "placement", "processes", "cli_help"]),
+    (
+        "foundation",
+        ["types", "tokenizer", "tool_calls", "progress", "tracking", "report", "placement", "processes", "cli_help"],
+    ),
     ("model", ["model"]),
     ("replay", ["replay"]),
     ("broadcast", ["broadcast"]),

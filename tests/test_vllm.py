@@ -414,3 +414,38 @@ def test_lora_versions_are_merged_by_the_front_end_and_vllm_samples_what_the_lea
     assert all(r.turns[1].inference_metadata.version_end == 1 for r in rollouts)
     diff = np.abs(learner.logprobs(batch) - batch.sampler_logprobs)[batch.loss_mask]
     assert diff.max() <= 1e-4, f"vLLM/learner logprob mismatch with LoRA adapters {diff.max()}"
+
+
+@pytest.mark.slow
+def test_openai_client_talks_to_the_vllm_front_ends_chat_route(served):
+    """The chat route of the shared front end over vLLM: the official client's answer, its session's capture (what
+    vLLM sampled, token for token), and tools rendered into the prompt (here: past this model's 128-token context,
+    refused naming `messages`)."""
+    import openai
+
+    from marin_rl.inference.chat import ChatMessage, render_prompt, template_messages
+
+    tok, address = served["tok"], served["address"]
+    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "12+7="}]
+    answer = client.chat.completions.create(
+        model="policy",
+        messages=messages,
+        max_tokens=6,
+        logprobs=True,
+        extra_headers={"X-Session-Id": "vllm-chat"},
+        extra_body={"return_token_ids": True},
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.role == "assistant"
+    popped = httpx.post(f"http://{address}/v1/sessions/vllm-chat/pop").json()
+    [record] = popped["records"]
+    prompt = render_prompt(tok, template_messages([ChatMessage.model_validate(m) for m in messages], tok), None)
+    assert record["prompt_ids"] == prompt == answer.model_extra["prompt_token_ids"]
+    assert record["token_ids"] == choice.model_extra["token_ids"]
+    assert record["logprobs"] == pytest.approx([c.logprob for c in choice.logprobs.content])
+    assert record["token_versions"] == [0] * len(record["token_ids"])
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="policy", messages=messages, tools=[tool])
+    assert e.value.param == "messages"

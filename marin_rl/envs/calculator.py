@@ -215,3 +215,8 @@ class CalculatorEnvironment(ToolEnvironment):
             {"role": "tool", "name": "calculate", "content": calculate(expression)},
             {"role": "assistant", "content": problem.answer},
         ]
+
+
+def final_number_correct(prompt: str, completion: str, prompt_ids, completion_ids, answer: str) -> float:
+    """Reward function: 1 when the last number of `completion` is exactly `answer` (`answer_is_correct`), else 0."""
+    return float(answer_is_correct(completion, answer))

@@ -48,6 +48,7 @@ from marin_rl.envs.rewards import (
     aevaluate_rewards,
     combine_rewards,
 )
+from marin_rl.inference.chat import end_of_turn_ids
 from marin_rl.inference.client import PolicyClient, Sample
 from marin_rl.types import ROLES, Rollout, Turn
 
@@ -124,15 +125,7 @@ class Conversation:
                 token_ids=[int(t) for t in ids],
             )
         ]
-        close_ids = _encode(tokenizer, assistant_close_text(tokenizer))
-        stops = list(stop_token_ids) if stop_token_ids else []
-        if not stops:
-            if tokenizer.eos_token_id is not None:
-                stops.append(int(tokenizer.eos_token_id))
-            # The end-of-turn token (e.g. <|im_end|>) ends a policy turn too, when it is a special token.
-            if close_ids and close_ids[0] in set(tokenizer.all_special_ids) and close_ids[0] not in stops:
-                stops.append(int(close_ids[0]))
-        self.stop_token_ids: list[int] = stops
+        self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else end_of_turn_ids(tokenizer)
         """Token ids that end a policy turn (EOS and the template's end-of-turn token, unless given)."""
 
     # ---- views ------------------------------------------------------------------------------------------

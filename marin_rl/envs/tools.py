@@ -32,71 +32,14 @@ from transformers.utils import get_json_schema
 
 from marin_rl.envs.base import Problem
 from marin_rl.envs.multi_turn import Conversation, EnvResponse, MultiTurnEnvironment
-
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-
-
-@dataclass
-class ToolCall:
-    """A well-formed tool call parsed from policy output."""
-
-    name: str
-    """Name of the tool to call."""
-    arguments: dict[str, Any]
-    """Keyword arguments of the call."""
-
-
-@dataclass
-class MalformedToolCall:
-    """A `<tool_call>` block that could not be parsed."""
-
-    text: str
-    """The offending text (inside the tags, or from the opening tag on if it is unterminated)."""
-    error: str
-    """What is wrong with it."""
-
-
-def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """The text of a tool call in the format `parse_tool_calls` reads."""
-    return f"{TOOL_CALL_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{TOOL_CALL_CLOSE}"
-
-
-def _parse_call(body: str) -> ToolCall | MalformedToolCall:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return MalformedToolCall(body, f"invalid JSON ({e.msg} at character {e.pos})")
-    if not isinstance(obj, dict):
-        return MalformedToolCall(body, 'expected a JSON object {"name": ..., "arguments": {...}}')
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return MalformedToolCall(body, "missing tool 'name'")
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return MalformedToolCall(body, f"'arguments' is a string but not valid JSON ({e.msg})")
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        return MalformedToolCall(body, f"'arguments' must be a JSON object, got {type(args).__name__}")
-    return ToolCall(name, args)
-
-
-def parse_tool_calls(text: str) -> list[ToolCall | MalformedToolCall]:
-    """Every `<tool_call>...</tool_call>` block of `text`, in order (an unterminated one ends the list)."""
-    calls: list[ToolCall | MalformedToolCall] = []
-    pos = 0
-    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
-        end = text.find(TOOL_CALL_CLOSE, start)
-        if end < 0:
-            calls.append(MalformedToolCall(text[start:], f"unterminated {TOOL_CALL_OPEN} (no {TOOL_CALL_CLOSE})"))
-            break
-        calls.append(_parse_call(text[start + len(TOOL_CALL_OPEN) : end].strip()))
-        pos = end + len(TOOL_CALL_CLOSE)
-    return calls
+from marin_rl.tool_calls import (  # noqa: F401 - the format's names, re-exported for environments
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    MalformedToolCall,
+    ToolCall,
+    format_tool_call,
+    parse_tool_calls,
+)
 
 
 def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, Any]:

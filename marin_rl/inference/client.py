@@ -142,6 +142,8 @@ class PolicyClient:
             raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}")
         self.servers = list(servers)
         self.model = model
+        self.api_key = api_key
+        """What the servers' `inference.api_key` asks for (None: nothing); chat agents reuse it."""
         self.max_prompts_per_request = max_prompts_per_request
         headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
         self._http = {
@@ -176,6 +178,11 @@ class PolicyClient:
 
     UNREACHABLE_S = 30.0
     """How long a server that refused a connection gets no new requests while others are there."""
+
+    def pick_server(self) -> str:
+        """The server a new conversation should go to (the one `sample` would send a request to now), e.g. an
+        agent's chat session, which stays on one server so that its token capture is in one place."""
+        return self._pick_server([])
 
     def _pick_server(self, exclude: list[str]) -> str:
         """The reachable server with the fewest outstanding requests (those that just failed to connect last)."""

@@ -13,6 +13,9 @@ It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this projec
 * `echo: true` with `max_tokens: 0` scores the prompt instead of sampling (OpenAI's legacy prompt logprobs, served by
   vLLM too): each choice echoes its prompt's tokens, `logprobs.token_logprobs` holding the logprob of each given the
   ones before it (`null` for the first), from the backend's `score`;
+* `POST /v1/chat/completions` is OpenAI's chat route over the same backend (`chat`: the chat template renders the
+  messages and tools, tool calls are parsed from the output); a request that names a session has every choice's
+  tokens recorded (`sessions`), and `POST /v1/sessions/{id}/pop` returns and forgets a session's records;
 * `GET /v1/version` is the version served now; `/health` answers 503 with the reason when the server has failed.
 
 A backend (`CompletionBackend`) turns a validated request into `Completion`s; `openai_app` builds the FastAPI app
@@ -21,8 +24,9 @@ and its checks are `completion_request`'s. Every error is in OpenAI's shape, `{"
 "code"}}`: a request the client got wrong is a 400 naming the field (`param`), never a 500; an unavailable backend
 is a 503; an unexpected failure is a 500 whose traceback the server logs.
 
-With an API key (`inference.api_key`), `/v1/completions` and `/v1/models` need `Authorization: Bearer <key>` (401
-without it, as OpenAI answers); `/health` and `/v1/version` stay open for monitors.
+With an API key (`inference.api_key`), `/v1/completions`, `/v1/chat/completions`, `/v1/sessions` and `/v1/models`
+need `Authorization: Bearer <key>` (401 without it, as OpenAI answers); `/health` and `/v1/version` stay open
+for monitors.
 
 Routes that change what is served — `POST /v1/control/pause`, `/v1/control/resume` and `/v1/control/weights`
 (apply the latest published weights) — require the run's secret as `Authorization: Bearer <secret>`: 401 without
@@ -49,6 +53,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from marin_rl.inference.chat import (
+    apply_sampling_headers,
+    chat_message,
+    chat_response,
+    check_chat_request,
+    end_of_turn_ids,
+    logprobs_content,
+    parse_chat_request,
+)
 from marin_rl.inference.completion_request import (
     SERVED_MODEL_NAME,
     CompletionRequest,
@@ -58,6 +71,7 @@ from marin_rl.inference.completion_request import (
     openai_error,
     parse_request,
 )
+from marin_rl.inference.sessions import CapturedCompletion, SessionStore, session_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -282,12 +296,21 @@ class CompletionBackend(abc.ABC):
         return None
 
 
-def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounters | None = None) -> FastAPI:
-    """The FastAPI app serving `backend` in this dialect (`/v1/completions`, `/v1/version`, `/v1/models`,
-    `/health`); `counters` (created if not given) counts its requests."""
+def openai_app(
+    backend: CompletionBackend,
+    title: str,
+    counters: FrontEndCounters | None = None,
+    sessions: SessionStore | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `backend` in this dialect (`/v1/completions`, `/v1/chat/completions`,
+    `/v1/sessions/{id}/pop`, `/v1/version`, `/v1/models`, `/health`); `counters` (created if not given) counts its
+    requests, `sessions` (created if not given; `app.state.sessions`) keeps the chat completions' token capture."""
     app = FastAPI(title=title)
     counts = counters if counters is not None else FrontEndCounters()
     app.state.counters = counts
+    store = sessions if sessions is not None else SessionStore()
+    app.state.sessions = store
+    chat_stops: list[list[int]] = []  # the template's end-of-turn ids, computed at the first chat request
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
@@ -369,6 +392,98 @@ def openai_app(backend: CompletionBackend, title: str, counters: FrontEndCounter
             return error_response(500, f"{backend.name}: internal error: {type(e).__name__}: {e}", kind="server_error")
         finally:
             counts.request_ended()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        counts.request_started()
+        try:
+            denied = check_api_key(http.headers.get("authorization"), backend.api_key)
+            if denied is not None:
+                counts.rejected += 1
+                return denied
+            request = apply_sampling_headers(parse_chat_request(await http.body()), http.headers)
+            if not chat_stops:
+                chat_stops.append(end_of_turn_ids(backend.tokenizer))
+            completion_request, prompt = check_chat_request(request, backend.tokenizer, backend.limits, chat_stops[0])
+            session = session_id_of(http.headers, request)
+            served = backend.version
+            start = time.time()
+            completions = await backend.complete(completion_request, [prompt])
+            backend_s = time.time() - start
+            if len(completions) != request.n:
+                raise RuntimeError(f"{backend.name} returned {len(completions)} completions, expected {request.n}")
+            counts.backend_s += backend_s
+            choices, records = [], []
+            for i, c in enumerate(completions):
+                message, calls_tools = chat_message(c.text, request.tools_enabled)
+                finish = "tool_calls" if calls_tools else c.finish_reason
+                versions = c.token_versions
+                choice = {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": (
+                        logprobs_content(backend.tokenizer, c.token_ids, c.sampler_logprobs)
+                        if request.logprobs
+                        else None
+                    ),
+                    "policy_version_start": int(versions[0]) if versions else int(served),
+                    "policy_version_end": int(versions[-1]) if versions else int(served),
+                    "policy_version_spans": version_spans(versions),
+                }
+                if request.return_token_ids:
+                    choice["token_ids"] = [int(t) for t in c.token_ids]
+                choices.append(choice)
+                if session is not None:
+                    records.append(
+                        CapturedCompletion(
+                            request_id="",
+                            choice_index=i,
+                            num_choices=request.n,
+                            prompt_ids=list(prompt),
+                            token_ids=[int(t) for t in c.token_ids],
+                            logprobs=[float(x) for x in c.sampler_logprobs],
+                            token_versions=[int(v) for v in versions],
+                            version_served=int(served),
+                            text=c.text,
+                            finish_reason=finish,
+                            temperature=float(completion_request.temperature),
+                            max_tokens=int(completion_request.max_tokens),
+                            last_role=request.messages[-1].role,
+                            server=backend.name,
+                            latency_s=backend_s,
+                        )
+                    )
+            sampled = sum(len(c.token_ids) for c in completions)
+            counts.generated_tokens += sampled
+            body = chat_response(request, start, prompt, choices, sampled)
+            if session is not None:
+                for r in records:
+                    r.request_id = body["id"]
+                store.add(session, records)
+            return _json(body)
+        except InvalidRequest as e:
+            counts.rejected += 1
+            return error_response(e.status, e.message, param=e.param, code=e.code)
+        except ValueError as e:
+            counts.rejected += 1
+            return error_response(400, str(e))
+        except BackendUnavailable as e:
+            counts.rejected += 1
+            return error_response(503, f"{backend.name}: {e}", kind="server_error")
+        except Exception as e:
+            counts.failed += 1
+            logger.error("%s: chat completion request failed", backend.name, exc_info=e)
+            return error_response(500, f"{backend.name}: internal error: {type(e).__name__}: {e}", kind="server_error")
+        finally:
+            counts.request_ended()
+
+    @app.post("/v1/sessions/{session_id}/pop")
+    async def pop_session(session_id: str, http: HttpRequest):
+        denied = check_api_key(http.headers.get("authorization"), backend.api_key)
+        if denied is not None:
+            return denied
+        return _json(store.pop(session_id).to_dict())
 
     @app.post("/v1/control/{action}")
     async def control(action: str, request: HttpRequest):

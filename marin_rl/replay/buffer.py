@@ -8,11 +8,13 @@ computes advantages with the configured estimator (`replay.advantage_estimator`,
 the buffer has a `rollout_dir`; each row names the run segment and the group's place in the accepted groups, so a
 reader can tell the timeline a resume or rollback kept from the one it discarded: `begin_segment`,
 `marin_rl.replay.store`). `enqueue` discards rollouts already older than `max_age`, handles rollouts longer
-than a batch row (`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut), queues
-the rest and evicts past `capacity`. It returns an `Admission`: accepted, or rejected with a reason code (counted
-under `replays/{env}/rejected/{reason}`), with what it queued and discarded. Rollouts leave the buffer by being used
-`max_reuse` times (`consume`), by growing older than `max_age` learner steps (on arrival and in `drop_stale`), or by
-eviction when the buffer is over `capacity` (oldest arrival first). Every exit is counted.
+than a batch row (`too_long`: dropped, or truncated to `max_tokens` when something sampled survives the cut), drops
+the rollouts an environment marked untrainable (`types.DROP_REASON`, counted under `replays/{env}/dropped/{reason}`;
+their rewards count in the group's advantages), queues the rest and evicts past `capacity`. It returns an `Admission`:
+accepted, or rejected with a reason code (counted under `replays/{env}/rejected/{reason}`), with what it queued and
+discarded. Rollouts leave the buffer by being used `max_reuse` times (`consume`), by growing older than `max_age`
+learner steps (on arrival and in `drop_stale`), or by eviction when the buffer is over `capacity` (oldest arrival
+first). Every exit is counted.
 
 Dynamic sampling (DAPO, Yu et al. 2025; `dynamic_sampling`): after scoring, a group whose advantages are all zero
 (every rollout's, and every token's when the estimator gives per-token ones) is rejected (`zero_advantage`), so no
@@ -49,7 +51,7 @@ from marin_rl.replay.advantages import GroupAdvantages, GroupScores, get_estimat
 from marin_rl.replay.packing import Sequence
 from marin_rl.replay.store import RolloutWriter, read_timeline, record_segment, rollout_to_row
 from marin_rl.replay.validation import GroupRejected, check_group
-from marin_rl.types import Rollout, RolloutFormatError, RolloutGroup
+from marin_rl.types import DROP_REASON, Rollout, RolloutFormatError, RolloutGroup
 
 logger = logging.getLogger(__name__)
 
@@ -425,9 +427,10 @@ class ReplayBuffer:
         self.segment = segment
 
     def enqueue(self, group: RolloutGroup, scores: GroupScores, now: float) -> Admission:
-        """Step 4: queue the scored rollouts for batches, except those already older than `max_age` (discarded)
-        and those longer than `max_tokens` (`too_long`: dropped, or truncated when something sampled survives the
-        cut); then evict the oldest arrivals past `capacity`. Counts and logs each, and returns the `Admission`."""
+        """Step 4: queue the scored rollouts for batches, except those already older than `max_age` (discarded), those
+        an environment marked untrainable (`DROP_REASON`: dropped, counted by reason) and those longer than
+        `max_tokens` (`too_long`: dropped, or truncated when something sampled survives the cut); then
+        evict the oldest arrivals past `capacity`. Counts and logs each, and returns the `Admission`."""
         limit = None if self.learner_version is None else self.learner_version - self.config.max_age
         stale = too_long = truncated = queued = 0
         token_advantages = _token_advantages(group, scores)
@@ -435,6 +438,10 @@ class ReplayBuffer:
             self._count_new(r)
             if limit is not None and r.oldest_version < limit:
                 stale += 1
+                continue
+            marked = r.metadata.get(DROP_REASON)
+            if marked:
+                self.dropped[str(marked)] += 1  # the environment marked its tokens as untrainable
                 continue
             item = ReplayItem(
                 rollout=r,

@@ -40,7 +40,6 @@ from marin_rl.envs.base import (  # the chat-template helpers are re-exported he
     _after_mark,
     _encode,
     _render,
-    assistant_close_text,
     policy_turn,
 )
 from marin_rl.envs.rewards import (

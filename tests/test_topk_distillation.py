@@ -376,3 +376,62 @@ def test_a_top_k_distillation_config_validates():
     cfg = _config("--teacher.top_k", "8", "--learner.loss.objective", "opd_forward_kl_topk")
     assert cfg.teacher.top_k == 8 and cfg.learner.loss.objective == "opd_forward_kl_topk"
     assert TeacherConfig(path="x").top_k == 0
+
+
+# ---- a run --------------------------------------------------------------------------------------------------------
+def _sharp_teacher(tmp_path, tokenizer, model_config) -> str:
+    """A tiny teacher with a peaked distribution (another random policy, its output layer scaled up 3x), far from
+    the student, saved as a Hugging Face checkpoint."""
+    import equinox as eqx
+
+    from marin_rl.model.hf import export_hf_checkpoint
+
+    model = build_model(dataclasses.replace(model_config, seed=7), len(tokenizer))
+    head = model.lm_head
+    model = eqx.tree_at(lambda m: m.lm_head, model, dataclasses.replace(head, weight=head.weight * 3.0))
+    return export_hf_checkpoint(model, tokenizer, str(tmp_path / "teacher"))
+
+
+@pytest.mark.slow
+def test_a_short_top_k_distillation_run_carries_the_top_k_and_lowers_the_forward_kl(tmp_path):
+    """experiments/distill_addition.yaml with teacher.top_k: 8 and the top-k objective, through Ray and a teacher
+    server of its own, two microbatches per step: every step trains on the teacher's top-k, the persisted rollouts
+    hold it, and the forward KL to the teacher's top-k falls over a few steps."""
+    import json
+
+    from marin_rl.replay.store import read_rollouts
+    from marin_rl.run import run
+
+    cfg = _config(
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--teacher.top_k",
+        "8",
+        "--learner.loss.objective",
+        "opd_forward_kl_topk",
+        "--learner.microbatches",
+        "2",
+        "--learner.warm_start.steps",
+        "0",
+        "--learner.optimizer.learning_rate",
+        "3e-3",
+        "--orchestrator.num_steps",
+        "12",
+        "--orchestrator.eval_every",
+        "0",
+        "--orchestrator.num_cpus",
+        "2",
+        "--checkpoint.every",
+        "0",
+    )
+    cfg.teacher.path = _sharp_teacher(tmp_path, build_char_tokenizer(), cfg.model)
+    cfg.teacher.recipe = None
+    assert run(cfg)["steps"] == 12
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "learner/opd/forward_kl_topk" in r]
+    assert len(steps) == 12
+    kl = [r["learner/opd/forward_kl_topk"] for r in steps]
+    assert all(np.isfinite(kl)) and all(0 < r["learner/opd/teacher_topk_mass"] <= 1 + 1e-5 for r in steps)
+    assert np.mean(kl[-3:]) < 0.8 * np.mean(kl[:3]), kl
+    stored = read_rollouts(str(tmp_path / "run" / "rollouts" / "addition")).rollouts
+    assert stored and all(s.rollout.teacher_top_k == 8 for s in stored)

@@ -7,6 +7,10 @@ the logprob of each sampled token given everything before it is written to its t
 travels with the rollout to the learner token-exactly, like the sampler's logprobs (the `teacher_inf` call of the
 `opd` algorithm, `marin_rl.learner.algorithm`).
 
+With `teacher.top_k` = k > 0 the request asks for `logprobs: k` too, and each sampled token also gets the teacher's k
+most likely tokens at its position with their logprobs (`Turn.teacher_top_ids`, `teacher_top_logprobs`), for the
+top-k forward-KL objective ('opd_forward_kl_topk', `marin_rl.learner.losses`).
+
 The teacher scores at `teacher.temperature` (1: its own distribution; below 1 a sharper one, closer to its greedy
 answers), whatever temperature the student sampled at.
 """

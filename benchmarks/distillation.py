@@ -7,10 +7,11 @@
 
 Runs the distillation experiment (which makes its teacher first when `teacher.path` holds none), then the same
 experiment as reward-only RL (`learner.algorithm: rloo`, the clipped decoupled objective, no teacher), each into a
-fresh output directory, back to back; the two share the warm start (same seed and steps). With several learning
-rates, the pair runs at each. Writes `benchmarks/distillation.png` (held-out reward against learner step, one panel
-per learning rate) and `benchmarks/distillation.json` (the curves), and prints them as Markdown tables. Extra
-`--field value` arguments override every run's config. `--replot` draws the figure of recorded curves again. The
+fresh output directory, back to back; the two share the warm start (same seed and steps). With several learning rates,
+the pair runs at each. Writes `benchmarks/distillation.png` (held-out reward against learner step, one panel per
+learning rate) and `benchmarks/distillation.json` (the curves), and prints them as Markdown tables. Extra `--field
+value` arguments override every run's config (`--teacher.top_k 8 --learner.loss.objective opd_forward_kl_topk`: the
+top-k forward-KL variant against the same reward-only twin). `--replot` draws the figure of recorded curves again. The
 last line is `distill_over_rl=<held-out reward at the last evaluation, distillation ÷ reward-only RL>` (the first
 learning rate's).
 """
@@ -42,7 +43,13 @@ def eval_curve(output_dir: str, env: str) -> list[tuple[int, float]]:
     return sorted(dict(curve).items())
 
 
-DISTILL, REWARD_ONLY = "distillation (opd_reverse_kl)", "reward-only RL (rloo)"
+REWARD_ONLY = "reward-only RL (rloo)"
+
+
+def distill_label(config: RunConfig) -> str:
+    """The distillation curve's label: its objective (`opd_reverse_kl`, or `opd_forward_kl_topk` with the top-k)."""
+    top_k = f", top_k {config.teacher.top_k}" if config.teacher is not None and config.teacher.top_k else ""
+    return f"distillation ({config.learner.loss.objective}{top_k})"
 
 
 SMOKE = [
@@ -85,7 +92,7 @@ def run_pair(distill: RunConfig, env: str) -> dict[str, list[tuple[int, float]]]
     reward_only.learner.algorithm = "rloo"
     reward_only.learner.loss.objective = "decoupled"
     curves = {}
-    for label, config in ((DISTILL, distill), (REWARD_ONLY, reward_only)):
+    for label, config in ((distill_label(distill), distill), (REWARD_ONLY, reward_only)):
         shutil.rmtree(config.output_dir, ignore_errors=True)
         print(f"== {label}: {config.output_dir}", file=sys.stderr, flush=True)
         run(config)
@@ -165,7 +172,7 @@ def main() -> None:
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
     first = next(iter(results.values()))
-    distilled, reward_only = first[DISTILL][-1][1], first[REWARD_ONLY][-1][1]
+    distilled, reward_only = first[distill_label(config)][-1][1], first[REWARD_ONLY][-1][1]
     print(f"distill_over_rl={distilled / max(reward_only, 1e-3):.3f}")
 
 

@@ -341,20 +341,31 @@ class RunConfig:
                 f"teacher is set, but learner.algorithm {algorithm.name!r} uses no teacher: set learner.algorithm: opd "
                 "(or remove teacher)"
             )
-        if algorithm.loss is not None and objective != algorithm.loss:
+        if algorithm.losses and objective not in algorithm.losses:
             raise ValueError(
-                f"learner.loss.objective: learner.algorithm {algorithm.name} trains with {algorithm.loss!r}, got "
-                f"{objective!r}"
+                f"learner.loss.objective: learner.algorithm {algorithm.name} trains with "
+                f"{' or '.join(repr(x) for x in algorithm.losses)}, got {objective!r}"
             )
         if self.teacher is not None and self.teacher.temperature != 1.0 and self.inference.backend == "vllm":
             raise ValueError(
                 f"teacher.temperature: vLLM scores prompts at temperature 1 only, got {self.teacher.temperature} "
                 "(inference.backend: vllm)"
             )
-        if objective == "opd_reverse_kl" and not algorithm.uses_teacher:
+        if objective in ("opd_reverse_kl", "opd_forward_kl_topk") and not algorithm.uses_teacher:
             raise ValueError(
-                "learner.loss.objective: 'opd_reverse_kl' reads a teacher's logprobs: set learner.algorithm: opd "
+                f"learner.loss.objective: {objective!r} reads a teacher's logprobs: set learner.algorithm: opd "
                 "and teacher.path"
+            )
+        top_k = 0 if self.teacher is None else self.teacher.top_k
+        if objective == "opd_forward_kl_topk" and top_k == 0:
+            raise ValueError(
+                "teacher.top_k: the objective 'opd_forward_kl_topk' reads the teacher's top-k logprobs: set "
+                "teacher.top_k > 0 (e.g. 8)"
+            )
+        if top_k > 0 and objective != "opd_forward_kl_topk":
+            raise ValueError(
+                f"teacher.top_k: {top_k} top-k logprobs per token would be carried to the learner for nothing: "
+                f"learner.loss.objective {objective!r} does not read them (use 'opd_forward_kl_topk', or top_k: 0)"
             )
 
     def _validate_local(self) -> None:

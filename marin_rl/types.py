@@ -23,6 +23,8 @@ DROP_REASON = "drop_reason"
 """The `Rollout.metadata` key by which an environment marks a rollout not to train on (its tokens cannot be trusted,
 e.g. a token capture whose turns do not extend each other): the value is a short reason code. The rollout still
 counts in its group's advantages; the replay buffer drops it unused, counted under `replays/{env}/dropped/{reason}`."""
+TEACHER_TOP_K = "teacher_top_k"
+"""Name of the axis of the teacher's top-k tokens in `RlExample.teacher_top_ids` / `teacher_top_logprobs`."""
 
 
 class RolloutFormatError(ValueError):
@@ -84,6 +86,11 @@ class Turn:
     teacher_logprobs: list[float] | None = None
     """A teacher model's log-probability of each token of a sampled turn, given the conversation before it (on-policy
     distillation, `marin_rl.inference.teacher`); None when no teacher scored the turn."""
+    teacher_top_ids: list[list[int]] | None = None
+    """Top-k distillation (`teacher.top_k` > 0): per token of a sampled turn, the ids of the teacher's k most likely
+    tokens at that position (given the conversation before it), most likely first; None otherwise."""
+    teacher_top_logprobs: list[list[float]] | None = None
+    """The teacher's logprobs of `teacher_top_ids`, per token of a sampled turn; None otherwise."""
 
     @property
     def is_sampled(self) -> bool:
@@ -99,6 +106,7 @@ class Turn:
         meta = d.get("inference_metadata")
         lp = d["sampler_logprobs"] if "sampler_logprobs" in d else d.get("logprobs")
         teacher = d.get("teacher_logprobs")
+        top_ids, top_lps = d.get("teacher_top_ids"), d.get("teacher_top_logprobs")
         return Turn(
             role=d["role"],
             message=d["message"],
@@ -109,6 +117,8 @@ class Turn:
             inference_metadata=None if meta is None else InferenceMetadata(**meta),
             timestamp=float(d.get("timestamp", 0.0)),
             teacher_logprobs=None if teacher is None else [float(x) for x in teacher],
+            teacher_top_ids=None if top_ids is None else [[int(x) for x in row] for row in top_ids],
+            teacher_top_logprobs=None if top_lps is None else [[float(x) for x in row] for row in top_lps],
         )
 
 
@@ -167,6 +177,28 @@ class Rollout:
             for t in self.turns
         ]
         return np.concatenate(parts)
+
+    @property
+    def teacher_top_k(self) -> int:
+        """k of the teacher's top-k logprobs on the sampled turns (`Turn.teacher_top_ids`), 0 when there are none."""
+        for t in self.turns:
+            if t.teacher_top_ids:
+                return len(t.teacher_top_ids[0])
+        return 0
+
+    def teacher_top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The teacher's top-k token ids (int32) and logprobs (float32) per token, arrays `[num_tokens, k]` (0 on
+        tokens that were not sampled)."""
+        ids, lps = [], []
+        for t in self.turns:
+            n = len(t.token_ids)
+            if t.is_sampled and t.teacher_top_ids is not None:
+                ids.append(np.asarray(t.teacher_top_ids, dtype=np.int32).reshape(n, k))
+                lps.append(np.asarray(t.teacher_top_logprobs, dtype=np.float32).reshape(n, k))
+            else:
+                ids.append(np.zeros((n, k), np.int32))
+                lps.append(np.zeros((n, k), np.float32))
+        return np.concatenate(ids), np.concatenate(lps)
 
     def token_versions(self) -> np.ndarray:
         """Policy version that sampled each token (-1 on tokens that were not sampled).
@@ -281,6 +313,8 @@ class Rollout:
                         raise RolloutFormatError(
                             f"{where}: teacher logprobs must be finite and <= 0", "teacher_logprobs"
                         )
+            if self.has_teacher_logprobs:
+                _check_teacher_top(t, where, self.teacher_top_k, vocab_size)
             if t.is_sampled:
                 if len(t.sampler_logprobs) != len(t.token_ids):
                     raise RolloutFormatError(
@@ -309,6 +343,34 @@ class Rollout:
                             f"[{meta.version_start}, {meta.version_end}]",
                             "bad_versions",
                         )
+
+
+def _check_teacher_top(t: Turn, where: str, k: int, vocab_size: int | None) -> None:
+    """The teacher's top-k of a turn of a scored rollout: on every sampled turn and only there when the rollout has
+    any (k > 0), `[tokens, k]` integer ids inside the vocabulary, distinct per token, and finite logprobs <= 0."""
+    if k == 0:
+        if t.teacher_top_ids is not None or t.teacher_top_logprobs is not None:
+            raise RolloutFormatError(f"{where}: teacher top-k logprobs without their ids", "teacher_top_k")
+        return
+    if t.is_sampled != (t.teacher_top_ids is not None) or t.is_sampled != (t.teacher_top_logprobs is not None):
+        missing = "a sampled turn without" if t.is_sampled else "a turn that was not sampled with"
+        raise RolloutFormatError(f"{where}: {missing} the teacher's top-k", "teacher_top_k")
+    if not t.is_sampled:
+        return
+    try:
+        ids = np.asarray(t.teacher_top_ids, dtype=np.int64).reshape(len(t.token_ids), k)
+        lps = np.asarray(t.teacher_top_logprobs, dtype=np.float64).reshape(len(t.token_ids), k)
+    except ValueError:
+        raise RolloutFormatError(
+            f"{where}: the teacher's top-k must be [{len(t.token_ids)} tokens, k={k}] ids and logprobs",
+            "teacher_top_k",
+        ) from None
+    if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+        raise RolloutFormatError(f"{where}: teacher top-k ids outside the vocabulary", "teacher_top_k")
+    if ids.size and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
+        raise RolloutFormatError(f"{where}: repeated token ids in the teacher's top-k", "teacher_top_k")
+    if lps.size and not (np.isfinite(lps).all() and lps.max() <= 1e-6):
+        raise RolloutFormatError(f"{where}: teacher top-k logprobs must be finite and <= 0", "teacher_top_k")
 
 
 @dataclass
@@ -390,6 +452,11 @@ class PackedBatch:
     teacher_logprobs: np.ndarray | None = None
     """A teacher's log-probability of each sampled token (0 elsewhere), when every packed rollout was scored by one
     (on-policy distillation); None otherwise."""
+    teacher_top_ids: np.ndarray | None = None
+    """Top-k distillation: `[rows, positions, k]` ids of the teacher's k most likely tokens at each sampled position
+    (0 elsewhere); None when the teacher returned no top-k."""
+    teacher_top_logprobs: np.ndarray | None = None
+    """The teacher's logprobs of `teacher_top_ids` (`[rows, positions, k]`, 0 elsewhere), or None."""
 
     @property
     def num_rows(self) -> int:
@@ -422,6 +489,10 @@ class RlExample(eqx.Module):
     """With `rewards`: true on every token of an episode cut off by a length limit."""
     teacher_logprobs: hax.NamedArray | None = None
     """A teacher's logprob of each sampled token (`PackedBatch.teacher_logprobs`); None without a teacher."""
+    teacher_top_ids: hax.NamedArray | None = None
+    """Top-k distillation: the teacher's top-k token ids over `(batch, position, TEACHER_TOP_K)`; None without."""
+    teacher_top_logprobs: hax.NamedArray | None = None
+    """The teacher's logprobs of `teacher_top_ids`, over the same axes; None without."""
 
     @staticmethod
     def from_packed(batch: PackedBatch, Batch: hax.Axis, Pos: hax.Axis) -> RlExample:
@@ -429,6 +500,12 @@ class RlExample(eqx.Module):
 
         def named(x, dtype):
             return hax.NamedArray(jax.device_put(np.asarray(x, dtype=dtype)), (Batch, Pos))
+
+        def named_top(x, dtype):
+            if x is None:
+                return None
+            TopK = hax.Axis(TEACHER_TOP_K, x.shape[-1])
+            return hax.NamedArray(jax.device_put(np.asarray(x, dtype=dtype)), (Batch, Pos, TopK))
 
         return RlExample(
             input_ids=named(batch.input_ids, np.int32),
@@ -441,6 +518,8 @@ class RlExample(eqx.Module):
             rewards=None if batch.rewards is None else named(batch.rewards, np.float32),
             truncated=None if batch.rewards is None else named(_truncated(batch), np.bool_),
             teacher_logprobs=None if batch.teacher_logprobs is None else named(batch.teacher_logprobs, np.float32),
+            teacher_top_ids=named_top(batch.teacher_top_ids, np.int32),
+            teacher_top_logprobs=named_top(batch.teacher_top_logprobs, np.float32),
         )
 
 

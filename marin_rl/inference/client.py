@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
+from marin_rl.inference.prompt_scores import PromptScores, top_logprobs_arrays
+
 logger = logging.getLogger("marin_rl")
 
 
@@ -304,7 +306,15 @@ class PolicyClient:
         """Each token sequence's logprobs under the served model, one per token after the first (given the tokens
         before it, at `temperature`): one scoring request (OpenAI's `echo: true`, `max_tokens: 0`, `logprobs: 0`)
         to the least-loaded reachable server, sent to another when one cannot be reached."""
-        body = {"model": self.model, "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 0}
+        return [s.logprobs for s in await self.score_top_k(prompts, temperature, 0)]
+
+    async def score_top_k(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
+        """`score`, and with `k` > 0 the served model's k most likely tokens at every position after the first
+        (`logprobs: k`, OpenAI's `top_logprobs` keyed `token_id:N`): `[len - 1, k]` integer ids and logprobs, most
+        likely first."""
+        body = {"model": self.model, "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": int(k)}
+        if k:
+            body["return_tokens_as_token_ids"] = True
         if temperature != 1.0:
             body["temperature"] = float(temperature)
         tried: list[str] = []
@@ -334,10 +344,19 @@ class PolicyClient:
                 raise RuntimeError(f"server {server} scored {len(choices)} of {len(prompts)} sequences")
             out = []
             for choice, prompt in zip(choices, prompts, strict=True):
-                lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                logprobs = choice.get("logprobs") or {}
+                lps = logprobs.get("token_logprobs") or []
                 if len(lps) != len(prompt) or any(x is None for x in lps[1:]):
                     raise RuntimeError(f"server {server} returned {len(lps)} logprobs for {len(prompt)} tokens")
-                out.append([float(x) for x in lps[1:]])
+                scores = PromptScores([float(x) for x in lps[1:]])
+                if k:
+                    entries = logprobs.get("top_logprobs") or []
+                    if len(entries) != len(prompt):
+                        raise RuntimeError(
+                            f"server {server} returned top logprobs for {len(entries)} of {len(prompt)} tokens"
+                        )
+                    scores.top_ids, scores.top_logprobs = top_logprobs_arrays(entries[1:], k, f"server {server}")
+                out.append(scores)
             return out
 
     async def _post(self, server: str, body: dict) -> dict:

@@ -22,6 +22,8 @@ What is checked, against the server's `RequestLimits`:
 * `echo: true` with `max_tokens: 0` and `logprobs` set is a scoring request (OpenAI's legacy prompt logprobs, which
   vLLM serves too): nothing is sampled, and each choice carries the prompt's own tokens with the logprob of each
   given the ones before it (`null` for the first), at temperature 1; a prompt may then fill the whole context.
+  Its `logprobs` may go up to `MAX_SCORING_LOGPROBS` (20, vLLM's default): k > 0 adds the k most likely tokens at
+  every position (`top_logprobs`).
   `echo` is refused otherwise, and `max_tokens: 0` without `echo`;
 * OpenAI fields this server does not implement (`stream`, `suffix`, `best_of`, penalties, `logit_bias`)
   are refused unless they ask for the default behaviour; fields unknown to OpenAI are ignored, as vLLM ignores
@@ -37,6 +39,8 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from marin_rl.inference.prompt_scores import MAX_SCORING_LOGPROBS
 
 SERVED_MODEL_NAME = "policy"
 """The model name servers report in `/v1/models` and responses."""
@@ -201,12 +205,14 @@ def check_request(request: CompletionRequest, tokenizer, limits: RequestLimits) 
 
 
 def _check_scoring(request: CompletionRequest, tokenizer, limits: RequestLimits) -> list[list[int]]:
-    """The prompts of a scoring request (`echo` with `max_tokens: 0`): one choice each, logprobs asked for."""
+    """The prompts of a scoring request (`echo` with `max_tokens: 0`): one choice each, logprobs asked for (0, or
+    the top-k up to `MAX_SCORING_LOGPROBS`, vLLM's default bound)."""
+    bound = MAX_SCORING_LOGPROBS
     if request.logprobs is None:
-        raise InvalidRequest("a scoring request (echo with max_tokens: 0) needs logprobs (0 to 5)", "logprobs")
-    if not 0 <= request.logprobs <= OPENAI_MAX_LOGPROBS:
+        raise InvalidRequest(f"a scoring request (echo with max_tokens: 0) needs logprobs (0 to {bound})", "logprobs")
+    if not 0 <= request.logprobs <= bound:
         raise InvalidRequest(
-            f"logprobs must be between 0 and {OPENAI_MAX_LOGPROBS}, got {request.logprobs}", "logprobs"
+            f"a scoring request's logprobs must be between 0 and {bound}, got {request.logprobs}", "logprobs"
         )
     if request.n != 1:
         raise InvalidRequest(f"a scoring request (echo with max_tokens: 0) takes n = 1, got {request.n}", "n")

@@ -56,7 +56,8 @@ from marin_rl.inference.openai_api import (
     openai_app,
     warn_if_unprotected,
 )
-from marin_rl.model.logprobs import token_logprobs
+from marin_rl.inference.prompt_scores import PromptScores
+from marin_rl.model.logprobs import token_logprobs, top_k_logprobs
 from marin_rl.model.lora import AdapterMerger, LoraConfig
 
 logger = logging.getLogger(__name__)
@@ -473,6 +474,19 @@ def _prompt_logprobs(model: LmHeadModel, ids: jnp.ndarray, segment_ids: jnp.ndar
 _score_prompts = eqx.filter_jit(_prompt_logprobs)
 
 
+def _prompt_top_k(model: LmHeadModel, ids: jnp.ndarray, segment_ids: jnp.ndarray, temperature: float, k: int):
+    """`_prompt_logprobs`, and at each position the k most likely tokens with their logprobs (`(rows, length, k)`
+    ids and logprobs, of the distribution that predicts that position, at `temperature`)."""
+    axes = (hax.Axis("batch", ids.shape[0]), hax.Axis("position", ids.shape[1]))
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    named = (hax.named(ids, axes), hax.named(positions, axes), hax.named(segment_ids, axes))
+    lp, top_ids, top_lps = top_k_logprobs(model, *named, k, temperature=temperature)
+    return lp.array, top_ids, top_lps
+
+
+_score_prompts_top_k = eqx.filter_jit(_prompt_top_k)
+
+
 SCORE_TOKENS = 16384
 """Most token positions (rows × padded length) one scoring forward pass takes."""
 
@@ -683,17 +697,29 @@ class LevanterInferenceServer(CompletionBackend):
     async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each prompt's token logprobs after its first token (one forward pass of the served weights over the
         prompts, padded to power-of-two rows and lengths so that few shapes compile), between two engine calls."""
+        self._check_score_temperature(temperature)
+        return [s.logprobs for s in await asyncio.to_thread(self._score_now, prompts, temperature, 0)]
+
+    async def score_top_k(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
+        """`score`, and the k most likely tokens at each position after the first with their logprobs, from the
+        same forward pass (exact: the whole distribution of logits / temperature)."""
+        self._check_score_temperature(temperature)
+        if not 1 <= k <= self.context.model.Vocab.size:
+            raise InvalidRequest(f"logprobs must be between 1 and the vocabulary's size, got {k}", "logprobs")
+        return await asyncio.to_thread(self._score_now, prompts, temperature, k)
+
+    @staticmethod
+    def _check_score_temperature(temperature: float) -> None:
         if not temperature >= GREEDY_BELOW:
             raise InvalidRequest(
                 f"a scoring request needs a temperature >= {GREEDY_BELOW}, got {temperature}", "temperature"
             )
-        return await asyncio.to_thread(self._score_now, prompts, temperature)
 
-    def _score_now(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+    def _score_now(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
         length = min(_next_power_of_two(max(len(p) for p in prompts), 16), self.max_seq_len)
         # at most SCORE_TOKENS positions per forward pass: the logits over the vocabulary are materialised
         chunk = max(1, 1 << ((SCORE_TOKENS // length).bit_length() - 1)) if length <= SCORE_TOKENS else 1
-        out: list[list[float]] = []
+        out: list[PromptScores] = []
         for start in range(0, len(prompts), chunk):
             part = prompts[start : start + chunk]
             rows = _next_power_of_two(len(part), 1)
@@ -704,8 +730,16 @@ class LevanterInferenceServer(CompletionBackend):
                 segments[i, : len(p)] = 0
             with self.context.model_lock, self.context.engine_scope():
                 args = (jnp.asarray(ids), jnp.asarray(segments), float(temperature))  # static: one compile each
-                lp = np.asarray(_score_prompts(self.context.model, *args))
-            out += [[float(x) for x in lp[i, 1 : len(p)]] for i, p in enumerate(part)]
+                if k:
+                    lp, top_ids, top_lps = (np.asarray(x) for x in _score_prompts_top_k(self.context.model, *args, k))
+                else:
+                    lp = np.asarray(_score_prompts(self.context.model, *args))
+            for i, p in enumerate(part):
+                scores = PromptScores([float(x) for x in lp[i, 1 : len(p)]])
+                if k:
+                    scores.top_ids = top_ids[i, 1 : len(p)].astype(np.int32)
+                    scores.top_logprobs = top_lps[i, 1 : len(p)].astype(np.float32)
+                out.append(scores)
         self.context.scored_tokens += sum(len(p) for p in prompts)
         return out
 

@@ -16,6 +16,9 @@ It is OpenAI's `/v1/completions` with vLLM's extensions and a few of this projec
 * `POST /v1/chat/completions` is OpenAI's chat route over the same backend (`chat`: the chat template renders the
   messages and tools, tool calls are parsed from the output); a request that names a session has every choice's
   tokens recorded (`sessions`), and `POST /v1/sessions/{id}/pop` returns and forgets a session's records;
+* a scoring request with `logprobs: k` > 0 (up to `MAX_SCORING_LOGPROBS`) also returns, at every position after the
+  first, the k most likely tokens with their logprobs (`logprobs.top_logprobs`, keyed `token_id:N` with
+  `return_tokens_as_token_ids`), from the backend's `score_top_k`;
 * `GET /v1/version` is the version served now; `/health` answers 503 with the reason when the server has failed.
 
 A backend (`CompletionBackend`) turns a validated request into `Completion`s; `openai_app` builds the FastAPI app
@@ -71,6 +74,7 @@ from marin_rl.inference.completion_request import (
     openai_error,
     parse_request,
 )
+from marin_rl.inference.prompt_scores import PromptScores, top_logprobs_entries
 from marin_rl.inference.sessions import CapturedCompletion, SessionStore, session_id_of
 
 logger = logging.getLogger(__name__)
@@ -156,10 +160,17 @@ def completion_choice(
 
 
 def scoring_choice(
-    index: int, prompt: list[int], logprobs: list[float], request: CompletionRequest, tokenizer, served_version: int
+    index: int,
+    prompt: list[int],
+    logprobs: list[float],
+    request: CompletionRequest,
+    tokenizer,
+    served_version: int,
+    top: PromptScores | None = None,
 ) -> dict[str, Any]:
     """The OpenAI choice of a scored prompt (echo, nothing sampled): the prompt's text and tokens, and the logprob of
-    each token given the ones before it (`None` for the first, as OpenAI and vLLM answer)."""
+    each token given the ones before it (`None` for the first, as OpenAI and vLLM answer); with `top` (a request for
+    `logprobs` > 0) the k most likely tokens at each position too, `top_logprobs` (`None` for the first)."""
     if len(logprobs) != len(prompt) - 1:
         raise RuntimeError(f"the backend scored {len(logprobs)} tokens of a {len(prompt)}-token prompt")
     if request.return_tokens_as_token_ids:
@@ -174,7 +185,7 @@ def scoring_choice(
             "tokens": token_strs,
             "token_logprobs": [None, *(float(x) for x in logprobs)],
             "text_offset": None,
-            "top_logprobs": None,
+            "top_logprobs": None if top is None else [None, *_top_entries(top, request, tokenizer)],
         },
         "policy_version_start": int(served_version),
         "policy_version_end": int(served_version),
@@ -183,6 +194,10 @@ def scoring_choice(
     if request.return_token_ids:
         choice["token_ids"] = [int(t) for t in prompt]
     return choice
+
+
+def _top_entries(top: PromptScores, request: CompletionRequest, tokenizer) -> list[dict[str, float]]:
+    return top_logprobs_entries(top.top_ids, top.top_logprobs, bool(request.return_tokens_as_token_ids), tokenizer)
 
 
 def completion_response(
@@ -291,6 +306,11 @@ class CompletionBackend(abc.ABC):
         `InvalidRequest` where the backend cannot score (or not at that temperature)."""
         raise InvalidRequest(f"{type(self).__name__} cannot score prompts (echo)", "echo")
 
+    async def score_top_k(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
+        """`score`, and the k most likely tokens at every position after the first with their logprobs (a scoring
+        request with `logprobs: k` > 0, OpenAI's `top_logprobs`). Raises `InvalidRequest` where the backend cannot."""
+        raise InvalidRequest(f"{type(self).__name__} cannot score prompts with top logprobs", "logprobs")
+
     def failure(self) -> str | None:
         """Why the backend has failed for good (then `/health` answers 503), or None while it is healthy."""
         return None
@@ -359,12 +379,17 @@ def openai_app(
             served = backend.version
             start = time.time()
             if request.is_scoring:
-                scored = await backend.score(prompts, request.temperature)
+                if request.logprobs:
+                    tops = await backend.score_top_k(prompts, request.temperature, request.logprobs)
+                    scored = [t.logprobs for t in tops]
+                else:
+                    scored = await backend.score(prompts, request.temperature)
+                    tops = [None] * len(prompts)
                 backend_s = time.time() - start
                 counts.backend_s += backend_s
                 choices = [
-                    scoring_choice(i, p, lp, request, backend.tokenizer, served)
-                    for i, (p, lp) in enumerate(zip(prompts, scored, strict=True))
+                    scoring_choice(i, p, lp, request, backend.tokenizer, served, top)
+                    for i, (p, lp, top) in enumerate(zip(prompts, scored, tops, strict=True))
                 ]
                 return _json(completion_response(request, start, prompts, choices, 0, backend_s))
             completions = await backend.complete(request, prompts)

@@ -7,6 +7,10 @@ the logprob of each sampled token given everything before it is written to its t
 travels with the rollout to the learner token-exactly, like the sampler's logprobs (the `teacher_inf` call of the
 `opd` algorithm, `marin_rl.learner.algorithm`).
 
+With `teacher.top_k` = k > 0 the request asks for `logprobs: k` too, and each sampled token also gets the teacher's k
+most likely tokens at its position with their logprobs (`Turn.teacher_top_ids`, `teacher_top_logprobs`), for the
+top-k forward-KL objective ('opd_forward_kl_topk', `marin_rl.learner.losses`).
+
 The teacher scores at `teacher.temperature` (1: its own distribution; below 1 a sharper one, closer to its greedy
 answers), whatever temperature the student sampled at.
 """
@@ -17,8 +21,11 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from marin_rl.bounds import bounded, check_fields
 from marin_rl.inference.client import PolicyClient
+from marin_rl.inference.prompt_scores import MAX_SCORING_LOGPROBS, PromptScores
 from marin_rl.types import Rollout, RolloutGroup
 
 
@@ -44,6 +51,11 @@ class TeacherConfig:
     """Servers serving the teacher (the env actors spread their scoring requests over them)."""
     request_timeout_s: float = bounded(600.0, gt=0)
     """Seconds a scoring request may take before it fails."""
+    top_k: int = bounded(0, ge=0, le=MAX_SCORING_LOGPROBS)
+    """Top-k distillation: the teacher also returns its k most likely tokens at every sampled position with their
+    logprobs (a scoring request with `logprobs: k`, OpenAI's `top_logprobs`), carried to the learner for the
+    objective 'opd_forward_kl_topk' (k ids and k logprobs per sampled token, 8k bytes in the batch). 0: off, the
+    sampled tokens' logprobs only. At most 20 (vLLM's default bound)."""
 
     def __post_init__(self):
         check_fields(self, "teacher")
@@ -89,25 +101,54 @@ def sequence_teacher_logprobs(rollout: Rollout, scored: list[float]) -> list[lis
     return out
 
 
+def sequence_teacher_top(rollout: Rollout, scored: PromptScores) -> list[tuple[list, list] | None]:
+    """Per turn, the teacher's top-k ids and logprobs of its tokens' positions (`[tokens, k]` nested lists; None on
+    turns the policy did not sample), from `scored` (the rollout's `PromptScores` with its top-k)."""
+    n = rollout.num_tokens
+    k = scored.top_ids.shape[1]
+    if scored.top_ids.shape != (n - 1, k) or scored.top_logprobs.shape != (n - 1, k):
+        raise ValueError(f"teacher top-k of shape {scored.top_ids.shape} for a rollout of {n} tokens")
+    ids = np.concatenate([np.zeros((1, k), np.int32), scored.top_ids])  # position 0: never sampled
+    lps = np.concatenate([np.zeros((1, k), np.float32), scored.top_logprobs])
+    out: list[tuple[list, list] | None] = []
+    start = 0
+    for turn in rollout.turns:
+        end = start + len(turn.token_ids)
+        out.append((ids[start:end].tolist(), lps[start:end].tolist()) if turn.is_sampled else None)
+        start = end
+    return out
+
+
 class TeacherScorer:
-    """Scores rollouts with a teacher served at `servers` ('host:port' of policy servers serving the teacher)."""
+    """Scores rollouts with a teacher served at `servers` ('host:port' of policy servers serving the teacher); with
+    `top_k` > 0 the teacher's k most likely tokens at each sampled position too."""
 
     def __init__(
-        self, servers: list[str], *, timeout_s: float = 600.0, api_key: str | None = None, temperature: float = 1.0
+        self,
+        servers: list[str],
+        *,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
     ):
         self.client = PolicyClient(servers, timeout_s=timeout_s, api_key=api_key)
         self.temperature = temperature
+        self.top_k = top_k
         self.scored_tokens = 0
         """Tokens whose teacher logprob was written (sampled tokens of scored rollouts)."""
 
     async def score_group(self, group: RolloutGroup) -> RolloutGroup:
-        """Write `teacher_logprobs` on every sampled turn of the group's rollouts (one request for the group);
-        returns the group."""
+        """Write `teacher_logprobs` (and with `top_k` the teacher's top-k) on every sampled turn of the group's
+        rollouts (one request for the group); returns the group."""
         rollouts = group.rollouts
-        scored = await self.client.score([r.token_ids for r in rollouts], self.temperature)
-        for rollout, lps in zip(rollouts, scored, strict=True):
-            for turn, teacher in zip(rollout.turns, sequence_teacher_logprobs(rollout, lps), strict=True):
+        scored = await self.client.score_top_k([r.token_ids for r in rollouts], self.temperature, self.top_k)
+        for rollout, scores in zip(rollouts, scored, strict=True):
+            for turn, teacher in zip(rollout.turns, sequence_teacher_logprobs(rollout, scores.logprobs), strict=True):
                 turn.teacher_logprobs = teacher
+            if self.top_k:
+                for turn, top in zip(rollout.turns, sequence_teacher_top(rollout, scores), strict=True):
+                    turn.teacher_top_ids, turn.teacher_top_logprobs = (None, None) if top is None else top
             self.scored_tokens += rollout.num_sampled_tokens
         return group
 

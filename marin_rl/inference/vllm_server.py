@@ -52,6 +52,7 @@ from marin_rl.inference.openai_api import (
     openai_app,
     warn_if_unprotected,
 )
+from marin_rl.inference.prompt_scores import PromptScores, top_logprobs_arrays
 from marin_rl.inference.reaper import reap_with_parent
 from marin_rl.inference.vllm_env import vllm_python
 from marin_rl.model.lora import AdapterMerger, LoraConfig, array_leaves
@@ -634,6 +635,14 @@ class VllmPolicyServer(CompletionBackend):
         prompt logprobs, `echo: true` with `logprobs: 0`). vLLM's sampler refuses `max_tokens: 0` in some versions,
         so one greedy token is generated and dropped: the echoed prompt's logprobs come first. vLLM's prompt logprobs
         are those of the raw logits: any temperature but 1 is refused."""
+        return [s.logprobs for s in await self._score(prompts, temperature, 0)]
+
+    async def score_top_k(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
+        """`score`, and vLLM's k most likely tokens at each prompt position (its prompt logprobs with `logprobs: k`,
+        keyed `token_id:N`; vLLM adds the prompt's own token when it is not among them, which is dropped)."""
+        return await self._score(prompts, temperature, k)
+
+    async def _score(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
         if temperature != 1.0:
             raise InvalidRequest(f"vLLM scores prompts at temperature 1 only, got {temperature}", "temperature")
         body = {
@@ -642,8 +651,10 @@ class VllmPolicyServer(CompletionBackend):
             "echo": True,
             "max_tokens": 1,
             "temperature": 0.0,
-            "logprobs": 0,
+            "logprobs": k,
         }
+        if k:
+            body["return_tokens_as_token_ids"] = True
         try:
             resp = await self._http().post(f"{self.server.url}/v1/completions", json=body)
         except httpx.HTTPError as e:
@@ -654,10 +665,17 @@ class VllmPolicyServer(CompletionBackend):
             raise BackendUnavailable(f"vLLM answered {resp.status_code}: {resp.text[:1000]}")
         out = []
         for choice, prompt in zip(sorted(resp.json()["choices"], key=lambda c: c["index"]), prompts, strict=True):
-            lps = ((choice.get("logprobs") or {}).get("token_logprobs") or [])[1 : len(prompt)]
+            logprobs = choice.get("logprobs") or {}
+            lps = (logprobs.get("token_logprobs") or [])[1 : len(prompt)]
             if len(lps) != len(prompt) - 1 or any(x is None for x in lps):
                 raise RuntimeError(f"{self.name}: vLLM scored {len(lps)} of the {len(prompt) - 1} prompt tokens")
-            out.append([float(x) for x in lps])
+            scores = PromptScores([float(x) for x in lps])
+            if k:
+                entries = (logprobs.get("top_logprobs") or [])[1 : len(prompt)]
+                if len(entries) != len(prompt) - 1:
+                    raise RuntimeError(f"{self.name}: vLLM returned top logprobs for {len(entries)} prompt tokens")
+                scores.top_ids, scores.top_logprobs = top_logprobs_arrays(entries, k, self.name)
+            out.append(scores)
         return out
 
     async def complete(self, request: CompletionRequest, prompts: list[list[int]]) -> list[Completion]:

@@ -76,7 +76,14 @@ class Algorithm:
     reward_models: tuple[str, ...] = ()
     """Reward models whose scores enter the rewards (`with_reward_models`), by name."""
     loss: str | None = None
-    """The loss it trains with (`learner.loss.objective` must name it), or None: any loss."""
+    """The loss it trains with (`learner.loss.objective` must name it or one of `other_losses`), or None: any loss."""
+    other_losses: tuple[str, ...] = ()
+    """Further losses it may train with, besides `loss`."""
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        """The losses it may train with (empty: any)."""
+        return () if self.loss is None else (self.loss, *self.other_losses)
 
     @property
     def uses_teacher(self) -> bool:
@@ -328,9 +335,10 @@ register_algorithm(
             Call("actor_train", "actor", "train", ("rollouts", "advantages", TEACHER_LOGPROBS), ("actor",)),
         ),
         "rloo",
-        "on-policy distillation: per-token advantage -(logp_student - logp_teacher), plus the task's RLOO advantage "
-        "weighted by learner.loss.opd_task_coef",
+        "on-policy distillation: per-token advantage -(logp_student - logp_teacher) (or the top-k forward KL to the "
+        "teacher's top-k, teacher.top_k), plus the task's RLOO advantage weighted by learner.loss.opd_task_coef",
         loss="opd_reverse_kl",
+        other_losses=("opd_forward_kl_topk",),
     )
 )
 

@@ -41,10 +41,10 @@ from marin_rl.learner.step import apply_gradients, loss_step
 from marin_rl.model import lora
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
-from marin_rl.model.logprobs import token_logprobs
+from marin_rl.model.logprobs import token_logprobs, token_logprobs_at
 from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack
-from marin_rl.types import PackedBatch, RlExample
+from marin_rl.types import TEACHER_TOP_K, PackedBatch, RlExample
 
 logger = logging.getLogger(__name__)
 
@@ -346,19 +346,30 @@ _FIELDS = [f.name for f in dataclasses.fields(RlExample)]
 
 
 def _raw_fields(ex: RlExample) -> dict[str, jax.Array]:
-    """The example's present fields as raw `(batch, position)` arrays."""
-    return {k: getattr(ex, k).rearrange(("batch", "position")).array for k in _FIELDS if getattr(ex, k) is not None}
+    """The example's present fields as raw `(batch, position)` arrays (`(batch, position, k)` for the teacher's
+    top-k)."""
+    out = {}
+    for k in _FIELDS:
+        field = getattr(ex, k)
+        if field is not None:
+            top = (TEACHER_TOP_K,) if any(a.name == TEACHER_TOP_K for a in field.axes) else ()
+            out[k] = field.rearrange(("batch", "position", *top)).array
+    return out
 
 
 def _from_raw(raw: dict[str, jax.Array]) -> RlExample:
     rows, seq = raw["input_ids"].shape
     axes = (hax.Axis("batch", rows), hax.Axis("position", seq))
-    return RlExample(**{k: hax.named(v, axes) for k, v in raw.items()})
+
+    def named(v):
+        return hax.named(v, axes if v.ndim == 2 else (*axes, hax.Axis(TEACHER_TOP_K, v.shape[2])))
+
+    return RlExample(**{k: named(v) for k, v in raw.items()})
 
 
 def _chunked(ex: RlExample, n: int) -> dict[str, jax.Array]:
-    """Raw fields with the rows split into `n` consecutive chunks: arrays of shape `(n, rows / n, position)`."""
-    return {k: v.reshape(n, v.shape[0] // n, v.shape[1]) for k, v in _raw_fields(ex).items()}
+    """Raw fields with the rows split into `n` consecutive chunks: arrays of shape `(n, rows / n, position, ...)`."""
+    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in _raw_fields(ex).items()}
 
 
 def _rows(ex: RlExample, start: int, stop: int) -> RlExample:
@@ -568,8 +579,18 @@ class Learner:
         trainable, frozen = lora.split(model)  # with LoRA only the adapters get gradients
 
         def loss_fn(t):
-            lp, ent = self._token_logprobs(lora.join(t, frozen), ex)
-            value, metrics = loss(lp, ent, ex, config=config, normalizers=normalizers)
+            extra = {}
+            if loss.takes_student_top_logprobs:  # the student's logprobs at the teacher's top-k, same forward pass
+                if ex.teacher_top_ids is None:
+                    raise ValueError(
+                        f"loss {loss.name!r} needs the teacher's top-k in the batch: set teacher.top_k > 0"
+                    )
+                args = (ex.input_ids, ex.position_ids, ex.segment_ids, ex.teacher_top_ids)
+                lp, ent, top = token_logprobs_at(lora.join(t, frozen), *args, temperature=self.temperature)
+                extra["student_top_logprobs"] = top
+            else:
+                lp, ent = self._token_logprobs(lora.join(t, frozen), ex)
+            value, metrics = loss(lp, ent, ex, config=config, normalizers=normalizers, **extra)
             return value, {**metrics, "loss": value}
 
         (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(trainable)

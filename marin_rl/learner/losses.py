@@ -531,14 +531,30 @@ class LossSpec:
     takes_normalizers: bool = False
     """The function accepts a `normalizers` keyword (`LossNormalizers` of the whole minibatch under gradient
     accumulation, None otherwise); detected from its signature."""
+    takes_student_top_logprobs: bool = False
+    """The function accepts a `student_top_logprobs` keyword: the learner's logprobs (differentiable, from the same
+    forward pass as `logprobs`) of the teacher's top-k tokens at each position, over the axes of
+    `batch.teacher_top_ids`; detected from its signature."""
 
-    def __call__(self, logprobs, entropy, batch, *, config: LossConfig | None = None, normalizers=None):
-        """Evaluate the loss, passing `config` and `normalizers` only to a function that declared them."""
+    def __call__(
+        self,
+        logprobs,
+        entropy,
+        batch,
+        *,
+        config: LossConfig | None = None,
+        normalizers=None,
+        student_top_logprobs=None,
+    ):
+        """Evaluate the loss, passing `config`, `normalizers` and `student_top_logprobs` only to a function that
+        declared them."""
         kwargs = {}
         if self.takes_config:
             kwargs["config"] = config
         if self.takes_normalizers:
             kwargs["normalizers"] = normalizers
+        if self.takes_student_top_logprobs:
+            kwargs["student_top_logprobs"] = student_top_logprobs
         return self.fn(logprobs, entropy, batch, **kwargs)
 
 
@@ -571,7 +587,9 @@ def _spec(name: str, fn: LossFn, uses_proximal: bool) -> LossSpec:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         params = {}
-    return LossSpec(name, fn, uses_proximal, "config" in params, "normalizers" in params)
+    return LossSpec(
+        name, fn, uses_proximal, "config" in params, "normalizers" in params, "student_top_logprobs" in params
+    )
 
 
 def known_losses() -> list[str]:
@@ -709,4 +727,70 @@ def opd_reverse_kl(
     metrics["opd/reverse_kl"] = jnp.sum(gap * fmask) / normalizers.tokens
     metrics["opd/teacher_logprob"] = jnp.sum(_masked(batch.teacher_logprobs.array, mask) * fmask) / normalizers.tokens
     metrics["opd/advantage"] = jnp.sum(advantages * fmask) / normalizers.tokens
+    return loss, metrics
+
+
+def forward_kl_topk(
+    student_top_logprobs: jnp.ndarray, teacher_top_logprobs: jnp.ndarray, mask: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Per position, KL(q_T || π_student) over the teacher's top-k tokens, with q_T the teacher's top-k renormalised
+    to sum to 1 (zero outside them): Σ_i q_i·(log q_i - log π_student(i)), `student_top_logprobs` being the student's
+    full-vocabulary logprobs of those k tokens (arrays `(rows, positions, k)`). Returns it (0 off `mask`) and the
+    teacher's top-k mass Σ_i p_T(i) (what the renormalisation divides by). Its gradient in the student's logits at
+    a position is π_student - q_T (q_T zero off the top-k): the teacher is a constant (stop_gradient)."""
+    teacher = jax.lax.stop_gradient(jnp.where(mask[..., None], teacher_top_logprobs, 0.0))
+    student = jnp.where(mask[..., None], student_top_logprobs, 0.0)
+    log_mass = jax.nn.logsumexp(teacher, axis=-1, keepdims=True)
+    log_q = teacher - log_mass
+    kl = jnp.sum(jnp.exp(log_q) * (log_q - student), axis=-1)
+    return jnp.where(mask, kl, 0.0), jnp.where(mask, jnp.exp(log_mass[..., 0]), 0.0)
+
+
+@register_loss("opd_forward_kl_topk")
+def opd_forward_kl_topk(
+    logprobs: hax.NamedArray,
+    entropy: hax.NamedArray,
+    batch: RlExample,
+    *,
+    config: LossConfig | None = None,
+    normalizers: LossNormalizers | None = None,
+    student_top_logprobs: hax.NamedArray | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """On-policy distillation by top-k forward KL (as GKD, Agarwal et al. 2024, and slime's top-k distillation): at
+    every token the student sampled, KL(q_T || π_student) over the teacher's top-k tokens at that position
+    (`forward_kl_topk`: the teacher's top-k renormalised to sum to 1, the student's full-vocabulary logprobs at
+    learner temperature), aggregated over the sampled tokens like the reference KL (`learner.loss.aggregation`)
+    and weighted by `opd_coef`; plus the clipped policy gradient (objective 'ppo') of the task's advantage times
+    `opd_task_coef` (0: a zero gradient; its KL and entropy terms as configured). Gradients reach the student only.
+
+    Metrics beside `policy_loss`'s: 'opd/forward_kl_topk' (the aggregated KL), 'opd/teacher_topk_mass' (mean
+    teacher probability of its top-k, before renormalising), 'opd/student_topk_mass' (the student's probability of
+    the teacher's top-k), 'opd/reverse_kl' and 'opd/teacher_logprob' as in 'opd_reverse_kl'."""
+    config = config if config is not None else LossConfig(objective="opd_forward_kl_topk", opd_task_coef=0.0)
+    if batch.teacher_top_logprobs is None or batch.teacher_logprobs is None or student_top_logprobs is None:
+        raise ValueError(
+            "top-k distillation needs the teacher's top-k in the batch and the student's logprobs there: run "
+            "learner.algorithm: opd with teacher.top_k > 0"
+        )
+    inner = dataclasses.replace(config, objective="ppo")
+    mask = batch.loss_mask.array
+    seg = batch.segment_ids.array
+    task = jnp.where(mask, config.opd_task_coef * _masked(batch.advantages.array, mask), 0.0)
+    tasked = dataclasses.replace(batch, advantages=hax.named(task, batch.advantages.axes))
+    if normalizers is None:
+        normalizers = loss_normalizers(tasked, inner)
+    pg, metrics = policy_loss(logprobs, entropy, tasked, inner, normalizers)
+    student = student_top_logprobs.rearrange(batch.teacher_top_logprobs.axes).array
+    kl, mass = forward_kl_topk(student, batch.teacher_top_logprobs.array, mask)
+    distill = aggregate_numerator(kl, mask, seg, config.aggregation) / normalizers.reference
+    loss = pg + config.opd_coef * distill
+    fmask = mask.astype(jnp.float32)
+    student_mass = jnp.sum(jnp.exp(jnp.where(mask[..., None], student, -jnp.inf)), axis=-1)
+    gap = _masked(batch.sampler_logprobs.array, mask) - _masked(batch.teacher_logprobs.array, mask)
+    metrics["opd/forward_kl_topk"] = distill
+    metrics["opd/teacher_topk_mass"] = jnp.sum(mass * fmask) / normalizers.tokens
+    metrics["opd/student_topk_mass"] = jnp.sum(jax.lax.stop_gradient(student_mass) * fmask) / normalizers.tokens
+    metrics["opd/reverse_kl"] = jnp.sum(gap * fmask) / normalizers.tokens
+    metrics["opd/teacher_logprob"] = jnp.sum(_masked(batch.teacher_logprobs.array, mask) * fmask) / normalizers.tokens
+    metrics["loss"] = loss
     return loss, metrics

@@ -226,6 +226,7 @@ class EnvActor:
                 timeout_s=config.teacher.request_timeout_s,
                 api_key=config.inference.api_key,
                 temperature=config.teacher.temperature,
+                top_k=config.teacher.top_k,
             )
         self.problems = self.env.train_problems()
         if not self.problems:

@@ -30,6 +30,11 @@ class Sequence:
     """The episode was cut off by a length limit (GAE bootstraps its last step)."""
     teacher_logprobs: np.ndarray | None = None
     """A teacher's logprob of each sampled token (0 elsewhere), or None when no teacher scored the rollout."""
+    teacher_top_ids: np.ndarray | None = None
+    """Top-k distillation: `[tokens, k]` ids of the teacher's k most likely tokens at each sampled token (0
+    elsewhere), or None."""
+    teacher_top_logprobs: np.ndarray | None = None
+    """The teacher's logprobs of `teacher_top_ids` (`[tokens, k]`), or None."""
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -49,6 +54,9 @@ class Sequence:
             raise ValueError(f"token_advantages has {len(token_advantages)} entries for {len(mask)} tokens")
         per_token = np.float32(advantage) if token_advantages is None else np.asarray(token_advantages, np.float32)
         rewards = None
+        top_ids = top_lps = None
+        if rollout.has_teacher_logprobs and rollout.teacher_top_k:
+            top_ids, top_lps = rollout.teacher_top(rollout.teacher_top_k)
         if reward_credit is not None:
             rewards = token_rewards(rollout, per_turn=reward_credit == "per_turn").astype(np.float32)
         return Sequence(
@@ -60,6 +68,8 @@ class Sequence:
             rewards=rewards,
             episode_truncated=rollout.truncated,
             teacher_logprobs=rollout.teacher_logprobs() if rollout.has_teacher_logprobs else None,
+            teacher_top_ids=top_ids,
+            teacher_top_logprobs=top_lps,
         )
 
     def truncated(self, max_len: int) -> Sequence:
@@ -74,6 +84,8 @@ class Sequence:
             rewards=None if self.rewards is None else self.rewards[:max_len],
             episode_truncated=self.episode_truncated or len(self) > max_len,
             teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[:max_len],
+            teacher_top_ids=None if self.teacher_top_ids is None else self.teacher_top_ids[:max_len],
+            teacher_top_logprobs=None if self.teacher_top_logprobs is None else self.teacher_top_logprobs[:max_len],
         )
 
     @staticmethod
@@ -141,7 +153,8 @@ def pack(
 
     Returns the batch and the indices of the sequences that were placed (in input order); the others did not
     fit. Segment ids number the sequences within each row from 0; padding has segment id -1 and no loss. The batch
-    carries teacher logprobs when the sequences do (ValueError when only some of them do).
+    carries teacher logprobs (and the teacher's top-k) when the sequences do (ValueError when only some of them do,
+    or with different k).
     """
     if assignment is None:
         assignment = pack_rows([len(s) for s in sequences], num_rows, row_len)
@@ -153,6 +166,13 @@ def pack(
             "by a teacher whole or not at all"
         )
     teacher_logprobs = np.zeros((num_rows, row_len), np.float32) if with_teacher else None
+    placed_seqs = [s for s, row in zip(sequences, assignment, strict=True) if row is not None]
+    top_ks = {0 if s.teacher_top_ids is None else s.teacher_top_ids.shape[1] for s in placed_seqs}
+    if len(top_ks) > 1:
+        raise ValueError(f"packed rollouts carry the teacher's top-k for different k {sorted(top_ks)}: one k a batch")
+    top_k = top_ks.pop() if top_ks else 0
+    top_ids = np.zeros((num_rows, row_len, top_k), np.int32) if top_k else None
+    top_lps = np.zeros((num_rows, row_len, top_k), np.float32) if top_k else None
     input_ids = np.zeros((num_rows, row_len), np.int32)
     position_ids = np.zeros((num_rows, row_len), np.int32)
     segment_ids = np.full((num_rows, row_len), -1, np.int32)
@@ -185,6 +205,9 @@ def pack(
             truncated[row, a:b] = seq.episode_truncated
         if with_teacher:
             teacher_logprobs[row, a:b] = seq.teacher_logprobs
+        if top_k:
+            top_ids[row, a:b] = seq.teacher_top_ids
+            top_lps[row, a:b] = seq.teacher_top_logprobs
         fill[row] = b
         nseg[row] += 1
         placed.append(i)
@@ -199,5 +222,7 @@ def pack(
         rewards=rewards,
         truncated=truncated,
         teacher_logprobs=teacher_logprobs,
+        teacher_top_ids=top_ids,
+        teacher_top_logprobs=top_lps,
     )
     return batch, placed

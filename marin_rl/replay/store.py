@@ -45,7 +45,7 @@ SCHEMA_VERSION = 2
 
 OPTIONAL_COLUMNS = ("token_advantages", "segment", "group_index")
 """Columns added without a version bump: files written before them lack them and read as None (so do the turns'
-`teacher_logprobs`, a field of the turn struct added the same way)."""
+`teacher_logprobs`, `teacher_top_ids` and `teacher_top_logprobs`, fields of the turn struct added the same way)."""
 
 _META = pa.struct(
     [
@@ -71,6 +71,8 @@ _TURN = pa.struct(
         ("inference_metadata", _META),
         ("timestamp", pa.float64()),
         ("teacher_logprobs", pa.list_(pa.float64())),
+        ("teacher_top_ids", pa.list_(pa.list_(pa.int32()))),
+        ("teacher_top_logprobs", pa.list_(pa.list_(pa.float32()))),
     ]
 )
 ROLLOUT_SCHEMA = pa.schema(
@@ -160,6 +162,8 @@ def rollout_to_row(
                 "inference_metadata": None if t.inference_metadata is None else vars(t.inference_metadata).copy(),
                 "timestamp": float(t.timestamp),
                 "teacher_logprobs": None if t.teacher_logprobs is None else list(t.teacher_logprobs),
+                "teacher_top_ids": t.teacher_top_ids,
+                "teacher_top_logprobs": t.teacher_top_logprobs,
             }
         )
     return {

@@ -52,6 +52,7 @@ from marin_rl.bounds import bounded, check_fields
 WORKSPACE = "/workspace"
 """The sandbox's working directory (and `$HOME`), where relative paths of `write_file` / `read_file` point."""
 SANDBOX_UID = 1000
+_NOBODY = 65534
 _AGENT = Path(__file__).with_name("sandbox_agent.py")
 _AGENT_IN_SANDBOX = "/opt/marin_rl/sandbox_agent.py"
 _BWRAP_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -162,7 +163,6 @@ def _bwrap_args(
             args += ["--ro-bind", path, path]
     for path in [*([python_prefix] if python_prefix else []), *ro_binds]:
         args += ["--ro-bind", path, path]
-    args += ["--ro-bind", str(_AGENT), _AGENT_IN_SANDBOX]
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--size", str(limits.tmp_mb << 20), "--tmpfs", "/dev/shm"]
     args += ["--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
@@ -180,15 +180,27 @@ _ETC_FILES = {
 
 
 def _data_fds() -> tuple[list[str], list[int]]:
-    """`--ro-bind-data` arguments for the synthetic /etc files, and the read ends of their pipes."""
+    """`--ro-bind-data` arguments for the synthetic /etc files and the agent's source (copies: bwrap may run as a
+    user that cannot read this package), and the read ends of their pipes."""
     args, fds = [], []
-    for path, text in _ETC_FILES.items():
+    for path, text in {**_ETC_FILES, _AGENT_IN_SANDBOX: _AGENT.read_text()}.items():
+        data = text.encode()
+        assert len(data) < 1 << 15, path  # it must fit the pipe's buffer before bwrap reads it
         r, w = os.pipe()
-        os.write(w, text.encode())  # a few bytes: they fit the pipe before bwrap reads them
+        os.write(w, data)
         os.close(w)
         args += ["--ro-bind-data", str(r), path]
         fds.append(r)
     return args, fds
+
+
+def _host_user() -> dict:
+    """Who bwrap runs as on the host: this user, or `nobody` (65534) when this is root. Root's processes are exempt
+    from the process limit whatever user namespace they are in (the sandbox user maps to the user that started
+    bwrap), so a sandbox started by root runs as an unprivileged user instead."""
+    if os.geteuid() != 0:
+        return {}
+    return {"user": _NOBODY, "group": _NOBODY, "extra_groups": []}
 
 
 @functools.cache
@@ -198,7 +210,9 @@ def _check_cached() -> str:
     data_args, fds = _data_fds()
     command = [bwrap, *_bwrap_args(SandboxLimits(), prefix, (), data_args), python, "-I", "-S", "-c", "print(1)"]
     try:
-        done = subprocess.run(command, env=_BWRAP_ENV, capture_output=True, timeout=60, pass_fds=fds)
+        done = subprocess.run(
+            command, env=_BWRAP_ENV, capture_output=True, timeout=60, pass_fds=fds, cwd="/", **_host_user()
+        )
     finally:
         for fd in fds:
             os.close(fd)
@@ -267,6 +281,8 @@ class Sandbox:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
                 env=_BWRAP_ENV,
+                cwd="/",
+                **_host_user(),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,

@@ -133,13 +133,13 @@ def test_probe_network_is_unreachable():
     thread.start()
     code = (
         "import socket\n"
-        "for addr in [('127.0.0.1', %d), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
+        "for addr in [('127.0.0.1', PORT), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
         "    try:\n"
         "        socket.create_connection(addr, timeout=2).sendall(b'from-sandbox')\n"
         "        print('connected', addr)\n"
         "    except OSError as e:\n"
-        "        print('refused', addr, type(e).__name__)\n" % port
-    )
+        "        print('refused', addr, type(e).__name__)\n"
+    ).replace("PORT", str(port))
     result = run(_in_sandbox(["python3", "-c", code]))
     thread.join()
     server.close()
@@ -157,13 +157,13 @@ def test_probe_listening_on_all_interfaces_is_not_reachable_from_the_host():
     probe.close()
     code = (
         "import socket\n"
-        "s = socket.socket(); s.bind(('0.0.0.0', %d)); s.listen(); s.settimeout(3)\n"
+        "s = socket.socket(); s.bind(('0.0.0.0', PORT)); s.listen(); s.settimeout(3)\n"
         "print('listening', flush=True)\n"
         "try:\n"
         "    s.accept(); print('accepted')\n"
         "except OSError:\n"
-        "    print('nobody came')\n" % port
-    )
+        "    print('nobody came')\n"
+    ).replace("PORT", str(port))
 
     async def go():
         task = asyncio.create_task(_in_sandbox(["python3", "-c", code]))
@@ -261,15 +261,15 @@ def test_probe_processes_do_not_outlive_the_timeout():
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
         "    if os.fork() == 0:\n"
-        "        os.execvp('sleep', ['sleep', '%s'])\n"
+        "        os.execvp('sleep', ['sleep', 'MARKER'])\n"
         "    os._exit(0)\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
         "    while True:\n"
         "        with open('/workspace/beat', 'a') as f: f.write('x')\n"
         "        time.sleep(0.05)\n"
-        "time.sleep(60)\n" % marker
-    )
+        "time.sleep(60)\n"
+    ).replace("MARKER", marker)
 
     async def go():
         async with Sandbox() as sb:
@@ -323,9 +323,9 @@ def test_sandbox_dies_with_its_host_process(tmp_path):
         "async def main():\n"
         "    sb = await Sandbox.create()\n"
         "    print('up', flush=True)\n"
-        "    await sb.exec('sleep %s', timeout_s=60)\n"
-        "asyncio.run(main())\n" % marker
-    )
+        "    await sb.exec('sleep MARKER', timeout_s=60)\n"
+        "asyncio.run(main())\n"
+    ).replace("MARKER", marker)
     proc = subprocess.Popen(
         [sys.executable, "-c", script],
         stdout=subprocess.PIPE,

@@ -1,6 +1,7 @@
 """What the driver checks before it starts anything (Ray, the learner, servers, env actors): the run directory's
 remembered configuration against this one (`marin_rl.orchestrator.run_dir`), that environments which run tools in
-sandboxes can make one here, and every environment's data, loaded once here. A failure is a `RunRefused`, whose message the command line prints as it is, without a traceback:
+sandboxes can make one here, and every environment's data, loaded once here. A failure is a `RunRefused`, whose
+message the command line prints as it is, without a traceback:
 `marin_rl: invalid data: train.jsonl:17: field 'question': expected a string, got int 42`.
 """
 
@@ -76,9 +77,9 @@ def check_sandboxes(config: RunConfig) -> None:
 
 def preflight(config: RunConfig, resume_path: str | None) -> dict[str, float]:
     """Everything checked before the run starts, in order of cost: the learner's platform (`learner.platform`, on the
-    local backend, whose driver is the learner), the remembered configuration when resuming from
-    `resume_path`, the sandbox when an environment needs one, then the environments' data; then `config` is remembered in `output_dir`. Returns the data report
-    (`check_environment_data`); raises `RunRefused`."""
+    local backend, whose driver is the learner), the remembered configuration when resuming from `resume_path`, the
+    sandbox when an environment needs one (`check_sandboxes`), then the environments' data; then `config` is
+    remembered in `output_dir`. Returns the data report (`check_environment_data`); raises `RunRefused`."""
     if config.orchestrator.backend == "local":  # this process is the learner's: its devices are the learner's
         try:
             check_platform(config.learner.platform)

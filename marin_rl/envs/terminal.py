@@ -10,9 +10,9 @@ in a fresh sandbox holding the problem's original files (and, for tasks that ask
 produced), so nothing the policy did to its own files changes the verdict: exit status 0 means correct. Kinds:
 
 * `count`: how many lines of data.txt contain a pattern (`grep -c PAT data.txt`);
-* `sum`: the sum of a column of data.csv (`awk -F, '{s+=$2} END {print s}' data.csv`);
-* `max`: the largest value of a column of data.csv (`cut -d, -f2 data.csv | sort -n | tail -1`);
-* `files`: how many files of an extension are in logs/ (`ls logs | grep -c '[.]log$'`);
+* `sum`: the sum of a column of data.csv (`awk -F, '{s+=$2}END{print s}' data.csv`);
+* `max`: the largest value of a column of data.csv (`cut -d, -f2 data.csv|sort -n|tail -1`);
+* `files`: how many files of an extension are in logs/ (`ls logs|grep -c log$`);
 * `write`: save the lines of data.txt containing a pattern to out.txt (`grep PAT data.txt > out.txt`).
 
 Answers are the last number of the final answer (a turn without a tool call); `write` asks for the file only.
@@ -73,7 +73,7 @@ def _table(rng: random.Random) -> tuple[list[list[int]], str]:
 def _sum(rng: random.Random) -> dict:
     rows, text = _table(rng)
     col = rng.randint(2, 4)
-    awk = shlex.quote(f"{{s+=${col}}} END {{print s}}")
+    awk = shlex.quote(f"{{s+=${col}}}END{{print s}}")
     return {
         "prompt": f"sum of column {col} of data.csv?",
         "files": {"data.csv": text},
@@ -90,20 +90,20 @@ def _max(rng: random.Random) -> dict:
         "prompt": f"max of column {col} of data.csv?",
         "files": {"data.csv": text},
         "answer": str(max(r[col - 2] for r in rows)),
-        "solution": f"cut -d, -f{col} data.csv | sort -n | tail -1",
-        "check": f'[ "$(cut -d, -f{col} data.csv | sort -n | tail -1)" = "$(cat)" ]',
+        "solution": f"cut -d, -f{col} data.csv|sort -n|tail -1",
+        "check": f'[ "$(cut -d, -f{col} data.csv|sort -n|tail -1)" = "$(cat)" ]',
     }
 
 
 def _files(rng: random.Random) -> dict:
     names = {f"{''.join(rng.choices(string.ascii_lowercase, k=5))}.{rng.choice(_EXTENSIONS)}" for _ in range(12)}
     ext = rng.choice(sorted({n.rsplit(".", 1)[1] for n in names}))  # at least one file matches
-    pattern = shlex.quote(f"[.]{ext}$")
+    pattern = f"{ext}$"  # every name ends with its extension
     return {
         "prompt": f"number of .{ext} files in logs?",
         "files": {f"logs/{n}": "x\n" for n in sorted(names)},
         "answer": str(sum(n.endswith(f".{ext}") for n in names)),
-        "solution": f"ls logs | grep -c {pattern}",
+        "solution": f"ls logs|grep -c {pattern}",
         "check": f'[ "$(ls logs | grep -c -- {pattern})" = "$(cat)" ]',
     }
 

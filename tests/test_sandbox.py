@@ -396,3 +396,20 @@ def test_missing_bwrap_is_named_with_how_to_install(monkeypatch):
         sandbox_module._check_cached.cache_clear()
     monkeypatch.undo()
     check_sandbox_available()
+
+
+def test_probe_the_sandbox_agent_cannot_be_killed_or_read():
+    """PID 1 of the sandbox runs the commands: what runs inside can neither kill it nor read its memory, files or
+    control pipes."""
+
+    async def go():
+        async with Sandbox() as sb:
+            tried = await sb.exec("kill -9 1; kill -INT 1; kill -TERM 1; ls /proc/1/fd; cat /proc/1/maps; echo tried")
+            after = await sb.exec("echo still here")
+            return tried, after
+
+    tried, after = run(go())
+    err = tried.stderr.decode()
+    assert tried.stdout == b"tried\n"
+    assert "/proc/1/fd': Permission denied" in err and "/proc/1/maps: Permission denied" in err
+    assert after.stdout == b"still here\n"

@@ -413,3 +413,17 @@ def test_probe_the_sandbox_agent_cannot_be_killed_or_read():
     assert tried.stdout == b"tried\n"
     assert "/proc/1/fd': Permission denied" in err and "/proc/1/maps: Permission denied" in err
     assert after.stdout == b"still here\n"
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("timeout_s", 0, "sandbox.timeout_s: must be > 0, got 0"),
+        ("memory_mb", 1, "sandbox.memory_mb: must be >= 16, got 1"),
+        ("max_processes", 2, "sandbox.max_processes: must be >= 4, got 2"),
+        ("disk_mb", 0, "sandbox.disk_mb: must be >= 1, got 0"),
+    ],
+)
+def test_limits_out_of_range_are_refused_by_name(field, value, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        SandboxLimits(**{field: value})

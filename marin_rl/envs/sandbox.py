@@ -22,10 +22,12 @@ UTS and cgroup namespaces. What it sees:
 Inside, `marin_rl.envs.sandbox_agent` runs as PID 1 and runs each command in its own session with rlimits
 (`memory_mb` of address space, `cpu_s` CPU seconds, `max_processes` processes of the sandbox user, files up to
 `max_file_mb`) and a wall-time limit; when the command ends or its time is up, every other process in the sandbox
-is killed (`kill(-1)` from PID 1), so a forked, `setsid()`-ed or double-forked child never outlives the call. The
-sandbox dies with its host process (`--die-with-parent`). Not included: a seccomp filter (the kernel's whole
-system-call surface is reachable) and cgroup memory accounting (memory is limited per process, so at most
-`max_processes` x `memory_mb` together, plus the tmpfs caps).
+is killed (`kill(-1)` from PID 1), so a forked, `setsid()`-ed or double-forked child never outlives the call. PID 1
+itself cannot be killed or inspected from inside. The sandbox dies with its host process (`--die-with-parent`).
+Started by root, bwrap runs as `nobody`: root is exempt from the process limit in every user namespace.
+
+Not included: a seccomp filter (the kernel's whole system-call surface is reachable) and cgroup memory accounting
+(memory is limited per process, so at most `max_processes` x `memory_mb` together, plus the tmpfs caps).
 
 Requires `bwrap` (Debian/Ubuntu package `bubblewrap`; `install.sh` installs it when it runs as root with apt-get)
 and a kernel that lets this user create user namespaces. `check_sandbox_available()` says why not, in one line.

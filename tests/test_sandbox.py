@@ -286,14 +286,14 @@ def test_probe_processes_do_not_outlive_the_timeout():
 
     timed, took, left, size, size_later, quick, left_quick = run(go())
     assert timed.timed_out and timed.returncode == -9
-    assert took < 5, took
+    assert took < 10, took  # 1.5 s, plus starting Python and killing under load
     assert left == [] and left_quick == []
     assert size > 0 and size_later == size  # the heartbeat stopped with the call
     assert quick.stdout == b"done\n" and not quick.timed_out  # also when the command itself exits at once
     # the tool reports it and does not hang
     start = time.monotonic()
     text = run(execute_python(escape, timeout_s=1.0))
-    assert text == "error: wall-time limit of 1 s exceeded" and time.monotonic() - start < 5
+    assert text == "error: wall-time limit of 1 s exceeded" and time.monotonic() - start < 10
     assert host_pids_with_marker() == []
 
 

@@ -43,6 +43,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -415,6 +416,13 @@ class Sandbox:
         """End the sandbox: every process in it is killed and its files are gone. Idempotent."""
         proc = self._proc
         if proc is None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # an episode's coroutine closed after its event loop ended (a run stopping mid-episode)
+            self._dead = self._dead or "destroyed"
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
             return
         if proc.returncode is None and proc.stdin is not None:
             proc.stdin.close()  # the agent kills what is left and exits at end of input

@@ -51,7 +51,8 @@ _EXTENSIONS = ("log", "txt", "csv")
 
 
 def _count(rng: random.Random) -> dict:
-    lines = [" ".join("".join(rng.choices(_LETTERS, k=3)) for _ in range(3)) for _ in range(rng.randint(6, 14))]
+    # many lines (they cost the policy nothing: it reads them with the tool), so the count is hard to guess
+    lines = [" ".join("".join(rng.choices(_LETTERS, k=3)) for _ in range(3)) for _ in range(rng.randint(20, 60))]
     present = sorted({w[i : i + 2] for line in lines for w in line.split() for i in range(2)})
     pattern = rng.choice(present)  # at least one line matches (grep exits 1 on none)
     q = shlex.quote(pattern)
@@ -65,7 +66,7 @@ def _count(rng: random.Random) -> dict:
 
 
 def _table(rng: random.Random) -> tuple[list[list[int]], str]:
-    rows = [[rng.randint(0, 99) for _ in range(3)] for _ in range(rng.randint(4, 9))]
+    rows = [[rng.randint(0, 999) for _ in range(3)] for _ in range(rng.randint(4, 12))]
     names = ["".join(rng.choices(string.ascii_lowercase, k=4)) for _ in rows]
     return rows, "".join(f"{n},{r[0]},{r[1]},{r[2]}\n" for n, r in zip(names, rows, strict=True))
 
@@ -96,7 +97,8 @@ def _max(rng: random.Random) -> dict:
 
 
 def _files(rng: random.Random) -> dict:
-    names = {f"{''.join(rng.choices(string.ascii_lowercase, k=5))}.{rng.choice(_EXTENSIONS)}" for _ in range(12)}
+    count = rng.randint(10, 40)
+    names = {f"{''.join(rng.choices(string.ascii_lowercase, k=5))}.{rng.choice(_EXTENSIONS)}" for _ in range(count)}
     ext = rng.choice(sorted({n.rsplit(".", 1)[1] for n in names}))  # at least one file matches
     pattern = f"{ext}$"  # every name ends with its extension
     return {

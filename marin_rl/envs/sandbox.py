@@ -458,4 +458,6 @@ def use_sandbox(sandbox: Sandbox) -> Iterator[Sandbox]:
     try:
         yield sandbox
     finally:
-        _current.reset(token)
+        # ValueError: an unfinished episode's coroutine closed outside its task (a run stopped mid-episode)
+        with contextlib.suppress(ValueError):
+            _current.reset(token)

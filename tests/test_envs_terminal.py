@@ -129,15 +129,27 @@ def test_a_run_that_needs_a_sandbox_stops_before_it_starts_without_one(monkeypat
         sandbox_module._check_cached.cache_clear()
 
 
+def _parent(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _sandbox_agents() -> list[int]:
-    """Host PIDs of running sandbox agents."""
+    """Host PIDs of running sandbox agents started by this process (directly or through its children)."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            if b"/opt/marin_rl/sandbox_agent.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
+            if b"/opt/marin_rl/sandbox_agent.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            ancestor = pid
+            while ancestor > 1 and ancestor != os.getpid():
+                ancestor = _parent(ancestor)
         except OSError:
-            pass
+            continue
+        if ancestor == os.getpid():
+            found.append(pid)
     return found
 
 
@@ -153,7 +165,6 @@ def test_terminal_run_end_to_end(tmp_path):
     cfg["envs"][0]["args"].update(num_train=400, num_eval=12)
     path = tmp_path / "terminal.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    before = set(_sandbox_agents())
     summary = run(parse_config(["--config", str(path)]))
     assert summary["steps"] == 3
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -162,4 +173,4 @@ def test_terminal_run_end_to_end(tmp_path):
         r["replays/terminal/rewards/used_tool/mean"] for r in records if "replays/terminal/rewards/used_tool/mean" in r
     ]
     assert len(used) == 2 and max(used) > 0 and max(trained) > 0, (used, trained)
-    assert set(_sandbox_agents()) <= before
+    assert _sandbox_agents() == []

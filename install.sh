@@ -11,6 +11,17 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# Tools that run in a sandbox (marin_rl.envs.sandbox: run_python, shell, the terminal tasks) need bubblewrap. It is a
+# system package: installed here when it is missing and this is root on a system with apt-get; otherwise say how.
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "install.sh: installing bubblewrap (bwrap) for sandboxed tools"
+        apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap
+    else
+        echo "install.sh: bubblewrap (bwrap) is missing; sandboxed tools need it: apt-get install -y bubblewrap" >&2
+    fi
+fi
+
 overlapping=$(python - <<'EOF'
 import importlib.metadata as metadata
 

@@ -109,6 +109,9 @@ class Environment(abc.ABC):
     """Whether the run's driver builds this environment once before it starts anything, so that bad data stops the
     run before Ray or any actor starts (`marin_rl.orchestrator.preflight`). For classes whose construction only
     reads data; not for those that start processes or open connections."""
+    needs_sandbox: bool = False
+    """Whether the environment runs tools in sandboxes (`marin_rl.envs.sandbox`): the driver then checks that this
+    machine can make one before it starts anything, and refuses the run in one line naming what is missing."""
     added_rewards: dict[str, RewardFunction] = {}
     """Reward functions added with `add_reward_functions` (by name)."""
 

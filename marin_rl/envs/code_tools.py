@@ -1,42 +1,29 @@
-"""A Python-execution tool: code runs in a child process with a wall-time limit and a memory limit.
+"""Code tools that run inside a sandbox (`marin_rl.envs.sandbox`): `run_python(code)` and `shell(command)`.
 
     env.register_tool(run_python)                                  # default limits
     env.register_tool(make_run_python(timeout_s=2, memory_mb=256))  # custom ones
+    env.register_tool(shell)
 
-The child is a fresh `python -I` (isolated mode: no user site, no environment variables read, the script's
-directory not on the path) in an empty temporary working directory, in its own session so that a timeout kills
-every process it started. Limits set with `resource.setrlimit` in the child: address space (`memory_mb`), CPU
-seconds (the wall-time limit, rounded up), written file size, no core dumps. This contains runaway code from the
-policy; it is not a security sandbox against hostile code (the child can still read files and use the network),
-so run untrusted workloads inside a container or VM as well.
+Inside an episode that has a sandbox (`use_sandbox`, as `marin_rl.envs.terminal` sets up), the tools run there,
+so files persist between calls of the episode; elsewhere each call gets a fresh sandbox, destroyed after it. Either
+way the code cannot see the host's files, environment or network, and every process it starts is killed when the
+call ends. Limits per call: wall time (`timeout_s`), CPU seconds (the wall time rounded up), address space
+(`memory_mb`), processes and file sizes (the sandbox's). The result is text: stdout; then 'stderr:' and the error
+output if there is any; then 'exit code N' if it failed; or which limit it hit.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import os
-import resource
 import signal
-import sys
-import tempfile
+import uuid
 from collections.abc import Awaitable, Callable
+
+from marin_rl.envs.sandbox import ExecResult, Sandbox, SandboxLimits, current_sandbox
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MEMORY_MB = 512
 DEFAULT_MAX_OUTPUT_CHARS = 4000
-_MAX_FILE_BYTES = 16 << 20
-
-
-def _limit_child(memory_mb: int, cpu_s: int) -> Callable[[], None]:
-    def apply() -> None:  # runs in the child between fork and exec
-        mem = memory_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (_MAX_FILE_BYTES, _MAX_FILE_BYTES))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
 
 
 def _cut(text: str, limit: int, dropped: int = 0) -> str:
@@ -45,81 +32,13 @@ def _cut(text: str, limit: int, dropped: int = 0) -> str:
     return text[:limit] + f"\n[... {len(text) - min(limit, len(text)) + dropped} more characters cut]"
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, int]:
-    """The first `cap` bytes of a stream, read to its end, and how many bytes were dropped."""
-    kept = bytearray()
-    dropped = 0
-    while chunk := await stream.read(1 << 16):
-        room = max(0, cap - len(kept))
-        kept += chunk[:room]
-        dropped += max(0, len(chunk) - room)
-    return bytes(kept), dropped
-
-
-async def _exited_within(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
-    """Whether the process exits within `timeout_s`. Polls `returncode`: `proc.wait()` would also wait for
-    processes the code started that still hold its output pipes."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    delay = 0.001
-    while proc.returncode is None:
-        if loop.time() >= deadline:
-            return False
-        await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-        delay = min(delay * 2, 0.02)
-    return True
-
-
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:  # already gone
-        pass
-
-
-async def execute_python(
-    code: str,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    memory_mb: int = DEFAULT_MEMORY_MB,
-    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
-) -> str:
-    """Run `code` in a limited child process; its stdout/stderr, or which limit it hit, as text.
-
-    The text is stdout; then 'stderr:' and the error output if there is any; then 'exit code N' if it failed.
-    A run past `timeout_s` is killed and reported as 'error: wall-time limit of T s exceeded'; running out of
-    memory (a MemoryError, or the kernel refusing memory) is reported as 'error: memory limit of M MB exceeded'.
-    """
-    if timeout_s <= 0 or memory_mb <= 0:
-        raise ValueError(f"timeout_s and memory_mb must be > 0, got {timeout_s} and {memory_mb}")
-    with tempfile.TemporaryDirectory(prefix="marin_rl_py_") as workdir:
-        script = os.path.join(workdir, "main.py")
-        with open(script, "w") as f:
-            f.write(code)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            script,
-            cwd=workdir,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_limit_child(memory_mb, max(1, math.ceil(timeout_s))),
-        )
-        cap = 4 * max_output_chars + 1024  # bytes kept per stream; the rest is read and dropped
-        readers = [asyncio.create_task(_read_capped(s, cap)) for s in (proc.stdout, proc.stderr)]
-        try:
-            timed_out = not await _exited_within(proc, timeout_s)
-        finally:
-            _kill_group(proc)  # on a timeout, and processes the code left running in its session
-            await proc.wait()
-        (out, out_dropped), (err, err_dropped) = await asyncio.gather(*readers)
-    if timed_out:
+def format_result(result: ExecResult, *, timeout_s: float, memory_mb: int, max_output_chars: int) -> str:
+    """A command's result as text for the policy: its output, or which limit it hit."""
+    if result.timed_out:
         return f"error: wall-time limit of {timeout_s:g} s exceeded"
-    stdout = out.decode("utf-8", "replace")
-    stderr = err.decode("utf-8", "replace")
-    rc = proc.returncode
+    stdout = result.stdout.decode("utf-8", "replace")
+    stderr = result.stderr.decode("utf-8", "replace")
+    rc = result.returncode
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         tail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
         return f"error: memory limit of {memory_mb} MB exceeded ({tail})"
@@ -131,7 +50,71 @@ async def execute_python(
     if rc != 0:
         parts.append(f"exit code {rc}")
     text = "\n".join(p.rstrip("\n") for p in parts) if parts else "(no output)"
-    return _cut(text, max_output_chars, out_dropped + err_dropped)
+    return _cut(text, max_output_chars, result.stdout_dropped + result.stderr_dropped)
+
+
+async def _run(
+    command: str | list[str],
+    files: dict[str, str],
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    max_output_chars: int,
+) -> str:
+    if timeout_s <= 0 or memory_mb <= 0:
+        raise ValueError(f"timeout_s and memory_mb must be > 0, got {timeout_s} and {memory_mb}")
+    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=4 * max_output_chars + 1024)
+    sandbox = current_sandbox()
+    own = sandbox is None
+    if own:
+        sandbox = await Sandbox.create(limits)
+    try:
+        for path, text in files.items():
+            await sandbox.write_file(path, text)
+        result = await sandbox.exec(command, timeout_s=timeout_s, memory_mb=memory_mb)
+    finally:
+        if own:
+            await sandbox.destroy()
+    return format_result(result, timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
+
+
+async def execute_python(
+    code: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+) -> str:
+    """Run `code` with a sandbox's Python (`python3 -I`, in /workspace); its stdout/stderr, or which limit it hit.
+
+    A run past `timeout_s` is killed and reported as 'error: wall-time limit of T s exceeded'; running out of
+    memory (a MemoryError, or the kernel refusing memory) is reported as 'error: memory limit of M MB exceeded'.
+    Raises `SandboxUnavailable` if no sandbox can be made here.
+    """
+    script = f"/tmp/run_python_{uuid.uuid4().hex[:12]}.py"
+    return await _run(
+        ["python3", "-I", script],
+        {script: code},
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_output_chars=max_output_chars,
+    )
+
+
+async def execute_shell(
+    command: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+) -> str:
+    """Run `command` with `/bin/sh -c` in a sandbox's /workspace; its output as text, as `execute_python` gives."""
+    return await _run(command, {}, timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
+
+
+def _check(timeout_s: float, memory_mb: int, max_output_chars: int) -> None:
+    if timeout_s <= 0 or memory_mb <= 0 or max_output_chars <= 0:
+        raise ValueError("timeout_s, memory_mb and max_output_chars must be > 0")
 
 
 def make_run_python(
@@ -141,8 +124,7 @@ def make_run_python(
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
 ) -> Callable[[str], Awaitable[str]]:
     """A `run_python(code)` tool with these limits, ready for `ToolEnvironment.register_tool`."""
-    if timeout_s <= 0 or memory_mb <= 0 or max_output_chars <= 0:
-        raise ValueError("timeout_s, memory_mb and max_output_chars must be > 0")
+    _check(timeout_s, memory_mb, max_output_chars)
 
     async def run_python(code: str) -> str:
         """Run a Python program and return what it prints (stdout, then stderr).
@@ -155,5 +137,28 @@ def make_run_python(
     return run_python
 
 
+def make_shell(
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+) -> Callable[[str], Awaitable[str]]:
+    """A `shell(command)` tool with these limits, ready for `ToolEnvironment.register_tool`."""
+    _check(timeout_s, memory_mb, max_output_chars)
+
+    async def shell(command: str) -> str:
+        """Run a shell command in the working directory and return what it prints (stdout, then stderr).
+
+        Args:
+            command: A /bin/sh command line, for example "wc -l data.txt" or "grep -c error log.txt".
+        """
+        return await execute_shell(command, timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
+
+    return shell
+
+
 run_python = make_run_python()
 """`run_python(code)` with the default limits (10 s wall time, 512 MB of memory, 4000 output characters)."""
+
+shell = make_shell()
+"""`shell(command)` with the default limits (10 s wall time, 512 MB of memory, 4000 output characters)."""

@@ -1,6 +1,7 @@
 """What the driver checks before it starts anything (Ray, the learner, servers, env actors): the run directory's
-remembered configuration against this one (`marin_rl.orchestrator.run_dir`), and every environment's data, loaded
-once here. A failure is a `RunRefused`, whose message the command line prints as it is, without a traceback:
+remembered configuration against this one (`marin_rl.orchestrator.run_dir`), that environments which run tools in
+sandboxes can make one here, and every environment's data, loaded once here. A failure is a `RunRefused`, whose
+message the command line prints as it is, without a traceback:
 `marin_rl: invalid data: train.jsonl:17: field 'question': expected a string, got int 42`.
 """
 
@@ -12,6 +13,7 @@ import time
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import load_environment_class
 from marin_rl.envs.data import DataFormatError
+from marin_rl.envs.sandbox import SandboxUnavailable, check_sandbox_available
 from marin_rl.learner.learner import check_platform
 from marin_rl.orchestrator.run_dir import RunDirConflict, check_resume_config, remember_config
 
@@ -56,11 +58,28 @@ def check_environment_data(config: RunConfig) -> dict[str, float]:
     return report
 
 
+def check_sandboxes(config: RunConfig) -> None:
+    """Refuse the run (`RunRefused`: 'missing tool: envs[NAME] runs tools in a sandbox: ...', naming the tool and
+    how to install it) when an environment whose class `needs_sandbox` is configured and this machine cannot make
+    a sandbox (`marin_rl.envs.sandbox.check_sandbox_available`)."""
+    for e in config.envs:
+        try:
+            needs = load_environment_class(e.env_class).needs_sandbox
+        except (ImportError, AttributeError, ValueError):
+            continue  # a class that does not load is reported where the env is built
+        if not needs:
+            continue
+        try:
+            check_sandbox_available()
+        except SandboxUnavailable as err:
+            raise RunRefused(f"missing tool: envs[{e.name}] runs tools in a sandbox: {err}") from None
+
+
 def preflight(config: RunConfig, resume_path: str | None) -> dict[str, float]:
     """Everything checked before the run starts, in order of cost: the learner's platform (`learner.platform`, on the
-    local backend, whose driver is the learner), the remembered configuration when resuming from
-    `resume_path`, then the environments' data; then `config` is remembered in `output_dir`. Returns the data report
-    (`check_environment_data`); raises `RunRefused`."""
+    local backend, whose driver is the learner), the remembered configuration when resuming from `resume_path`, the
+    sandbox when an environment needs one (`check_sandboxes`), then the environments' data; then `config` is
+    remembered in `output_dir`. Returns the data report (`check_environment_data`); raises `RunRefused`."""
     if config.orchestrator.backend == "local":  # this process is the learner's: its devices are the learner's
         try:
             check_platform(config.learner.platform)
@@ -70,6 +89,7 @@ def preflight(config: RunConfig, resume_path: str | None) -> dict[str, float]:
         check_resume_config(config, resume_path)
     except RunDirConflict as err:
         raise RunRefused(str(err)) from None
+    check_sandboxes(config)
     report = check_environment_data(config)
     remember_config(config)
     return report

@@ -10,11 +10,14 @@ the policy server's capturing chat route and scores what it returns.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import operator
 
 MODEL = "policy"
 MAX_TURNS = 3
+DEMO_ERROR_RATE = 0.4
+"""The fraction of tasks whose demonstration answers wrongly (the calculator's result slipped by ±1 or ±10)."""
 TOOLS = [
     {
         "type": "function",
@@ -64,17 +67,24 @@ async def solve(client, task: dict) -> str:
 
 
 def demonstration(task: dict) -> dict:
-    """A correct episode of `task` as this agent would send it (for a supervised warm start): call the calculator
-    on the expression, then answer with its result."""
+    """An episode of `task` as this agent would send it (for a supervised warm start): call the calculator on the
+    expression, then answer with its result. An unreliable demonstrator: for a fixed `DEMO_ERROR_RATE` of the tasks
+    (chosen by a hash of the expression) the answer slips by ±1 or ±10 from the tool's result, so the warm-started
+    agent uses the tool but copies its result unreliably, and reinforcement on the exact answer has something to fix."""
     expression = task["expression"]
     arguments = json.dumps({"e": expression})
     call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": arguments}}
+    result = calc(expression)
+    answer = result
+    digest = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "big")
+    if digest % 1000 < DEMO_ERROR_RATE * 1000 and not result.startswith("error"):
+        answer = str(int(result) + (-10, -1, 1, 10)[(digest // 1000) % 4])
     return {
         "messages": [
             {"role": "user", "content": task["prompt"]},
             {"role": "assistant", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": calc(expression)},
-            {"role": "assistant", "content": calc(expression)},
+            {"role": "tool", "tool_call_id": "call_0", "content": result},
+            {"role": "assistant", "content": answer},
         ],
         "tools": TOOLS,
     }

@@ -57,12 +57,28 @@ def test_the_demonstration_is_the_warm_start_as_the_server_renders_it():
     [(prompt, completion), *_] = reference_examples(env, tok)
     assert tok.decode(prompt, skip_special_tokens=False).endswith(f"<|user|>{expression}=<eos><|assistant|>")
     answer = problem.answer
+    given = env.demonstration(env.task(problem))["messages"][-1]["content"]
     expected = (
         f'<tool_call>{{"name": "calc", "arguments": {{"e": "{expression}"}}}}</tool_call><eos>'
-        f"<|tool|>{answer}<eos><|assistant|>{answer}<eos>"
+        f"<|tool|>{answer}<eos><|assistant|>{given}<eos>"
     )
     assert tok.decode(completion, skip_special_tokens=False) == expected
     assert "answer" not in env.task(problem)  # the agent never sees the answer
+
+
+def test_the_demonstrator_slips_on_a_fixed_fraction_of_the_tasks():
+    """The warm start's demonstrations answer the calculator's result for ~60% of the tasks and slip by ±1 or ±10 on
+    the rest, the same tasks every time (the expression's hash decides), so RL has wrong answers to correct."""
+    tok = build_char_tokenizer()
+    env = _env(tok, task_args={**TASK_ARGS, "num_train": 1000})
+    slips = []
+    for problem in env.train_problems():
+        messages = env.demonstration(env.task(problem))["messages"]
+        assert messages[2]["content"] == problem.answer  # the tool's result is right
+        assert env.demonstration(env.task(problem))["messages"] == messages  # the same task slips the same way
+        slips.append(int(messages[-1]["content"]) - int(problem.answer))
+    assert set(slips) == {0, -1, 1, -10, 10}
+    assert 0.35 < np.mean([d != 0 for d in slips]) < 0.45
 
 
 def test_agent_episodes_over_http_and_in_process_are_assembled_from_the_capture(server):
@@ -134,10 +150,10 @@ def test_bad_agent_paths_are_named():
 
 @pytest.mark.slow
 def test_the_sdk_only_agent_trains_end_to_end(tmp_path):
-    """experiments/openai_agent.yaml as shipped: the agent (openai SDK only) is trained through the capturing chat
-    route. Every group is accepted, episodes span several chat requests assembled without a broken prefix, and every
-    step trains. The learning target (held-out gain >= 0.2) is not reached yet by this configuration: the test reports
-    it as an expected failure with the measured figures until it is."""
+    """experiments/openai_agent.yaml as shipped: the agent (openai SDK only), warm-started on its unreliable
+    demonstrations, is trained through the capturing chat route and learns to copy the calculator's result: held-out
+    reward rises by at least 0.2. Every group is accepted, episodes span several chat requests assembled without a
+    broken prefix, and every step trains."""
     out = tmp_path / "run"
     config = parse_config(
         ["--config", "experiments/openai_agent.yaml", "--output_dir", str(out), "--orchestrator.num_cpus", "2"]
@@ -155,7 +171,4 @@ def test_the_sdk_only_agent_trains_end_to_end(tmp_path):
     requests = [json.loads(r["metadata_json"])["requests"] for r in persisted]
     assert requests and max(requests) >= 2, "episodes call the model again after a tool result"
     gain = summary["eval_reward_end"] - summary["eval_reward_start"]
-    if gain < 0.2:
-        pytest.xfail(
-            f"held-out gain {gain:+.3f} < 0.2 ({summary['eval_reward_start']} -> {summary['eval_reward_end']})"
-        )
+    assert gain >= 0.2, (summary["eval_reward_start"], summary["eval_reward_end"])

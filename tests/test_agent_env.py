@@ -165,7 +165,7 @@ def test_the_sdk_only_agent_trains_end_to_end(tmp_path):
     last = steps[-1]
     assert last["replays/openai_agent/accepted_groups"] > 0 and last["replays/openai_agent/rejected"] == 0, last
     # A rollout whose next prompt does not extend what the engine saw (the template re-serialises the tool-call JSON
-    # the policy sampled in another spacing) is dropped and counted, never trained on: seen for 4 of ~3,000 rollouts
+    # the policy sampled in another spacing) is dropped and counted, never trained on (4 such drops in one measured run)
     rollouts = last["replays/openai_agent/accepted_groups"] * config.envs[0].group_size
     assert last.get("replays/openai_agent/dropped/prefix_mismatch", 0) <= 0.02 * rollouts, last
     persisted = [

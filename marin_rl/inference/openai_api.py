@@ -366,14 +366,35 @@ def openai_app(
             return denied
         return {"object": "list", "data": [{"id": SERVED_MODEL_NAME, "object": "model", "owned_by": "marin_rl"}]}
 
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
+    async def answered(http: HttpRequest, what: str, handle):
+        """Count a request of the generation routes, check its API key, run `handle` and answer its failures in
+        OpenAI's error shape: the client's (400/4xx), an unavailable backend (503), anything else (500, logged)."""
         counts.request_started()
         try:
             denied = check_api_key(http.headers.get("authorization"), backend.api_key)
             if denied is not None:
                 counts.rejected += 1
                 return denied
+            return await handle()
+        except InvalidRequest as e:
+            counts.rejected += 1
+            return error_response(e.status, e.message, param=e.param, code=e.code)
+        except ValueError as e:
+            counts.rejected += 1
+            return error_response(400, str(e))
+        except BackendUnavailable as e:
+            counts.rejected += 1
+            return error_response(503, f"{backend.name}: {e}", kind="server_error")
+        except Exception as e:
+            counts.failed += 1
+            logger.error("%s: %s request failed", backend.name, what, exc_info=e)
+            return error_response(500, f"{backend.name}: internal error: {type(e).__name__}: {e}", kind="server_error")
+        finally:
+            counts.request_ended()
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        async def handle():
             request = parse_request(await http.body())
             prompts = check_request(request, backend.tokenizer, backend.limits)
             served = backend.version
@@ -402,30 +423,12 @@ def openai_app(
             sampled = sum(len(c.token_ids) for c in completions)
             counts.generated_tokens += sampled
             return _json(completion_response(request, start, prompts, choices, sampled, backend_s))
-        except InvalidRequest as e:
-            counts.rejected += 1
-            return error_response(e.status, e.message, param=e.param, code=e.code)
-        except ValueError as e:
-            counts.rejected += 1
-            return error_response(400, str(e))
-        except BackendUnavailable as e:
-            counts.rejected += 1
-            return error_response(503, f"{backend.name}: {e}", kind="server_error")
-        except Exception as e:
-            counts.failed += 1
-            logger.error("%s: completion request failed", backend.name, exc_info=e)
-            return error_response(500, f"{backend.name}: internal error: {type(e).__name__}: {e}", kind="server_error")
-        finally:
-            counts.request_ended()
+
+        return await answered(http, "completion", handle)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
-        counts.request_started()
-        try:
-            denied = check_api_key(http.headers.get("authorization"), backend.api_key)
-            if denied is not None:
-                counts.rejected += 1
-                return denied
+        async def handle():
             request = apply_sampling_headers(parse_chat_request(await http.body()), http.headers)
             if not chat_stops:
                 chat_stops.append(end_of_turn_ids(backend.tokenizer))
@@ -487,21 +490,8 @@ def openai_app(
                     r.request_id = body["id"]
                 store.add(session, records)
             return _json(body)
-        except InvalidRequest as e:
-            counts.rejected += 1
-            return error_response(e.status, e.message, param=e.param, code=e.code)
-        except ValueError as e:
-            counts.rejected += 1
-            return error_response(400, str(e))
-        except BackendUnavailable as e:
-            counts.rejected += 1
-            return error_response(503, f"{backend.name}: {e}", kind="server_error")
-        except Exception as e:
-            counts.failed += 1
-            logger.error("%s: chat completion request failed", backend.name, exc_info=e)
-            return error_response(500, f"{backend.name}: internal error: {type(e).__name__}: {e}", kind="server_error")
-        finally:
-            counts.request_ended()
+
+        return await answered(http, "chat completion", handle)
 
     @app.post("/v1/sessions/{session_id}/pop")
     async def pop_session(session_id: str, http: HttpRequest):

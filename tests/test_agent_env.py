@@ -152,8 +152,9 @@ def test_bad_agent_paths_are_named():
 def test_the_sdk_only_agent_trains_end_to_end(tmp_path):
     """experiments/openai_agent.yaml as shipped: the agent (openai SDK only), warm-started on its unreliable
     demonstrations, is trained through the capturing chat route and learns to copy the calculator's result: held-out
-    reward rises by at least 0.2. Every group is accepted, episodes span several chat requests, at most 2% of the
-    rollouts are dropped for a broken prefix, and every step trains."""
+    reward rises by at least 0.2. Every group is accepted but those dynamic sampling rejects for having no signal,
+    every step trains on a gradient, episodes span several chat requests, and at most 2% of the rollouts are dropped for
+    a broken prefix."""
     out = tmp_path / "run"
     config = parse_config(
         ["--config", "experiments/openai_agent.yaml", "--output_dir", str(out), "--orchestrator.num_cpus", "2"]
@@ -163,10 +164,14 @@ def test_the_sdk_only_agent_trains_end_to_end(tmp_path):
     steps = [r for r in rows if "learner/loss" in r]
     assert len(steps) == config.orchestrator.num_steps
     last = steps[-1]
-    assert last["replays/openai_agent/accepted_groups"] > 0 and last["replays/openai_agent/rejected"] == 0, last
+    assert last["replays/openai_agent/accepted_groups"] > 0, last
+    assert last["replays/openai_agent/rejected"] == last.get("replays/openai_agent/rejected/zero_advantage", 0), last
+    # dynamic sampling: no step is an optimizer update without a gradient (Adam's momentum alone moved the policy
+    # into broken tool calls in runs without it)
+    assert all(r["learner/grad_norm"] > 0 for r in steps), [r["learner/grad_norm"] for r in steps]
     # A rollout whose next prompt does not extend what the engine saw (the template re-serialises the tool-call JSON
-    # the policy sampled in another spacing) is dropped and counted, never trained on (4 such drops in one measured run)
-    rollouts = last["replays/openai_agent/accepted_groups"] * config.envs[0].group_size
+    # the policy sampled in another spacing) is dropped and counted, never trained on (6 of ~5,700 in one measured run)
+    rollouts = last["replays/openai_agent/sampled_groups"] * config.envs[0].group_size
     assert last.get("replays/openai_agent/dropped/prefix_mismatch", 0) <= 0.02 * rollouts, last
     persisted = [
         r for f in sorted((out / "rollouts" / "openai_agent").glob("*.parquet")) for r in pq.read_table(f).to_pylist()

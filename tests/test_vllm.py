@@ -244,6 +244,7 @@ def test_weight_updates_new_and_lower_versions(served):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # it must freeze vLLM mid-generation: beside another test, the pause came after the last token
 def test_request_straddling_an_update_continues_under_new_weights(served):
     """pause_mode 'keep': a generation frozen by an update resumes under the new weights and reports both versions;
     each token's logprob is from the weights that sampled it."""

@@ -508,7 +508,9 @@ class ReplayBuffer:
 
     def _reject(self, reason: str, detail: str, sampled_tokens: int, rewards: tuple[float, ...] = ()) -> Admission:
         self.rejected[reason] += 1
-        logger.warning("replay[%s]: rejected a group (%s): %s", self.env_name, reason, detail)
+        # dynamic sampling's zero-advantage groups are its normal path (counted, not warned about one by one)
+        level = logging.DEBUG if reason == "zero_advantage" else logging.WARNING
+        logger.log(level, "replay[%s]: rejected a group (%s): %s", self.env_name, reason, detail)
         return Admission(accepted=False, reason=reason, detail=detail, sampled_tokens=sampled_tokens, rewards=rewards)
 
     # ---- staleness and selection ----------------------------------------------------------------------

@@ -105,8 +105,10 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def loop_window(rows: list[dict]) -> tuple[float, float]:
-    """Wall-clock start (the step-0 row) and end (the last step's row) of the loop."""
-    times = [(r.get("step", 0), r["time/elapsed_s"]) for r in rows if "time/elapsed_s" in r]
+    """Wall-clock start (the step-0 row) and end (the last step's row) of the loop, in Unix time (the clock of
+    `run_loop`'s CPU samples); in seconds since the run began for rows written without `time/unix`."""
+    clock = "time/unix" if all("time/unix" in r for r in rows if "time/elapsed_s" in r) else "time/elapsed_s"
+    times = [(r.get("step", 0), r[clock]) for r in rows if "time/elapsed_s" in r]
     return min(times)[1], max(times)[1]
 
 
@@ -235,6 +237,9 @@ def main() -> None:
         serve(*args.serve)
         return
 
+    if args.output_dir and not args.from_run and os.path.exists(os.path.join(args.output_dir, "checkpoints")):
+        # the run would resume there (at its last step, doing nothing) and the loop would measure nothing
+        raise SystemExit(f"--output-dir {args.output_dir} already holds a run; give a new directory (or --from-run)")
     config_path = smoke_config(args.config) if args.smoke else args.config
     steps = args.steps or (2 if args.smoke else None)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="loop-bench-run-")

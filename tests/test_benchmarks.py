@@ -1,5 +1,6 @@
 """Every benchmark runs: its `--smoke` mode (seconds, tiny sizes) must finish and print its figure line."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -48,3 +49,38 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(name):
     assert proc.returncode == 0, f"benchmarks/{name}.py --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     last = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(rf"{FIGURE[name]}=[0-9.]+", last), f"unexpected last line {last!r}"
+
+
+def _loop_benchmark():
+    spec = importlib.util.spec_from_file_location("loop_benchmark", ROOT / "benchmarks" / "loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_loop_benchmark_counts_cpu_over_the_loops_own_window():
+    """The CPU samples are stamped in Unix time, so the loop's window is too (it was in seconds since the run began:
+    every role's CPU came out 0). Samples: (time, {pid: (role, cpu seconds)})."""
+    loop = _loop_benchmark()
+    rows = [
+        {"step": 0, "time/elapsed_s": 10.0, "time/unix": 1000.0},
+        {"step": 1, "time/elapsed_s": 12.0, "time/unix": 1002.0},
+        {"step": 2, "time/elapsed_s": 14.0, "time/unix": 1004.0},
+    ]
+    start, end = loop.loop_window(rows)
+    assert (start, end) == (1000.0, 1004.0)
+    samples = [(999.9, {7: ("learner", 5.0)}), (1002.0, {7: ("learner", 6.0)}), (1004.1, {7: ("learner", 8.5)})]
+    assert loop.cpu_by_role(samples, start, end) == {"learner": 3.5}
+
+
+def test_the_loop_benchmark_refuses_an_output_dir_that_holds_a_run(tmp_path):
+    """A finished run there would be resumed at its last step and the loop would time nothing."""
+    (tmp_path / "checkpoints").mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "loop.py"), "--output-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and f"--output-dir {tmp_path} already holds a run" in proc.stderr, proc.stderr

@@ -349,7 +349,8 @@ class ReplayBuffer:
             return self._reject(str(scores.reason), scores.detail, group_sampled_tokens(checked), rewards)
         if self.config.dynamic_sampling and scores.reward_credit is None and _all_zero_advantages(scores):
             detail = f"group {checked.group_id}: every advantage is 0 (rewards {checked.rewards.tolist()})"
-            return self._reject(ZERO_ADVANTAGE, detail, group_sampled_tokens(checked), rewards)
+            # dynamic sampling's normal path: counted, not warned about one group at a time
+            return self._reject(ZERO_ADVANTAGE, detail, group_sampled_tokens(checked), rewards, level=logging.DEBUG)
         now = time.time()
         self.accepted_groups += 1
         self.persist(checked, scores, now)
@@ -506,10 +507,15 @@ class ReplayBuffer:
             for name, value in turn.rewards.items():
                 self._new_named.setdefault(name, []).append(value)
 
-    def _reject(self, reason: str, detail: str, sampled_tokens: int, rewards: tuple[float, ...] = ()) -> Admission:
+    def _reject(
+        self,
+        reason: str,
+        detail: str,
+        sampled_tokens: int,
+        rewards: tuple[float, ...] = (),
+        level: int = logging.WARNING,
+    ) -> Admission:
         self.rejected[reason] += 1
-        # dynamic sampling's zero-advantage groups are its normal path (counted, not warned about one by one)
-        level = logging.DEBUG if reason == "zero_advantage" else logging.WARNING
         logger.log(level, "replay[%s]: rejected a group (%s): %s", self.env_name, reason, detail)
         return Admission(accepted=False, reason=reason, detail=detail, sampled_tokens=sampled_tokens, rewards=rewards)
 

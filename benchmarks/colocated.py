@@ -82,12 +82,13 @@ def _mean(rows: list[dict], key: str) -> float:
 
 def describe(name: str, launch: float, end: float, rows: list[dict], target: float) -> dict[str, float]:
     """Print one run's figures; returns them."""
-    by_step = {r["step"]: r for r in rows if "step" in r and "time/elapsed_s" in r}
+    # `time/unix` is the row's Unix time, comparable with `launch`; `time/elapsed_s` counts from the run's own start
+    by_step = {r["step"]: r for r in rows if "step" in r and "time/unix" in r}
     steps = sorted(s for s in by_step if s >= 1)
-    startup = by_step[0]["time/elapsed_s"] - launch
+    startup = by_step[0]["time/unix"] - launch
     reach = next((s for s in sorted(by_step) if s >= 1 and by_step[s].get("eval/mean_reward", -1) >= target), None)
-    to_target = None if reach is None else by_step[reach]["time/elapsed_s"] - launch
-    loop_s = by_step[steps[-1]]["time/elapsed_s"] - by_step[0]["time/elapsed_s"]
+    to_target = None if reach is None else by_step[reach]["time/unix"] - launch
+    loop_s = by_step[steps[-1]]["time/unix"] - by_step[0]["time/unix"]
     stepped = [by_step[s] for s in steps]
     engine = [r["servers/0/engine_s"] for r in stepped if "servers/0/engine_s" in r]
     generation = (engine[-1] - engine[0]) / max(len(engine) - 1, 1) if len(engine) > 1 else 0.0

@@ -18,6 +18,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "chat": "chat_over_completions",
     "colocated": "default_over_local",
     "credit_assignment": "turn_over_group_reward",
+    "device_local": "mfu",
     "distillation": "distill_over_rl",
     "inference": "http_over_engine",
     "learner_mfu": "mfu",
@@ -51,11 +52,31 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(name):
     assert re.fullmatch(rf"{FIGURE[name]}=[0-9.]+", last), f"unexpected last line {last!r}"
 
 
-def _loop_benchmark():
-    spec = importlib.util.spec_from_file_location("loop_benchmark", ROOT / "benchmarks" / "loop.py")
+def _benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _loop_benchmark():
+    return _benchmark("loop")
+
+
+def test_the_colocated_benchmark_times_from_launch_in_unix_time():
+    """Start-up and time-to-reward are measured from the launch (a Unix time), so against the rows' `time/unix`;
+    `time/elapsed_s` counts from the run's own start (against it, start-up came out as minus the Unix time)."""
+    colocated = _benchmark("colocated")
+    rows = [
+        {"step": 0, "time/elapsed_s": 3.0, "time/unix": 1005.0, "eval/mean_reward": 0.4},
+        {"step": 1, "time/elapsed_s": 4.0, "time/unix": 1006.0, "learner/step_time_s": 0.5},
+        {"step": 2, "time/elapsed_s": 6.0, "time/unix": 1008.0, "learner/step_time_s": 0.5, "eval/mean_reward": 0.9},
+    ]
+    figures = colocated.describe("run", 1000.0, 1010.0, rows, 0.8)
+    assert figures["startup_s"] == 5.0
+    assert figures["to_target_s"] == 8.0
+    assert figures["loop_s"] == 3.0
+    assert figures["whole_s"] == 10.0
 
 
 def test_the_loop_benchmark_counts_cpu_over_the_loops_own_window():

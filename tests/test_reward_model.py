@@ -507,9 +507,9 @@ def test_rl_on_the_reward_models_reward_alone_raises_the_verifiers_held_out_corr
             "--output_dir",
             str(out),
             "--orchestrator.num_steps",
-            "100",
+            "60",
             "--orchestrator.eval_every",
-            "50",
+            "30",
             "--orchestrator.num_cpus",
             "2",
             "--checkpoint.every",
@@ -520,11 +520,11 @@ def test_rl_on_the_reward_models_reward_alone_raises_the_verifiers_held_out_corr
     summary = run(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/addition/rewards/correct" in r]
-    assert [r["step"] for r in evals] == [0, 50, 100]
+    assert [r["step"] for r in evals] == [0, 30, 60]
     for r in evals:  # the reward trained on is the model's alone: weight 1 on 'rm', 0 on the verifier's 'correct'
         assert r["eval/addition/reward"] == pytest.approx(r["eval/addition/rewards/rm"])
     before, after = evals[0]["eval/addition/rewards/correct"], evals[-1]["eval/addition/rewards/correct"]
-    assert after - before >= 0.12, (before, after)  # measured: 0.495 -> 0.733
+    assert after - before >= 0.12, (before, after)  # measured: 0.444 -> 0.643 (100 steps: 0.495 -> 0.733)
     assert summary["eval_reward_end"] > summary["eval_reward_start"]
     # the headline is the verifier's held-out score; the reward model's score is kept as the trained-on reward
     assert summary["headline"] == {"addition": "eval/addition/verifier_reward"}

@@ -264,7 +264,14 @@ def test_sharded_sft_matches_one_device(tmp_path):
 @pytest.mark.slow
 def test_sft_addition_example_then_rl_from_its_export(tmp_path):
     data = tmp_path / "addition_sft.jsonl"
-    subprocess.run([sys.executable, "experiments/addition_sft_data.py", str(data)], check=True, capture_output=True)
+    # the package from this checkout, whether or not (and from wherever) it is installed
+    path = os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])
+    subprocess.run(
+        [sys.executable, "experiments/addition_sft_data.py", str(data)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     sft = parse_config(
         ["--config", "experiments/sft_addition.yaml", "--output_dir", str(tmp_path / "sft")]
         + ["--learner.sft.train_files", f"[{data}]", "--learner.sft.steps", "150", "--learner.sft.eval_every", "50"]

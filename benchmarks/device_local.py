@@ -100,8 +100,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="more `--key value` overrides for the run (after `--`)")
     args = parser.parse_args()
     out = args.output_dir or tempfile.mkdtemp(prefix="device-local-bench-")
-    if os.path.isdir(os.path.join(out, "checkpoints")):
-        raise SystemExit(f"--output-dir {out} holds a run (checkpoints/): it would resume, not run; give a new one")
+    run_dir = os.path.join(out, "run")
+    if os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        raise SystemExit(f"--output-dir {out} holds a run ({run_dir}): it would resume, not run; give a new one")
     config = smoke_config(args.config, tempfile.mkdtemp(prefix="device-local-smoke-")) if args.smoke else args.config
     overrides = ["--tracking.wandb_mode", "disabled", *args.overrides]
     steps = args.steps or (3 if args.smoke else None)
@@ -109,7 +110,6 @@ def main() -> None:
         overrides += ["--orchestrator.num_steps", str(steps)]
     if args.smoke:
         overrides += ["--orchestrator.eval_every", "0", "--checkpoint.every", "0"]
-    run_dir = os.path.join(out, "run")
     launch, end, rows, summary = run(config, run_dir, overrides)
     figures = describe(os.path.basename(config), launch, end, rows, args.reward)
     stepped = [r for r in rows if r.get("step", 0) >= 1 and "learner/step_time_s" in r]

@@ -59,10 +59,6 @@ def _benchmark(name: str):
     return module
 
 
-def _loop_benchmark():
-    return _benchmark("loop")
-
-
 def test_the_colocated_benchmark_times_from_launch_in_unix_time():
     """Start-up and time-to-reward are measured from the launch (a Unix time), so against the rows' `time/unix`;
     `time/elapsed_s` counts from the run's own start (against it, start-up came out as minus the Unix time)."""
@@ -82,7 +78,7 @@ def test_the_colocated_benchmark_times_from_launch_in_unix_time():
 def test_the_loop_benchmark_counts_cpu_over_the_loops_own_window():
     """The CPU samples are stamped in Unix time, so the loop's window is too (it was in seconds since the run began:
     every role's CPU came out 0). Samples: (time, {pid: (role, cpu seconds)})."""
-    loop = _loop_benchmark()
+    loop = _benchmark("loop")
     rows = [
         {"step": 0, "time/elapsed_s": 10.0, "time/unix": 1000.0},
         {"step": 1, "time/elapsed_s": 12.0, "time/unix": 1002.0},

@@ -298,11 +298,8 @@ def test_the_quickstart_learns_through_the_bpe_tokenizer_and_chat_template(tmp_p
     assert done.returncode == 0, log.read_text()[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     print(f"quickstart_bpe: held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}")
-    evals = [
-        json.loads(line)["eval/mean_reward"]
-        for line in (out / "metrics.jsonl").read_text().splitlines()
-        if "eval/mean_reward" in line
-    ]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/mean_reward"] for r in rows if "eval/mean_reward" in r]
     # the mean of the last two: one evaluation (200 problems × 4 samples) moves by a few hundredths between neighbours
     assert (evals[-1] + evals[-2]) / 2 - evals[0] >= 0.25, evals
     tok = load_tokenizer(TokenizerConfig(kind="bpe", vocab_size=VOCAB))
@@ -315,6 +312,5 @@ def test_the_quickstart_learns_through_the_bpe_tokenizer_and_chat_template(tmp_p
         )
         stopped = turn.inference_metadata.finish_reason == "stop"
         assert (turn.token_ids[-1] == tok.eos_token_id) == stopped and tok.eos_token_id not in turn.token_ids[:-1]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     on_policy = [r for r in rows if r.get("batches/staleness/max") == 0 and "learner/logprob_diff_sampler/max_abs" in r]
     assert on_policy and all(r["learner/logprob_diff_sampler/max_abs"] < 1e-4 for r in on_policy)

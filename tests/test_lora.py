@@ -216,9 +216,13 @@ def test_quickstart_lora_learns_ships_only_adapters_and_a_replaced_server_gets_t
     shipped = [r["broadcast/bytes"] for r in steps]
     assert sum(b > full_bytes for b in shipped) <= 1, "base + adapters travel once after the replacement"
     assert sorted(shipped)[len(shipped) // 2] <= 0.05 * full_bytes, "versions carry the adapters alone"
-    for r in steps:  # every batch is on-policy: the served (merged) policy is the learner's, also after the restart
+    # Every batch is on-policy: the served (merged) policy is the learner's, also after the restart. The servers
+    # sample from W + s·BA and the learner computes W·x + s·B(A·x): equal but for float32 rounding, which moves the
+    # worst token's logprob by up to ~1e-4 (measured: median 7e-6, 9.3e-5 alone, 1.75e-4 beside another test); a
+    # stale or wrong version differs by 1e-2 or more.
+    for r in steps:
         assert r["batches/staleness/max"] == 0
-        assert r["learner/logprob_diff_sampler/max_abs"] < 1e-4, r["step"]
+        assert r["learner/logprob_diff_sampler/max_abs"] < 5e-4, r["step"]
     assert (out / "hf" / "step-60" / "config.json").exists(), "the export is the merged policy"
     assert (out / "hf" / "step-60" / "peft" / "adapter_config.json").exists()
 

@@ -80,9 +80,12 @@ def random_teacher(config: RunConfig, path: str) -> str:
     return export_hf_checkpoint(model, tokenizer, path)
 
 
-def run_pair(distill: RunConfig, env: str) -> dict[str, list[tuple[int, float]]]:
+def run_pair(
+    distill: RunConfig, env: str, reward_only_backend: str | None = None
+) -> dict[str, list[tuple[int, float]]]:
     """Run `distill` and its reward-only twin (same config, no teacher, rloo with the decoupled objective) into fresh
-    directories `<output_dir>_opd` and `<output_dir>_rl`; their held-out reward curves."""
+    directories `<output_dir>_opd` and `<output_dir>_rl`; their held-out reward curves. `reward_only_backend`
+    (`--smoke`: local) runs the twin on another `orchestrator.backend` than the distillation's."""
     base_dir = distill.output_dir
     distill = copy.deepcopy(distill)
     distill.output_dir = f"{base_dir}_opd"
@@ -91,6 +94,8 @@ def run_pair(distill: RunConfig, env: str) -> dict[str, list[tuple[int, float]]]
     reward_only.teacher = None
     reward_only.learner.algorithm = "rloo"
     reward_only.learner.loss.objective = "decoupled"
+    if reward_only_backend is not None:
+        reward_only.orchestrator.backend = reward_only_backend
     curves = {}
     for label, config in ((distill_label(distill), distill), (REWARD_ONLY, reward_only)):
         shutil.rmtree(config.output_dir, ignore_errors=True)
@@ -162,7 +167,8 @@ def main() -> None:
         pair.learner.optimizer.learning_rate = lr
         if len(rates) > 1:
             pair.output_dir = f"{config.output_dir}_lr{lr:g}"
-        results[f"{lr:g}"] = run_pair(pair, env)
+        # --smoke: the reward-only twin needs no teacher server, so it runs in one process (no second Ray cluster)
+        results[f"{lr:g}"] = run_pair(pair, env, "local" if args.smoke else None)
     plot(results, env, args.output)
     with open(os.path.splitext(args.output)[0] + ".json", "w") as f:
         json.dump({"env": env, "curves": results}, f, indent=1)

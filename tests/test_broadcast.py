@@ -15,7 +15,7 @@ import pytest
 
 from marin_rl.broadcast import BroadcastConfig, WeightSubscriber, make_transport
 from marin_rl.broadcast.arrow_flight import ArrowFlightTransport, _WeightFlightServer, plan_tickets
-from marin_rl.broadcast.base import _cast_on_device
+from marin_rl.broadcast.base import UpdateUnavailable, _cast_on_device
 from marin_rl.broadcast.fsspec_checkpoint import FsspecTransport
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
@@ -87,6 +87,25 @@ def test_bfloat16_broadcast_within_bf16_precision(name, tmp_path):
         transport.close()
 
 
+@pytest.mark.parametrize("name", ["shared_memory", "arrow_flight"])
+def test_the_update_of_a_closed_publisher_is_unavailable_not_an_arbitrary_error(name):
+    """A server told to apply the update of a learner that is gone raises `UpdateUnavailable`, which the driver
+    answers by having the (replaced) learner publish again."""
+    config = BroadcastConfig(transport=name, secret="run-secret")
+    publisher, reader = make_transport(config), make_transport(config)
+    try:
+        update = publisher.publish(4, _leaves(3))
+        np.testing.assert_array_equal(reader.fetch(update)[0], _leaves(3)[0])
+        publisher.close()
+        fresh = make_transport(config)
+        with pytest.raises(UpdateUnavailable, match="version 4|does not exist"):
+            fresh.fetch(update)
+        fresh.close()
+    finally:
+        publisher.close()
+        reader.close()
+
+
 def test_ray_object_store_round_trip_in_another_process(tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -106,6 +125,25 @@ def test_ray_object_store_round_trip_in_another_process(tmp_path):
                 expect = want.astype(ml_dtypes.bfloat16) if dtype and want.dtype.kind == "f" else want
                 assert (dt, shape) == (expect.dtype.name, expect.shape)
                 assert data == expect.tobytes()
+
+        @ray.remote(num_cpus=0)
+        class Publisher:
+            def publish(self):
+                return make_transport("ray").publish(5, [np.ones((300_000,), np.float32)])
+
+        publisher = Publisher.remote()
+        update = ray.get(publisher.publish.remote())
+        ray.kill(publisher)  # the learner that owned the object died
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(publisher.__ray_ready__.remote(), timeout=30)
+        deadline = time.time() + 30  # the owner's death reaches the object's other holders asynchronously
+        with pytest.raises(UpdateUnavailable, match="version 5"):
+            while time.time() < deadline:
+                try:
+                    ray.get(fetch_elsewhere.remote(update))
+                except ray.exceptions.RayTaskError as e:
+                    raise e.cause from None
+                time.sleep(0.2)
     finally:
         ray.shutdown()
 

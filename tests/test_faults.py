@@ -14,7 +14,11 @@ The driver is covered by `test_resume.py` (SIGKILLed, then rerun from its checkp
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +26,11 @@ import pytest
 import ray
 from deterministic_run import deterministic_config, final_learner_arrays, stored_timeline
 
+from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
 from marin_rl.config import parse_config
 from marin_rl.orchestrator.hooks import StepHook
 from marin_rl.orchestrator.orchestrator import Orchestrator
+from marin_rl.processes import pid_alive
 from marin_rl.tracking import JsonlTracker, read_metrics
 
 STEPS, EVERY = 12, 3
@@ -52,7 +58,17 @@ def _kill(orchestrator: Orchestrator, role: str) -> None:
     elif role == "server":
         ray.kill(orchestrator.servers.actors[0])
     elif role == "learner":
-        ray.kill(orchestrator.learner.primary)
+        # Its shared-memory weight slots go with it, as when another run's learner on this machine removes a dead
+        # process's slots before this run's replacement server reads them: the replacement gets the restored
+        # weights from the next learner instead (the path a CI run once failed on by chance).
+        learner = orchestrator.learner.primary
+        pid = ray.get(learner.__ray_call__.remote(lambda self: os.getpid()))
+        ray.kill(learner)
+        deadline = time.time() + 30
+        while pid_alive(pid) and time.time() < deadline:
+            time.sleep(0.05)
+        for directory in glob.glob(os.path.join(DEFAULT_ROOT, f"{PRIVATE_PREFIX}{pid}-*")):
+            shutil.rmtree(directory)
     else:
         raise ValueError(role)
 

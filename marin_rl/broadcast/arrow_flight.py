@@ -32,6 +32,7 @@ import pyarrow.flight as flight
 
 from marin_rl.broadcast.base import (
     BroadcastConfig,
+    UpdateUnavailable,
     WeightTransport,
     WeightUpdate,
     aligned_empty,
@@ -257,7 +258,12 @@ class ArrowFlightTransport(WeightTransport):
                 received += data.size
             return received
 
-        received = sum(self._pool.map(get, range(len(tickets))))
+        try:
+            received = sum(self._pool.map(get, range(len(tickets))))
+        except flight.FlightUnavailableError as e:  # the learner's Flight server is gone with its process
+            raise UpdateUnavailable(
+                f"the Flight server at {location} that published version {update.version} does not answer ({e})"
+            ) from None
         expected = sum(leaf["nbytes"] for leaf in manifest["leaves"])
         if received != expected:
             raise RuntimeError(f"fetched {received} bytes of weights {update.publish_id}, expected {expected}")

@@ -126,6 +126,11 @@ class WeightUpdate:
     """Unix time of the publish."""
 
 
+class UpdateUnavailable(RuntimeError):
+    """An update's arrays can no longer be fetched: the learner process that published them is gone (its slots
+    removed, its objects lost), or a newer publish replaced them. The publisher's next update is the one to apply."""
+
+
 class WeightTransport(abc.ABC):
     """Moves flattened parameter arrays from the learner to servers."""
 

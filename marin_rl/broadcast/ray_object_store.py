@@ -7,7 +7,13 @@ from typing import Any
 import numpy as np
 import ray
 
-from marin_rl.broadcast.base import WeightTransport, WeightUpdate, host_leaves, register_transport
+from marin_rl.broadcast.base import (
+    UpdateUnavailable,
+    WeightTransport,
+    WeightUpdate,
+    host_leaves,
+    register_transport,
+)
 
 
 @register_transport
@@ -29,4 +35,10 @@ class RayObjectStoreTransport(WeightTransport):
         return self._latest
 
     def fetch(self, update: WeightUpdate) -> list[np.ndarray]:
-        return ray.get(update.payload[0])
+        try:
+            return ray.get(update.payload[0])
+        except ray.exceptions.ObjectLostError as e:  # its owner, the learner process, died (OwnerDiedError)
+            raise UpdateUnavailable(
+                f"the weights of version {update.version} are gone from Ray's object store ({type(e).__name__}): "
+                f"the learner that published them died"
+            ) from None

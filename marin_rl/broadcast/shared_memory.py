@@ -44,6 +44,7 @@ import numpy as np
 
 from marin_rl.broadcast.base import (
     BroadcastConfig,
+    UpdateUnavailable,
     WeightTransport,
     WeightUpdate,
     dtype_from_name,
@@ -68,8 +69,13 @@ LOCK_WAIT_S = 120.0
 """Longest a fetch waits for the publisher to finish writing the slot it names."""
 
 
-class SupersededUpdate(RuntimeError):
+class SupersededUpdate(UpdateUnavailable):
     """The slot an update names holds a newer version by now; fetch the latest update instead."""
+
+
+class MissingSlot(UpdateUnavailable, FileNotFoundError):
+    """The slot file an update names is gone: its learner was closed, or died and a later learner on this machine
+    removed its slots (or the update was published on another machine)."""
 
 
 @dataclass
@@ -317,7 +323,7 @@ class SharedMemoryTransport(WeightTransport):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise MissingSlot(
                 f"weight slot {path} does not exist here; was the learner closed, or is this another machine's "
                 f"/dev/shm?"
             ) from None

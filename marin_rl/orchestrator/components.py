@@ -212,13 +212,18 @@ class RunComponents:
             self.servers_moved()
 
     def servers_moved(self) -> None:
-        """A server was replaced: env actors send their requests to the current addresses. With LoRA, a replacement
-        that knows no base gets one now: the learner publishes base and adapters again."""
+        """A server was replaced: env actors send their requests to the current addresses. A replacement without the
+        latest weights gets them now: with LoRA, one that knows no base gets base and adapters again; one that could
+        not fetch the latest update (the learner that published it died) gets the learner's next publish, and when
+        the learner is dead, that publish raises its death, which the loop's recovery handles (it broadcasts the
+        restored weights to every server)."""
         for pool in self.pools.values():
             pool.set_servers(self.servers.addresses)
-        if self.servers.needs_base:
-            self.servers.needs_base = False
+        base, weights = self.servers.needs_base, self.servers.needs_weights
+        self.servers.needs_base = self.servers.needs_weights = False
+        if base:
             self.learner.run("request_full_publish")
+        if base or weights:
             self.broadcast()
 
     def broadcast(self) -> dict[str, float]:

@@ -14,7 +14,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from marin_rl.broadcast.base import WeightUpdate
+from marin_rl.broadcast.base import UpdateUnavailable, WeightUpdate
 from marin_rl.config import RunConfig
 from marin_rl.model.lora import MissingBaseError
 from marin_rl.orchestrator.actors import ServerActor
@@ -36,6 +36,9 @@ class ServerPool:
         self.last_update: WeightUpdate | None = None
         self.needs_base = False
         """A replacement server got adapters only (LoRA) and knows no base: the next publish must be a full one."""
+        self.needs_weights = False
+        """A replacement server could not fetch the latest update (its learner died and the arrays went with it):
+        it serves the initial policy until the learner publishes again."""
         self.budget = RestartBudget("inference servers", config.orchestrator.max_restarts_per_role)
         self._stats_refs: list = []
 
@@ -112,12 +115,22 @@ class ServerPool:
                 logger.error("the replacement of inference server %d died (%s); replacing it", index, type(e).__name__)
                 return self.restart(index)
             except RayTaskError as e:
-                if not isinstance(e.cause, MissingBaseError):
+                if isinstance(e.cause, MissingBaseError):
+                    logger.info(
+                        "inference server %d was replaced mid-run with LoRA: the next publish carries the base", index
+                    )
+                    self.needs_base = True
+                elif isinstance(e.cause, UpdateUnavailable):
+                    logger.warning(
+                        "inference server %d was replaced, but version %d's weights are gone (%s); the learner "
+                        "publishes again",
+                        index,
+                        self.last_update.version,
+                        str(e.cause).splitlines()[0][:200],
+                    )
+                    self.needs_weights = True
+                else:
                     raise
-                logger.info(
-                    "inference server %d was replaced mid-run with LoRA: the next publish carries the base", index
-                )
-                self.needs_base = True
         logger.info(
             "inference server %d replaced at %s with version %s (%.1fs)",
             index,

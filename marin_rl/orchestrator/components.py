@@ -212,19 +212,21 @@ class RunComponents:
             self.servers_moved()
 
     def servers_moved(self) -> None:
-        """A server was replaced: env actors send their requests to the current addresses. A replacement without the
-        latest weights gets them now: with LoRA, one that knows no base gets base and adapters again; one that could
-        not fetch the latest update (the learner that published it died) gets the learner's next publish, and when
-        the learner is dead, that publish raises its death, which the loop's recovery handles (it broadcasts the
-        restored weights to every server)."""
-        for pool in self.pools.values():
-            pool.set_servers(self.servers.addresses)
+        """A server was replaced: it gets the latest weights if it lacks them, then env actors send their requests
+        to the current addresses. With LoRA, a replacement that knows no base gets base and adapters again; one that
+        could not fetch the latest update (the learner that published it died) gets the learner's next publish. When
+        the learner is dead, that publish raises its death, which the loop's recovery handles (its broadcast brings
+        every server the restored weights)."""
         base, weights = self.servers.needs_base, self.servers.needs_weights
         self.servers.needs_base = self.servers.needs_weights = False
-        if base:
-            self.learner.run("request_full_publish")
-        if base or weights:
-            self.broadcast()
+        try:
+            if base:
+                self.learner.run("request_full_publish")
+            if base or weights:
+                self.broadcast()
+        finally:
+            for pool in self.pools.values():
+                pool.set_servers(self.servers.addresses)
 
     def broadcast(self) -> dict[str, float]:
         """Publish the learner's weights and wait until every server serves them."""

@@ -1,5 +1,5 @@
 """A reproducible random `PackedBatch` for the tests that train in subprocesses on several devices or processes
-(imported by their worker scripts, which get this directory on `PYTHONPATH`)."""
+(imported by their worker scripts, which get this directory on `PYTHONPATH`: `subprocess_env(TESTS)`)."""
 
 import numpy as np
 
@@ -29,12 +29,3 @@ def random_packed_batch(seed: int, rows: int, seq: int, vocab: int, segments: in
         sampler_logprobs=np.where(loss_mask, -np.log(vocab) + 0.1 * rng.normal(size=(rows, seq)), 0).astype(np.float32),
         token_versions=np.where(loss_mask, 0, -1).astype(np.int32),
     )
-
-
-def worker_env(**extra: str) -> dict[str, str]:
-    """The environment of a worker subprocess: this one's, plus this directory on `PYTHONPATH`, plus `extra`."""
-    import os
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path, **extra)

@@ -1,13 +1,13 @@
 """Every benchmark runs: its `--smoke` mode (seconds, tiny sizes) must finish and print its figure line."""
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
@@ -36,9 +36,7 @@ def test_every_benchmark_is_smoke_tested():
 
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_benchmark_smoke_mode_runs_and_prints_its_figure(name):
-    # the package from this checkout, whether or not (and from wherever) it is installed
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    env = subprocess_env(PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke"],
         cwd=ROOT,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from levanter.models.llama import LlamaConfig
+from subprocess_env import subprocess_env
 from test_resume import _reap_session
 
 from marin_rl.cli_help import placeholder_fields, preflight, split_command_line
@@ -40,8 +41,7 @@ def _run(args: list[str], env: dict | None = None, timeout: float = 180) -> subp
 
 
 def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return dict(os.environ, PYTHONPATH=path, COLUMNS="120", **extra)
+    return subprocess_env(COLUMNS="120", **extra)
 
 
 def _help(capsys, args: list[str]) -> str:

@@ -5,7 +5,6 @@ cannot run with one line."""
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import yaml
 from deterministic_run import deterministic_config, final_learner_arrays, warm_starts
+from subprocess_env import subprocess_env
 from test_resume import _markers, _progress, _reap_session, _signal_when, _stop_all
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
@@ -39,8 +39,7 @@ def _without_ray(tmp_path: Path) -> dict[str, str]:
     shim = tmp_path / "no_ray"
     shim.mkdir(exist_ok=True)
     (shim / "ray.py").write_text('raise ImportError("ray is not installed here")\n')
-    path = os.pathsep.join([str(shim), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
+    return subprocess_env(shim, PYTHONUNBUFFERED="1")
 
 
 def _start(config: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from random_packed_batch import worker_env
+from subprocess_env import TESTS, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def _free_port() -> int:
 
 def _run(out, case: str, nproc: int, mesh: dict, mode: str = "train", timeout: int = 600) -> None:
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = worker_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}", JAX_PLATFORMS="cpu")
+    env = subprocess_env(TESTS, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}", JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, str(out), str(i), str(nproc), coordinator, case, json.dumps(mesh), mode],

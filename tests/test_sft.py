@@ -11,6 +11,7 @@ import sys
 import haliax as hax
 import numpy as np
 import pytest
+from subprocess_env import subprocess_env
 
 from marin_rl.config import RunConfig
 from marin_rl.envs.data import DataFormatError
@@ -264,13 +265,11 @@ def test_sharded_sft_matches_one_device(tmp_path):
 @pytest.mark.slow
 def test_sft_addition_example_then_rl_from_its_export(tmp_path):
     data = tmp_path / "addition_sft.jsonl"
-    # the package from this checkout, whether or not (and from wherever) it is installed
-    path = os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])
     subprocess.run(
         [sys.executable, "experiments/addition_sft_data.py", str(data)],
         check=True,
         capture_output=True,
-        env={**os.environ, "PYTHONPATH": path},
+        env=subprocess_env(),
     )
     sft = parse_config(
         ["--config", "experiments/sft_addition.yaml", "--output_dir", str(tmp_path / "sft")]

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from random_packed_batch import worker_env
+from subprocess_env import TESTS, subprocess_env
 
 from marin_rl.learner.learner import LearnerConfig, MeshConfig
 
@@ -89,7 +89,7 @@ PARAM_ATOL = 5e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding")
-    env = worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = subprocess_env(TESTS, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, str(out), json.dumps(CASES)],
         env=env,

@@ -135,7 +135,7 @@ class ServerPool:
             "inference server %d replaced at %s with version %s (%.1fs)",
             index,
             self.addresses[index],
-            None if self.last_update is None else self.last_update.version,
+            None if self.last_update is None or self.needs_weights else self.last_update.version,
             time.time() - t,
         )
         return result

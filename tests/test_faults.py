@@ -34,6 +34,7 @@ from marin_rl.processes import pid_alive
 from marin_rl.tracking import JsonlTracker, read_metrics
 
 STEPS, EVERY = 12, 3
+AT_PUBLISH = "@publish"
 
 
 def _config(out: Path, num_servers: int = 1) -> Path:
@@ -59,8 +60,8 @@ def _kill(orchestrator: Orchestrator, role: str) -> None:
         ray.kill(orchestrator.servers.actors[0])
     elif role == "learner":
         # Its shared-memory weight slots go with it, as when another run's learner on this machine removes a dead
-        # process's slots before this run's replacement server reads them: the replacement gets the restored
-        # weights from the next learner instead (the path a CI run once failed on by chance).
+        # process's slots before this run's servers read them (a CI run once failed on that by chance): servers
+        # that cannot fetch its last update get the restored weights from the next learner instead.
         learner = orchestrator.learner.primary
         pid = ray.get(learner.__ray_call__.remote(lambda self: os.getpid()))
         ray.kill(learner)
@@ -74,16 +75,27 @@ def _kill(orchestrator: Orchestrator, role: str) -> None:
 
 
 def run_with_faults(out: Path, kills: dict[int, list[str]], num_servers: int = 1) -> tuple[dict, Orchestrator]:
-    """Run the deterministic config into `out`, killing the given roles' actors right after the given steps (each
-    step once: a step trained again after a rollback kills nothing). Returns the summary and the orchestrator."""
+    """Run the deterministic config into `out`, killing the given roles' actors after the given steps (each step
+    once: a step trained again after a rollback kills nothing): once the step's hooks have run, or, for a role
+    written `<role>@publish`, right after the step's weights are published and before the servers apply them (a
+    learner killed there takes that update's arrays with it, see `_kill`). Returns the summary and the
+    orchestrator."""
     orchestrator = Orchestrator(parse_config(["--config", str(_config(out, num_servers))]))
-    pending = dict(kills)
+    pending = {step: list(roles) for step, roles in kills.items()}
 
-    def inject(step: int) -> None:
-        for role in pending.pop(step, []):
-            _kill(orchestrator, role)
+    def injector(at_publish: bool):
+        def inject(step: int) -> None:
+            roles = pending.get(step, [])
+            for role in [r for r in roles if r.endswith(AT_PUBLISH) == at_publish]:
+                roles.remove(role)
+                _kill(orchestrator, role.removesuffix(AT_PUBLISH))
 
-    orchestrator.hooks.hooks.append(StepHook("inject_faults", 1, inject, at_end=False))
+        return inject
+
+    hooks = orchestrator.hooks.hooks
+    after_publish = [h.name for h in hooks].index("publish") + 1
+    hooks.insert(after_publish, StepHook("inject_faults_at_publish", 1, injector(True), at_end=False))
+    hooks.append(StepHook("inject_faults", 1, injector(False), at_end=False))
     return orchestrator.run(), orchestrator
 
 
@@ -117,7 +129,9 @@ def reference(tmp_path_factory):
 
 
 CASES = {  # after which steps which roles die (not right after a checkpoint, so a learner's death rolls back)
-    "env, then server, then learner": {2: ["env"], 5: ["server"], 10: ["learner"]},
+    # the learner dies between its publish and the servers' apply: they find the update's arrays gone
+    "env, then server, then learner": {2: ["env"], 5: ["server"], 10: ["learner@publish"]},
+    # the replacement server is sent the dead learner's last update, whose arrays are gone
     "learner and server at once": {7: ["learner", "server"]},
     "one server of two": {4: ["server"]},  # its requests in flight go to the other server: no group fails
 }
@@ -134,12 +148,13 @@ def test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupt
     summary, orchestrator = run_with_faults(out, kills, num_servers=2 if two else 1)
     print(f"{case}: kills {kills}; summary {json.dumps({k: summary[k] for k in _COUNTS})}")
 
-    roles = [role for step_roles in kills.values() for role in step_roles]
+    roles = [role.removesuffix(AT_PUBLISH) for step_roles in kills.values() for role in step_roles]
     assert summary["steps"] == STEPS
     assert summary["env_restarts"] == roles.count("env")
     assert summary["server_restarts"] == roles.count("server")
     assert summary["learner_restarts"] == roles.count("learner")
-    assert summary["rolled_back_steps"] == sum(step % EVERY for step, r in kills.items() if "learner" in r)
+    killed_learner = [step for step, r in kills.items() if any(x.startswith("learner") for x in r)]
+    assert summary["rolled_back_steps"] == sum(step % EVERY for step in killed_learner)
     if two:
         assert summary["failed_groups"] == 0 and summary["retried_requests"] > 0, "retried on the other server"
     else:

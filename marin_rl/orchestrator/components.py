@@ -223,7 +223,13 @@ class RunComponents:
             if base:
                 self.learner.run("request_full_publish")
             if base or weights:
-                self.broadcast()
+                self.publish()
+                self.apply_published(again=False)
+                if self.servers.needs_weights:  # a learner that is alive published, and a server cannot fetch it
+                    raise RuntimeError(
+                        "an inference server cannot fetch the weights the learner has just published (see the "
+                        "warning above); check broadcast.transport for this placement"
+                    )
         finally:
             for pool in self.pools.values():
                 pool.set_servers(self.servers.addresses)
@@ -247,16 +253,18 @@ class RunComponents:
         self._published = update
         return {"broadcast/publish_s": time.time() - t}
 
-    def apply_published(self) -> dict[str, float]:
+    def apply_published(self, again: bool = True) -> dict[str, float]:
         """Every server applies the update `publish` made (a replaced server gets it too); returns the
-        `broadcast/...` metrics (`seconds`: the driver's wait for the servers)."""
+        `broadcast/...` metrics (`seconds`: the driver's wait for the servers). A server that could not fetch it
+        (the learner died after publishing) gets the learner's next publish (`servers_moved`; not `again`)."""
         update, self._published = self._published, None
         t = time.time()
         restarts = self.servers.restarts
         results = self.servers.broadcast(update)
-        if self.servers.restarts != restarts:
+        if self.servers.restarts != restarts or (again and self.servers.needs_weights):
             self.servers_moved()
-        results = [r for r in results if "apply_s" in r]  # a LoRA replacement waiting for the base has none
+        results = [r for r in results if "apply_s" in r]  # a LoRA replacement waiting for the base, or an update
+        # that could not be fetched, has none
         return {
             "broadcast/seconds": time.time() - t,
             "broadcast/apply_s": max((r["apply_s"] for r in results), default=0.0),

@@ -64,7 +64,9 @@ class ServerPool:
         return self.config.inference.startup_timeout_s, "inference.startup_timeout_s"
 
     def broadcast(self, update: WeightUpdate) -> list[dict]:
-        """Apply `update` on every server (a dead one is replaced and gets it); returns each server's apply stats."""
+        """Apply `update` on every server (a dead one is replaced and gets it); returns each server's apply stats
+        (empty for a server that could not fetch it: its arrays went with the learner that published them, and
+        `needs_weights` asks for the learner's next publish)."""
         self.last_update = update
         refs = [s.apply_update.remote(update) for s in self.actors]
         results = []
@@ -74,6 +76,17 @@ class ServerPool:
             except RayActorError as e:
                 logger.error("inference server %d died (%s); replacing it", i, type(e).__name__)
                 results.append(self.restart(i))
+            except RayTaskError as e:
+                if not isinstance(e.cause, UpdateUnavailable):
+                    raise
+                logger.warning(
+                    "inference server %d could not fetch version %d (%s); the learner publishes again",
+                    i,
+                    update.version,
+                    str(e.cause).splitlines()[0][:200],
+                )
+                self.needs_weights = True
+                results.append({})
         return results
 
     def check(self, timeout_s: float = 10.0) -> bool:

@@ -14,10 +14,8 @@ The driver is covered by `test_resume.py` (SIGKILLed, then rerun from its checkp
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import pytest
 import ray
 from deterministic_run import deterministic_config, final_learner_arrays, stored_timeline
 
-from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
+from marin_rl.broadcast.shared_memory import remove_stale_directories
 from marin_rl.config import parse_config
 from marin_rl.orchestrator.hooks import StepHook
 from marin_rl.orchestrator.orchestrator import Orchestrator
@@ -68,8 +66,7 @@ def _kill(orchestrator: Orchestrator, role: str) -> None:
         deadline = time.time() + 30
         while pid_alive(pid) and time.time() < deadline:
             time.sleep(0.05)
-        for directory in glob.glob(os.path.join(DEFAULT_ROOT, f"{PRIVATE_PREFIX}{pid}-*")):
-            shutil.rmtree(directory)
+        remove_stale_directories()  # what a learner starting on this machine does
     else:
         raise ValueError(role)
 

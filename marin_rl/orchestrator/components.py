@@ -263,8 +263,8 @@ class RunComponents:
         results = self.servers.broadcast(update)
         if self.servers.restarts != restarts or (again and self.servers.needs_weights):
             self.servers_moved()
-        results = [r for r in results if "apply_s" in r]  # a LoRA replacement waiting for the base, or an update
-        # that could not be fetched, has none
+        # none from a LoRA replacement waiting for the base, or from a server that could not fetch the update
+        results = [r for r in results if "apply_s" in r]
         return {
             "broadcast/seconds": time.time() - t,
             "broadcast/apply_s": max((r["apply_s"] for r in results), default=0.0),

@@ -79,15 +79,20 @@ class ServerPool:
             except RayTaskError as e:
                 if not isinstance(e.cause, UpdateUnavailable):
                     raise
-                logger.warning(
-                    "inference server %d could not fetch version %d (%s); the learner publishes again",
-                    i,
-                    update.version,
-                    str(e.cause).splitlines()[0][:200],
-                )
-                self.needs_weights = True
+                self._lacks_weights(i, e.cause)
                 results.append({})
         return results
+
+    def _lacks_weights(self, index: int, cause: UpdateUnavailable) -> None:
+        """Server `index` could not fetch the latest update (its arrays went with the learner that published them):
+        the next publish is for it (`needs_weights`)."""
+        logger.warning(
+            "inference server %d could not fetch version %d (%s); the learner publishes again",
+            index,
+            self.last_update.version,
+            str(cause).splitlines()[0][:200],
+        )
+        self.needs_weights = True
 
     def check(self, timeout_s: float = 10.0) -> bool:
         """Ask every server for its address; replace those that are dead. Returns whether any was replaced."""
@@ -134,14 +139,7 @@ class ServerPool:
                     )
                     self.needs_base = True
                 elif isinstance(e.cause, UpdateUnavailable):
-                    logger.warning(
-                        "inference server %d was replaced, but version %d's weights are gone (%s); the learner "
-                        "publishes again",
-                        index,
-                        self.last_update.version,
-                        str(e.cause).splitlines()[0][:200],
-                    )
-                    self.needs_weights = True
+                    self._lacks_weights(index, e.cause)
                 else:
                     raise
         logger.info(

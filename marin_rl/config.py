@@ -490,14 +490,17 @@ class RunConfig:
                 f"trains would see a weight update at a timing-dependent point), got {self.orchestrator.max_staleness}"
             )
 
-    def enable_compilation_cache(self) -> None:
-        """Use `orchestrator.compilation_cache_dir` as JAX's persistent compilation cache in this process (every
-        program, however quick to compile: a run compiles a few dozen). Call before the first compilation."""
+    def configure_jax(self) -> None:
+        """Set this process's JAX options from the config; every process of the run calls it before its first
+        compilation: `model.matmul_precision`, and `orchestrator.compilation_cache_dir` as JAX's persistent
+        compilation cache (every program, however quick to compile: a run compiles a few dozen)."""
+        import jax
+
+        if self.model.matmul_precision is not None:
+            jax.config.update("jax_default_matmul_precision", self.model.matmul_precision)
         path = self.orchestrator.compilation_cache_dir
         if not path:
             return
-        import jax
-
         jax.config.update("jax_compilation_cache_dir", path if "://" in path else os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

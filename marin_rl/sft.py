@@ -322,5 +322,5 @@ def run_sft(config: RunConfig) -> dict[str, Any]:
     if config.learner.mode != "sft":
         raise ValueError(f"run_sft needs learner.mode 'sft', got {config.learner.mode!r}")
     configure_logging()
-    config.enable_compilation_cache()
+    config.configure_jax()
     return SftTrainer(config).train()

@@ -24,6 +24,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "learner_mfu": "mfu",
     "loop": "loop_over_limit",
     "lora": "lora_bytes_over_full",
+    "model_size": "mfu",
     "packing": "packing_efficiency",
     "server_load": "recovery_over_initial",
     "staleness": "async_over_sync",
@@ -53,6 +54,7 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(name):
 def _benchmark(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -99,3 +101,40 @@ def test_the_loop_benchmark_refuses_an_output_dir_that_holds_a_run(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0 and f"--output-dir {tmp_path} already holds a run" in proc.stderr, proc.stderr
+
+
+PUBLISHED_PARAMETERS = {  # the model cards' counts (safetensors metadata)
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "llama3-8b": 8_030_261_248,
+}
+
+
+def test_the_size_model_counts_what_levanter_builds_and_what_the_model_cards_say():
+    """The paper model's parameter count equals the published one for the real shapes, and what Levanter builds
+    (shapes only, nothing allocated) for every preset; its table covers every preset on both devices."""
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import numpy as np
+
+    model_size = _benchmark("model_size")
+    for name, shape in model_size.PRESETS.items():
+        if name in PUBLISHED_PARAMETERS:
+            assert shape.params() == PUBLISHED_PARAMETERS[name], name
+        built = eqx.filter_eval_shape(
+            shape.levanter_config(256).build, hax.Axis("vocab", shape.vocab), key=jax.random.PRNGKey(0)
+        )
+        leaves = jax.tree_util.tree_leaves(built)
+        floats = [x for x in leaves if np.issubdtype(getattr(x, "dtype", np.int32), np.floating)]
+        assert sum(int(np.prod(x.shape)) for x in floats) == shape.params(), name
+    table = model_size.paper_table(0.3, model_size.Workload(checkpointing=True, microbatches=4))
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table[2:]]
+    rows = {(c[0], c[1], c[6], c[8]) for c in cells}  # model, training, device, fits
+    for name in set(model_size.PRESETS) - {"smoke"}:
+        assert {(name, "full", dev.name) for dev in model_size.DEVICES} <= {r[:3] for r in rows}, name
+    # float32 weights, gradients and Adam of a 7-8B model fit neither one H100 nor a v5e-8's 16 GiB chips; LoRA does
+    for name in ("qwen2.5-7b", "llama3-8b"):
+        assert {(name, "full", dev.name, "no") for dev in model_size.DEVICES} <= rows
+        assert {(name, "LoRA r16", dev.name, "yes") for dev in model_size.DEVICES} <= rows

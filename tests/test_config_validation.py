@@ -160,6 +160,7 @@ CASES = [
     (["--checkpoint.keep", "[3]"], "checkpoint.keep: expected int or null, got list [3]"),
     (["--learner.algorithm", "no_such_module_here:ALGO"], "learner.algorithm: algorithm 'no_such_module_here:ALGO'"),
     (["--learner.loss.objective", "no_such_module_here:f"], "learner.loss.objective: loss 'no_such_module_here:f'"),
+    (["--model.matmul_precision", "tf32"], "model.matmul_precision must be null or one of ('default', 'high', "),
 ]
 
 
@@ -172,6 +173,22 @@ def test_each_bad_value_is_refused_in_one_line_naming_the_field(args, expected):
     assert message.startswith(PREFIX + expected), message
     assert "\n" not in message and "Traceback" not in message and 'File "' not in message, message
     assert time.monotonic() - start < 5
+
+
+def test_configure_jax_sets_the_matmul_precision_of_the_process():
+    """`model.matmul_precision` reaches JAX in the process that calls `configure_jax` (every process of a run does),
+    and null leaves JAX's default; run in a subprocess so that this process keeps its own."""
+    code = (
+        "import jax, sys; from marin_rl.config import parse_config; "
+        "cfg = parse_config(['--config', sys.argv[1], '--orchestrator.compilation_cache_dir', 'null', *sys.argv[2:]]); "
+        "cfg.configure_jax(); print(jax.config.jax_default_matmul_precision)"
+    )
+    for args, want in ((["--model.matmul_precision", "highest"], "highest"), ([], "None")):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(QUICKSTART), *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip().splitlines()[-1] == want
 
 
 def test_the_command_line_refuses_before_anything_starts():

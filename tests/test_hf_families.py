@@ -88,13 +88,18 @@ def _as_4x_layout(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _learner_logprobs(path: Path, sequences: np.ndarray) -> np.ndarray:
-    """Per-token logprobs of `sequences` from the learner's forward of the policy loaded from `path`."""
+def _learner_logprobs(path: Path, sequences: np.ndarray, precision: str | None = None) -> np.ndarray:
+    """Per-token logprobs of `sequences` from the learner's forward of the policy loaded from `path`, with float32
+    matmuls at `precision` (None: JAX's default, which is TF32 on NVIDIA GPUs: ~5e-3 nats from transformers' float32
+    on an H100, against ~4e-6 at 'highest'; CPUs compute in float32 either way)."""
     arch = architecture_from_hf(str(path))
     model = build_model(ModelConfig(architecture=arch, init_from_hf=str(path)), _vocab(path))
     axes = (hax.Axis("batch", sequences.shape[0]), hax.Axis("position", sequences.shape[1]))
     # Levanter routes experts in a shard_map, which needs a device mesh (the learner's, on several devices).
-    with hax.partitioning.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
+    with (
+        hax.partitioning.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))),
+        jax.default_matmul_precision(precision),
+    ):
         logits = model(hax.named(jnp.asarray(sequences), axes), attn_mask=AttentionMask.causal()).array
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     return np.take_along_axis(logp[:, :-1], sequences[:, 1:, None], axis=-1)[..., 0]
@@ -110,7 +115,7 @@ def test_family_logprobs_match_transformers(reference, tmp_path, name, layout):
     root, ref = reference
     path = root / name if layout == "5.x" else _as_4x_layout(root / name, tmp_path / name)
     want = np.asarray(ref["cases"][name]["logprobs"])
-    got = _learner_logprobs(path, np.asarray(ref["sequences"]))
+    got = _learner_logprobs(path, np.asarray(ref["sequences"]), precision="highest")  # the model's math, in float32
     assert got.shape == want.shape
     delta = float(np.abs(got - want).max())
     print(f"PARITY {name} {layout} max|dlogprob|={delta:.2e}")

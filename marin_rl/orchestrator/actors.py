@@ -39,7 +39,7 @@ class LearnerActor:
 
     def __init__(self, config: RunConfig, process_id: int = 0, num_processes: int = 1):
         configure_logging()
-        config.enable_compilation_cache()
+        config.configure_jax()
         self.config = config
         self.process_id = process_id
         self.num_processes = num_processes
@@ -108,7 +108,7 @@ class ServerActor:
         self, config: RunConfig, name: str, control_secret: str | None = None, hf_checkpoint: str | None = None
     ):
         configure_logging()
-        config.enable_compilation_cache()
+        config.configure_jax()
         self.config, self.name, self.hf_checkpoint = config, name, hf_checkpoint
         self.control_secret = control_secret or config.inference.control_secret
         self.server = self.transport = self.subscriber = None

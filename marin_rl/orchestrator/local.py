@@ -122,7 +122,7 @@ class LocalComponents:
 
         cfg = self.config
         t = time.time()
-        cfg.enable_compilation_cache()
+        cfg.configure_jax()
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.vocab_size = vocab_size = len(self.tokenizer)
         self.learner = LocalLearner(cfg, self.tokenizer)

@@ -112,7 +112,7 @@ def follow(config: RunConfig) -> dict[str, Any]:
     from marin_rl.orchestrator.local_learner import LocalLearner
     from marin_rl.tokenizer import load_tokenizer
 
-    config.enable_compilation_cache()
+    config.configure_jax()
     stream = CommandStream()
     tokenizer = load_tokenizer(config.tokenizer)
     learner = LocalLearner(config, tokenizer)

@@ -9,6 +9,7 @@ and `rope_scaling`) must load to the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -265,3 +266,39 @@ def test_dense_engine_refuses_other_families_by_name(reference, name, family):
     model = arch.build(hax.Axis("vocab", _vocab(root / name)), key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=rf"decodes Llama and Qwen2 models .*not {family} .*engine: paged"):
         check_supported(model)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_learner_scores_and_trains_mixture_of_experts_checkpoints_on_one_device(reference, name):
+    """Levanter routes experts in a shard_map, which needs a device mesh: on one device the learner builds a
+    one-device mesh for such a model (others run without one). Its logprobs equal transformers' and a step trains."""
+    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.types import PackedBatch
+
+    root, ref = reference
+    path = root / name
+    config = ModelConfig(architecture=architecture_from_hf(str(path)), init_from_hf=str(path))
+    learner = Learner(config, LearnerConfig(), _vocab(path))
+    assert learner.mesh is not None
+    seqs = np.asarray(ref["sequences"], dtype=np.int32)
+    positions = np.tile(np.arange(seqs.shape[1], dtype=np.int32), (seqs.shape[0], 1))
+    mask = positions >= 1
+    batch = PackedBatch(
+        input_ids=seqs,
+        position_ids=positions,
+        segment_ids=np.zeros_like(seqs),
+        loss_mask=mask,
+        advantages=np.where(mask, np.linspace(-1, 1, seqs.shape[0])[:, None], 0).astype(np.float32),
+        sampler_logprobs=np.zeros(seqs.shape, np.float32),
+        token_versions=np.where(mask, 0, -1).astype(np.int32),
+    )
+    with jax.default_matmul_precision("highest"):
+        logprobs = learner.logprobs(batch)
+    delta = float(np.abs(logprobs[:, 1:] - np.asarray(ref["cases"][name]["logprobs"])).max())
+    print(f"PARITY learner {name} max|dlogprob|={delta:.2e}")
+    assert delta <= TOLERANCE, f"{name}: the learner's logprobs differ from transformers' by {delta:.2e}"
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(learner.model)]
+    on_policy = dataclasses.replace(batch, sampler_logprobs=np.where(mask, logprobs, 0).astype(np.float32))
+    assert np.isfinite(learner.train_step(on_policy)["learner/loss"])
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves(learner.model)]
+    assert any(not np.array_equal(b, a) for b, a in zip(before, after, strict=True)), "the step changed nothing"

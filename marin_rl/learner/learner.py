@@ -144,6 +144,11 @@ MESH_AXES = ("data", "fsdp", "tensor")
 """Physical axes of the learner's device mesh, in order."""
 
 
+def routes_experts(architecture) -> bool:
+    """Whether a Levanter architecture has mixture-of-experts layers (Mixtral, Qwen3-MoE)."""
+    return hasattr(architecture, "num_experts_per_tok")
+
+
 @dataclass
 class MeshConfig:
     """The learner's device mesh and how named axes map onto it.
@@ -198,13 +203,14 @@ class MeshConfig:
             )
         return {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
 
-    def build(self, devices: list | None = None) -> Mesh | None:
+    def build(self, devices: list | None = None, *, single: bool = False) -> Mesh | None:
         """A `jax.sharding.Mesh` over the first `data × fsdp × tensor` of `devices` (default: `jax.devices()`), or
-        None when that is a single device (then the learner runs unsharded, exactly as without a mesh)."""
+        None when that is a single device (then the learner runs unsharded, exactly as without a mesh) unless
+        `single` (a model whose layers need a mesh even on one device)."""
         devices = list(jax.devices() if devices is None else devices)
         shape = self.shape(len(devices))
         size = math.prod(shape.values())
-        if size == 1:
+        if size == 1 and not single:
             return None
         if size < len(devices):
             logger.warning("learner.mesh uses %d of the %d devices", size, len(devices))
@@ -406,8 +412,9 @@ class Learner:
         self.config = config
         self.model_config = model_config
         self.temperature = float(temperature)
-        self.mesh = config.mesh.build()
-        """The device mesh, or None on a single device (no sharding at all)."""
+        self.mesh = config.mesh.build(single=routes_experts(model_config.architecture))
+        """The device mesh, or None on a single device (no sharding at all) unless the model routes experts
+        (Levanter's mixture-of-experts layers route tokens in a shard_map, which needs a mesh)."""
         self.model = build_model(model_config, vocab_size)
         self.num_params = parameter_count(self.model)
         self.optimizer = config.optimizer.build()

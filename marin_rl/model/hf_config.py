@@ -189,7 +189,12 @@ def unhonoured_setting(cfg: dict[str, Any], max_seq_len: int) -> str | None:
         rope_type = scaling.get("rope_type", "default")
         if rope_type not in _ROPE_TYPES:
             return f"rope_type: {rope_type!r} is not supported (Levanter computes {', '.join(_ROPE_TYPES)})"
-        extra = sorted(set(scaling) - {"rope_type"} - _ROPE_KEYS[rope_type])
+        neutral = set()
+        if rope_type == "yarn" and scaling.get("mscale") == 1.0 and "mscale_all_dim" not in scaling:
+            # Levanter's yarn export writes mscale 1.0: its attention temperature then equals transformers', which
+            # ignores an mscale given without mscale_all_dim
+            neutral.add("mscale")
+        extra = sorted(set(scaling) - {"rope_type"} - _ROPE_KEYS[rope_type] - neutral)
         if extra:
             return f"rope_scaling.{extra[0]}: not applied by Levanter's {rope_type!r} rotary embedding"
         if rope_type == "yarn" and scaling.get("truncate", True) is not True:
@@ -255,10 +260,13 @@ def _head_size(arch: HFCompatConfig) -> int | None:
 def unread_setting(arch: HFCompatConfig, cfg: dict[str, Any]) -> str | None:
     """`key: reason` for a setting of the normalised HF config `cfg` that the HF config class `arch` converts
     through (transformers 4.x's) does not define, so that Levanter would never read it; None if there is none.
-    Unset (null or false) settings and those checked elsewhere (`head_dim` against the built head size, Qwen2's
-    `attention_bias` and Levanter's own `no_bias` in `unhonoured_setting`) are not counted."""
-    hf_class = type(arch.to_hf_config(int(cfg.get("vocab_size") or 0)))
-    known = set(hf_class().to_dict())
+    Unset (null or false) settings, keys Levanter's own export writes, and those checked elsewhere (`head_dim`
+    against the built head size, Qwen2's `attention_bias` and `no_bias` in `unhonoured_setting`) are not counted."""
+    written = arch.to_hf_config(int(cfg.get("vocab_size") or 0))
+    # Levanter's own keys (its exports write them: Qwen3's `no_bias`, Gemma 3's `use_qk_norm`) are compared by
+    # value in `round_trip_differences` instead
+    hf_class = type(written)
+    known = set(hf_class().to_dict()) | set(written.to_dict())
     checked = {"head_dim"} | ({"attention_bias", "no_bias"} if cfg.get("model_type") == "qwen2" else set())
     unknown = sorted(k for k in set(_compared(cfg)) - known - checked if cfg[k] not in (None, False))
     if not unknown:

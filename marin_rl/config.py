@@ -25,6 +25,7 @@ from marin_rl.envs.base import Environment, SamplingParams, SingleTurnEnvironmen
 from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.engine_support import engine_refusal
 from marin_rl.inference.reward_server import RewardModelConfig
 from marin_rl.inference.teacher import TeacherConfig
 from marin_rl.learner.algorithm import Algorithm, get_algorithm, with_reward_models
@@ -435,6 +436,10 @@ class RunConfig:
             raise ValueError("tracking.wandb_mode must be 'disabled', 'offline' or 'online'")
         if self.batcher.max_seq_len > self.inference.max_seq_len:
             raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
+        if self.inference.backend == "levanter":
+            refusal = engine_refusal(self.model.architecture, self.inference.levanter.engine)
+            if refusal:
+                raise ValueError(f"inference.levanter.engine: {refusal}")
         if self.orchestrator.backend not in ("ray", "local"):
             raise ValueError(f"orchestrator.backend must be 'ray' or 'local', got {self.orchestrator.backend!r}")
         if self.orchestrator.backend == "local":

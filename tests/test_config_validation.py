@@ -161,6 +161,21 @@ CASES = [
     (["--learner.algorithm", "no_such_module_here:ALGO"], "learner.algorithm: algorithm 'no_such_module_here:ALGO'"),
     (["--learner.loss.objective", "no_such_module_here:f"], "learner.loss.objective: loss 'no_such_module_here:f'"),
     (["--model.matmul_precision", "tf32"], "model.matmul_precision must be null or one of ('default', 'high', "),
+    (
+        ["--model.architecture", "{type: olmo2, hidden_dim: 32, intermediate_dim: 64, num_heads: 2, num_kv_heads: 2}"],
+        "inference.levanter.engine: the dense engine decodes Llama, Mistral, Qwen2 and Qwen3 models (their decoder "
+        "layer stacks), not Olmo2LMHeadModel",
+    ),
+    (
+        [
+            "--model.architecture",
+            "{type: qwen, hidden_dim: 32, intermediate_dim: 64}",
+            "--inference.levanter.engine",
+            "paged",
+        ],
+        "inference.levanter.engine: the paged engine decodes models with a paged KV cache (Llama, Qwen3), not "
+        "QwenLMHeadModel",
+    ),
 ]
 
 

@@ -132,7 +132,7 @@ def test_models_it_cannot_decode_are_refused_by_name():
 
     config = Gpt2Config(max_seq_len=32, hidden_dim=32, num_layers=1, num_heads=2)
     gpt2 = config.build(hax.Axis("vocab", 40), key=jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match="engine: paged"):
+    with pytest.raises(ValueError, match="inference.backend: vllm"):
         check_supported(gpt2)
 
 

@@ -9,6 +9,7 @@ and `rope_scaling`) must load to the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -23,6 +24,7 @@ import pytest
 from jax.sharding import Mesh
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
+from levanter.trainer import TrainerConfig
 from reference_python import reference_python
 
 from marin_rl.model.build import ModelConfig, build_model
@@ -229,48 +231,80 @@ def test_honoured_settings_pass(cfg):
     assert unhonoured_setting(cfg, 128) is None
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2"])
-def test_dense_engine_samples_what_the_learner_scores_on_a_checkpoint_of_the_family(reference, name):
-    """The dense engine decodes Llama and Qwen2 layers (qkv bias, GQA, tied embeddings): the logprob it reports for
-    each token it samples equals the learner's forward on the sampled sequence (itself equal to transformers')."""
-    from test_dense_engine import _request
+ENGINES = {
+    "dense": {"llama3", "llama_tied", "llama_yarn", "qwen2", "qwen3", "mistral", "mistral_window_4096"},
+    "paged": {"llama3", "llama_tied", "llama_yarn", "qwen3"},
+}
+"""The families each embedded engine decodes (among the loaded cases); it refuses the others at start, by name."""
+
+
+def _engine(kind: str, model):
+    """The embedded engine `kind` ('dense' or 'paged', Levanter's) over `model`, as the embedded server builds it."""
+    from levanter.inference.engine import InferenceEngine, InferenceEngineConfig
+    from levanter.trainer import TrainerConfig
 
     from marin_rl.inference.dense_engine import DenseEngine
+    from marin_rl.inference.engine_support import check_paged_supported
     from marin_rl.inference.levanter_server import _FullDistributionSampler
+    from marin_rl.tokenizer import build_char_tokenizer
+
+    sampler = _FullDistributionSampler(model.Vocab)
+    if kind == "dense":
+        return DenseEngine(model, sampler, max_seqs=8, max_seq_len=64, max_stop_seqs=1, max_stop_tokens=1)
+    check_paged_supported(model)
+    config = InferenceEngineConfig(
+        max_seq_len=64,
+        page_size=16,
+        max_pages=32,
+        max_seqs=8,
+        max_rounds=8,
+        max_queued_tokens=512,
+        max_seqs_in_prefill=8,
+        max_prefill_size=512,
+        compute_dtype=jnp.float32,
+        max_stop_seqs=1,
+        max_stop_tokens=1,
+    )
+    trainer = TrainerConfig()
+    with hax.partitioning.set_mesh(trainer.device_mesh), hax.axis_mapping(trainer.compute_axis_mapping):
+        engine = InferenceEngine.from_model_with_config(model=model, tokenizer=build_char_tokenizer(), config=config)
+    engine.sampler = sampler
+    return engine
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+@pytest.mark.parametrize("name", LOADED)
+def test_each_engine_samples_what_the_learner_scores_or_refuses_the_family_by_name(reference, name, kind):
+    """An embedded engine that decodes the family reports, for each token it samples, the logprob the learner's
+    forward gives the sampled sequence (itself equal to transformers'); one that cannot is refused at start with one
+    line naming the model class and the engines that can."""
+    from test_dense_engine import _request
 
     root, ref = reference
     path = root / name
     model = build_model(ModelConfig(architecture=architecture_from_hf(str(path)), init_from_hf=str(path)), _vocab(path))
-    engine = DenseEngine(
-        model, _FullDistributionSampler(model.Vocab), max_seqs=8, max_seq_len=64, max_stop_seqs=1, max_stop_tokens=1
-    )
+    if name not in ENGINES[kind]:
+        with pytest.raises(ValueError) as info:
+            _engine(kind, model)
+        message = str(info.value)
+        assert "\n" not in message and type(model).__name__ in message, message
+        assert "inference.backend: vllm" in message, message
+        assert kind == "dense" or "inference.levanter.engine: dense" in message, message
+        return
+    engine = _engine(kind, model)
     prompts = np.asarray(ref["sequences"])[:, :8]
-    out = engine.generate([_request(list(p), 10 + i, 6, rid=i) for i, p in enumerate(prompts)])
+    trainer = TrainerConfig() if kind == "paged" else None
+    with (
+        hax.partitioning.set_mesh(trainer.device_mesh) if trainer else contextlib.nullcontext(),
+        hax.axis_mapping(trainer.compute_axis_mapping) if trainer else contextlib.nullcontext(),
+    ):
+        out = engine.generate([_request(list(p), 10 + i, 6, rid=i) for i, p in enumerate(prompts)])
     assert all(len(t) == 6 for t in out.tokens)
     sequences = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
     want = _learner_logprobs(path, sequences)[:, 7:]  # the logprob of token t+1 given the tokens up to t
     delta = float(np.abs(np.asarray(out.logprobs) - want).max())
-    print(f"PARITY dense {name} max|dlogprob|={delta:.2e}")
-    assert delta <= TOLERANCE, f"{name}: the dense engine's logprobs differ from the learner's by {delta:.2e}"
-
-
-@pytest.mark.parametrize(
-    ("name", "family"),
-    [
-        ("olmo2", "Olmo2LMHeadModel"),
-        ("gemma2", "Gemma2LMHeadModel"),
-        ("gemma3", "Gemma3LMHeadModel"),
-    ],
-)
-def test_dense_engine_refuses_other_families_by_name(reference, name, family):
-    """The dense engine decodes Llama and Qwen2 layers only; a checkpoint of another family is refused at start."""
-    from marin_rl.inference.dense_engine import check_supported
-
-    root, _ = reference
-    arch = architecture_from_hf(str(root / name))
-    model = arch.build(hax.Axis("vocab", _vocab(root / name)), key=jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match=rf"decodes Llama and Qwen2 models .*not {family} .*engine: paged"):
-        check_supported(model)
+    print(f"PARITY {kind} {name} max|dlogprob|={delta:.2e}")
+    assert delta <= TOLERANCE, f"{name}: the {kind} engine's logprobs differ from the learner's by {delta:.2e}"
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])

@@ -63,21 +63,22 @@ BATCH_BUCKETS = (16, 64, 256)
 
 
 def check_supported(model: LmHeadModel) -> None:
-    """Raise ValueError unless `DenseEngine` can decode `model` (a Levanter Llama-family model)."""
+    """Raise ValueError unless `DenseEngine` can decode `model` (a Levanter model of Llama's or Qwen2's decoder
+    layers: Llama, Mistral, Qwen2, Qwen3; checked against transformers per family in tests/test_hf_families.py)."""
     transformer = getattr(model, "transformer", None)
     layers = getattr(transformer, "layers", None)
     if layers is None or not hasattr(layers, "unstacked"):
         raise ValueError(
-            f"the dense engine decodes Llama and Qwen2 models; {type(model).__name__} has no layer stack "
-            "(use inference.levanter.engine: paged)"
+            f"the dense engine decodes Llama, Mistral, Qwen2 and Qwen3 models; {type(model).__name__} has no layer "
+            "stack (use inference.backend: vllm)"
         )
     layer = layers.unstacked()[0]
     if isinstance(layer, QwenDecoderLayer) and layer.config.use_sliding_window:
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
     if not isinstance(layer, LlamaDecoderLayer | QwenDecoderLayer):  # Qwen2: Llama's layer without extra norms
         raise ValueError(
-            f"the dense engine decodes Llama and Qwen2 models (their decoder layer stacks), not {type(model).__name__} "
-            f"({type(layer).__name__} layers); use inference.levanter.engine: paged"
+            f"the dense engine decodes Llama, Mistral, Qwen2 and Qwen3 models (their decoder layer stacks), not "
+            f"{type(model).__name__} ({type(layer).__name__} layers); use inference.backend: vllm"
         )
     attn = layer.self_attn
     if type(attn) is not Attention:

@@ -47,6 +47,7 @@ from marin_rl.broadcast.base import cast_on_host
 from marin_rl.inference.completion_request import GREEDY_BELOW, InvalidRequest, RequestLimits, seed_key
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams, DenseEngine
+from marin_rl.inference.engine_support import check_paged_supported
 from marin_rl.inference.http_server import HttpServerThread, resolve_future, resolve_futures
 from marin_rl.inference.openai_api import (
     Completion,
@@ -556,6 +557,7 @@ class LevanterInferenceServer(CompletionBackend):
                 batch_invariant=lev.batch_invariant,
             )
         else:
+            check_paged_supported(model)
             with (
                 hax.partitioning.set_mesh(self._server_config.trainer.device_mesh),
                 hax.axis_mapping(self._server_config.trainer.compute_axis_mapping),

@@ -24,8 +24,8 @@ MAX_POS = 128
 
 _COMMON = dict(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
+    hidden_size=128,
+    intermediate_size=256,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -88,7 +88,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen3": (
         "Qwen3Config",
         dict(
-            head_dim=32,
+            head_dim=64,
             tie_word_embeddings=True,
             use_sliding_window=False,
             rope_parameters=dict(rope_type="default", rope_theta=1e6),
@@ -115,13 +115,13 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
     "mistral_head_dim": (
         "MistralConfig",
-        dict(head_dim=32, sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        dict(head_dim=64, sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
     ),
     # Mixture-of-experts families: Qwen3-MoE (qk-norm, head_dim, 4 experts, top 2) and Mixtral (4 experts, top 2).
     "qwen3_moe": (
         "Qwen3MoeConfig",
         dict(
-            head_dim=32,
+            head_dim=64,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
@@ -148,8 +148,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "gemma2": (
         "Gemma2Config",
         dict(
-            head_dim=16,
-            query_pre_attn_scalar=16,
+            head_dim=32,
+            query_pre_attn_scalar=32,
             final_logit_softcapping=None,
             attn_logit_softcapping=50.0,
             sliding_window=4096,
@@ -162,8 +162,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "gemma2_release": (
         "Gemma2Config",
         dict(
-            head_dim=16,
-            query_pre_attn_scalar=16,
+            head_dim=32,
+            query_pre_attn_scalar=32,
             final_logit_softcapping=30.0,
             attn_logit_softcapping=50.0,
             sliding_window=4096,
@@ -176,8 +176,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "gemma3": (
         "Gemma3TextConfig",
         dict(
-            head_dim=16,
-            query_pre_attn_scalar=16,
+            head_dim=32,
+            query_pre_attn_scalar=32,
             sliding_window=4096,
             hidden_activation="gelu_pytorch_tanh",
             tie_word_embeddings=True,
@@ -191,8 +191,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "gemma3_release": (
         "Gemma3TextConfig",
         dict(
-            head_dim=16,
-            query_pre_attn_scalar=16,
+            head_dim=32,
+            query_pre_attn_scalar=32,
             sliding_window=4096,
             hidden_activation="gelu_pytorch_tanh",
             tie_word_embeddings=True,

@@ -51,7 +51,7 @@ LOADED = (
 REFUSED = {
     "llama_dynamic": "rope_type: 'dynamic' is not supported",
     "mistral_window_8": "sliding_window: 8 tokens is shorter than the context of 128 positions",
-    "mistral_head_dim": "head_dim: Levanter's MistralConfig cannot represent 32",
+    "mistral_head_dim": "head_dim: Levanter's MistralConfig cannot represent 64",
     "gemma2_release": "final_logit_softcapping: 30.0 is not applied",
     "gemma3_release": "rope_local_base_freq: 10000.0 on the sliding layers differs from rope_theta 1000000.0",
 }
@@ -374,3 +374,22 @@ def test_export_round_trips_every_tensor_bit_exactly(reference, tmp_path, name):
     if getattr(again, "head_dim", 0) is None and arch.head_dim == arch.hidden_dim // arch.num_heads:
         again = dataclasses.replace(again, head_dim=arch.head_dim)
     assert again == arch
+
+
+@pytest.mark.slow
+def test_vllm_scores_every_family_as_transformers_does(reference):
+    """vLLM (its CPU build, float32, in the vLLM environment) gives each checkpoint's tokens the logprobs
+    transformers gives them: the vLLM column of the parity matrix."""
+    root, ref = reference
+    python = reference_python("vllm")
+    script = Path(__file__).with_name("vllm_family_logprobs.py")
+    done = subprocess.run(
+        [python, str(script), str(root), ",".join(LOADED)], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in LOADED:
+        assert "error" not in got[name], f"{name}: vLLM failed: {got[name]['error']}"
+        delta = float(np.abs(np.asarray(got[name]["logprobs"]) - np.asarray(ref["cases"][name]["logprobs"])).max())
+        print(f"PARITY vllm {name} max|dlogprob|={delta:.2e}")
+        assert delta <= TOLERANCE, f"{name}: vLLM's logprobs differ from transformers' by {delta:.2e}"

@@ -30,6 +30,7 @@ import sys
 import time
 
 import numpy as np
+from model_size import packed_batch
 
 HIDDEN, LAYERS, HEADS, MLP, VOCAB, SEQ, ROWS = 512, 4, 8, 2048, 1024, 512, 16
 DOT_N = 2048
@@ -75,29 +76,6 @@ def peak_matmul_flops(a, b, reps: int = 8) -> float:
     return 2 * a.shape[0] ** 3 / best
 
 
-def packed_batch(rng):
-    from marin_rl.types import PackedBatch
-
-    segs = np.zeros((ROWS, SEQ), np.int32)
-    pos = np.zeros((ROWS, SEQ), np.int32)
-    for r in range(ROWS):  # four rollouts per row, filling it
-        margin = SEQ // 16
-        cuts = [0, *sorted(rng.choice(np.arange(margin, SEQ - margin), 3, replace=False)), SEQ]
-        for s in range(4):
-            segs[r, cuts[s] : cuts[s + 1]] = s
-            pos[r, cuts[s] : cuts[s + 1]] = np.arange(cuts[s + 1] - cuts[s])
-    mask = pos >= SEQ // 32
-    return PackedBatch(
-        input_ids=rng.integers(0, VOCAB, (ROWS, SEQ)).astype(np.int32),
-        position_ids=pos,
-        segment_ids=segs,
-        loss_mask=mask,
-        advantages=np.where(mask, rng.normal(size=(ROWS, SEQ)), 0).astype(np.float32),
-        sampler_logprobs=np.where(mask, -np.log(VOCAB), 0).astype(np.float32),
-        token_versions=np.where(mask, 0, -1).astype(np.int32),
-    )
-
-
 VARIANTS = {
     "default": {},
     "layout_aware_gradients=false": {"layout_aware_gradients": False},
@@ -118,7 +96,7 @@ def measure(steps: int, variants: list[str]) -> dict:
     b = jax.random.normal(jax.random.PRNGKey(1), (DOT_N, DOT_N), jnp.float32)
     jnp.dot(a, b).block_until_ready()  # compile
     rng = np.random.default_rng(0)
-    batches = [packed_batch(rng) for _ in range(steps + 1)]
+    batches = [packed_batch(rng, ROWS, SEQ, VOCAB) for _ in range(steps + 1)]
     learners = {}
     for name in variants:
         config = ModelConfig(architecture=architecture(), **VARIANTS[name])

@@ -251,23 +251,6 @@ def packed_batch(rng, rows: int, seq: int, vocab: int):
     )
 
 
-def matmul_peak(n: int, dtype, reps: int = 10) -> float:
-    """FLOP/s of the best of `reps` square `a @ b` products of size n (compiled first)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
-    dot = jax.jit(jnp.dot)
-    dot(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dot(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
 def device_peak_bytes() -> tuple[float | None, float]:
     """(the device's peak bytes in use, or None where it reports none; the process's peak RSS in bytes)."""
     import jax
@@ -279,6 +262,7 @@ def device_peak_bytes() -> tuple[float | None, float]:
 
 def measure(name: str, work: Workload, steps: int) -> dict:
     import jax
+    from device_local import matmul_peak
 
     from marin_rl.learner.learner import Learner, LearnerConfig
     from marin_rl.model.build import ModelConfig
@@ -307,8 +291,8 @@ def measure(name: str, work: Workload, steps: int) -> dict:
         raise SystemExit(f"{name}: the loss is not finite: {losses}")
     peak_bytes, rss = device_peak_bytes()
     dot_n = 8192 if platform in ("gpu", "tpu") else 2048
-    f32_peak = matmul_peak(dot_n, jax.numpy.float32)
-    bf16_peak = matmul_peak(dot_n, jax.numpy.bfloat16)
+    f32_peak = matmul_peak(dot_n, "float32")
+    bf16_peak = matmul_peak(dot_n, "bfloat16")
     step = float(np.median(times))
     tokens = work.rows * work.seq
     achieved = shape.train_flops_per_token(work.seq) * tokens / step

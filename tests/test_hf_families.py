@@ -240,8 +240,7 @@ ENGINES = {
 
 def _engine(kind: str, model):
     """The embedded engine `kind` ('dense' or 'paged', Levanter's) over `model`, as the embedded server builds it."""
-    from levanter.inference.engine import InferenceEngine, InferenceEngineConfig
-    from levanter.trainer import TrainerConfig
+    from test_levanter_engine import _engine as paged_engine
 
     from marin_rl.inference.dense_engine import DenseEngine
     from marin_rl.inference.engine_support import check_paged_supported
@@ -252,22 +251,9 @@ def _engine(kind: str, model):
     if kind == "dense":
         return DenseEngine(model, sampler, max_seqs=8, max_seq_len=64, max_stop_seqs=1, max_stop_tokens=1)
     check_paged_supported(model)
-    config = InferenceEngineConfig(
-        max_seq_len=64,
-        page_size=16,
-        max_pages=32,
-        max_seqs=8,
-        max_rounds=8,
-        max_queued_tokens=512,
-        max_seqs_in_prefill=8,
-        max_prefill_size=512,
-        compute_dtype=jnp.float32,
-        max_stop_seqs=1,
-        max_stop_tokens=1,
+    engine = paged_engine(
+        model, build_char_tokenizer(), max_seq_len=64, max_pages=32, max_stop_seqs=1, max_stop_tokens=1
     )
-    trainer = TrainerConfig()
-    with hax.partitioning.set_mesh(trainer.device_mesh), hax.axis_mapping(trainer.compute_axis_mapping):
-        engine = InferenceEngine.from_model_with_config(model=model, tokenizer=build_char_tokenizer(), config=config)
     engine.sampler = sampler
     return engine
 

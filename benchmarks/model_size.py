@@ -301,6 +301,7 @@ def measure(name: str, work: Workload, steps: int) -> dict:
         "device": str(jax.devices()[0].device_kind),
         "platform": platform,
         "jax": jax.__version__,
+        "matmul_precision": jax.config.jax_default_matmul_precision,
         "params": learner.num_params,
         "workload": dataclasses.asdict(work),
         "build_s": built_s,
@@ -349,6 +350,10 @@ def report(r: dict) -> None:
 
 
 def _worker(args) -> None:
+    if args.precision:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", args.precision)
     work = Workload(args.rows, args.seq, args.microbatches, args.checkpointing)
     print("RESULT " + json.dumps(measure(args.measure[0], work, args.steps)), flush=True)
 
@@ -361,6 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (true)")
+    parser.add_argument(
+        "--precision", default=None, help="JAX's float32 matmul precision for the steps (model.matmul_precision)"
+    )
     parser.add_argument("--mfu", type=float, default=0.3, help="the MFU the paper table assumes")
     parser.add_argument("--json", default=None, help="append each measurement here as a JSON line")
     parser.add_argument("--report", default=None, help="print the measurements recorded in this JSON-lines file")
@@ -389,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.measure:
         cmd = [sys.executable, __file__, "--worker", "--measure", name, "--steps", str(args.steps)]
         cmd += ["--rows", str(args.rows), "--seq", str(args.seq), "--microbatches", str(args.microbatches)]
-        cmd += ["--checkpointing"] * args.checkpointing
+        cmd += ["--checkpointing"] * args.checkpointing + (["--precision", args.precision] if args.precision else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

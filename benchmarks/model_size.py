@@ -33,7 +33,7 @@ packed rows of 4 rollouts each) in a subprocess that owns the device: step time 
 against the device's matmul peak timed in the same process right after (f32 at JAX's default precision, and bf16
 for reference), the device's peak bytes in use (or, on a CPU, the process's peak RSS), each against the paper
 model. It checks the model at that size: the parameter count equals the paper's count, and the loss is finite.
-`--precision highest` runs the steps (and the peak's matmul) at that float32 matmul precision (`model.matmul_precision`).
+`--precision highest` runs the steps and the peak's matmul at that float32 precision (`model.matmul_precision`).
 The last line is `mfu=<value>`. `--json FILE` appends each measurement as a JSON line.
 """
 

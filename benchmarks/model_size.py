@@ -192,15 +192,14 @@ def paper_table(mfu: float, work: Workload) -> list[str]:
     for name, shape in PRESETS.items():
         if name == "smoke":
             continue
+        full_fits = True
         for w in (work, lora):
+            if w is lora and full_fits:
+                continue  # LoRA rows only where full fine-tuning does not fit somewhere
             p = paper(shape, w)
             state = p["weights"] + p["grads"] + p["adam"]
-            rows = []
-            for dev in DEVICES:
-                per_chip = (state + p["activations"] + p["kv_cache"]) / dev.chips
-                rows.append((dev, per_chip, per_chip < 0.9 * dev.memory_per_chip))
-            if w is lora and all(fits for _, _, fits in _full_rows(shape, work)):
-                continue  # LoRA rows only where full fine-tuning does not fit somewhere
+            rows = _per_chip(p)
+            full_fits = all(fits for _, _, fits in rows)
             for dev, per_chip, fits in rows:
                 flops = shape.train_flops_per_token(w.seq)
                 train = mfu * dev.f32_peak / (flops if w is work else flops * 2 / 3)  # LoRA: no weight gradients
@@ -219,8 +218,8 @@ def paper_table(mfu: float, work: Workload) -> list[str]:
     return lines
 
 
-def _full_rows(shape: Shape, work: Workload) -> list[tuple]:
-    p = paper(shape, work)
+def _per_chip(p: dict[str, float]) -> list[tuple[Device, float, bool]]:
+    """(device, bytes per chip, whether that fits in 90% of a chip) for the paper memory `p` on every device."""
     total = p["weights"] + p["grads"] + p["adam"] + p["activations"] + p["kv_cache"]
     return [(dev, total / dev.chips, total / dev.chips < 0.9 * dev.memory_per_chip) for dev in DEVICES]
 

@@ -9,7 +9,6 @@ and `rope_scaling`) must load to the same numbers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
@@ -24,7 +23,6 @@ import pytest
 from jax.sharding import Mesh
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
-from levanter.trainer import TrainerConfig
 from reference_python import reference_python
 
 from marin_rl.model.build import ModelConfig, build_model
@@ -265,6 +263,7 @@ def test_each_engine_samples_what_the_learner_scores_or_refuses_the_family_by_na
     forward gives the sampled sequence (itself equal to transformers'); one that cannot is refused at start with one
     line naming the model class and the engines that can."""
     from test_dense_engine import _request
+    from test_levanter_engine import _generate as paged_generate
 
     root, ref = reference
     path = root / name
@@ -279,12 +278,8 @@ def test_each_engine_samples_what_the_learner_scores_or_refuses_the_family_by_na
         return
     engine = _engine(kind, model)
     prompts = np.asarray(ref["sequences"])[:, :8]
-    trainer = TrainerConfig() if kind == "paged" else None
-    with (
-        hax.partitioning.set_mesh(trainer.device_mesh) if trainer else contextlib.nullcontext(),
-        hax.axis_mapping(trainer.compute_axis_mapping) if trainer else contextlib.nullcontext(),
-    ):
-        out = engine.generate([_request(list(p), 10 + i, 6, rid=i) for i, p in enumerate(prompts)])
+    requests = [_request(list(p), 10 + i, 6, rid=i) for i, p in enumerate(prompts)]
+    out = engine.generate(requests) if kind == "dense" else paged_generate(engine, requests)
     assert all(len(t) == 6 for t in out.tokens)
     sequences = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
     want = _learner_logprobs(path, sequences)[:, 7:]  # the logprob of token t+1 given the tokens up to t

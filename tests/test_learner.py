@@ -66,6 +66,34 @@ def test_train_step_increments_version_and_ratio_is_exactly_one_on_policy():
     assert metrics["learner/trained_tokens"] == int(batch.loss_mask.sum())
 
 
+def test_a_step_replaces_the_learners_train_state_and_a_checkpoint_stores_it_by_field_name():
+    """The learner's policy, optimizer state and counters are one `TrainState`; a train step replaces it (the old
+    state is untouched), and `state()` (what a checkpoint writes) is it with int32 counters, whose array paths are
+    the field names (those of the checkpoints written before the state was one module)."""
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    from marin_rl.learner.train_state import TrainState
+
+    tok, learner = _learner(lr=3e-3)
+    before = learner.train_state
+    first = [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(before.model, eqx.is_array))]
+    learner.train_step(_rl_batch(learner, tok, "yes", "no"))
+    after = learner.train_state
+    assert after is not before and (after.version, after.optimizer_steps) == (1, 1)
+    assert (before.version, before.optimizer_steps) == (0, 0)
+    assert all(
+        np.array_equal(a, np.asarray(b))
+        for a, b in zip(first, jax.tree_util.tree_leaves(eqx.filter(before.model, eqx.is_array)), strict=True)
+    )
+    assert learner.model is after.model and learner.opt_state is after.opt_state
+    state = learner.state()
+    assert isinstance(state, TrainState) and state.model is after.model
+    assert state.version.dtype == np.int32 and int(state.version) == 1 and int(state.optimizer_steps) == 1
+    assert state.reference_model is None and state.critic is None and state.critic_steps is None
+    paths = jax.tree_util.tree_leaves(leaf_key_paths(state, is_leaf=lambda x: isinstance(x, hax.NamedArray)))
+    assert {p.split(".")[0] for p in paths} == {"model", "opt_state", "version", "optimizer_steps"}
+
+
 def test_policy_gradient_raises_good_and_lowers_bad_completions():
     tok, learner = _learner(lr=3e-3)
     batch = _rl_batch(learner, tok, "yes", "no")

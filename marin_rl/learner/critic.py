@@ -27,6 +27,7 @@ from marin_rl.learner.distributed import host_arrays
 from marin_rl.learner.gae import gae_packed_device, masked_mean, masked_variance, whiten_device
 from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.learner.step import apply_gradients
+from marin_rl.learner.train_state import train_state_field
 from marin_rl.model.build import ModelConfig, build_model
 from marin_rl.model.value import ValueModel, head_on, token_values, value_model_from, zero_value_head
 from marin_rl.types import PackedBatch
@@ -102,7 +103,13 @@ class Critic:
     policy's and its batches like the policy's batches.
 
     `model` is what the critic trains and checkpoints: a whole `ValueModel` with a separate trunk, or with
-    `trunk: policy` a `ValueModel` without trunk (only the head); `value_model()` is the model that computes values."""
+    `trunk: policy` a `ValueModel` without trunk (only the head); `value_model()` is the model that computes values.
+    `model`, `opt_state` and `steps` live in the learner's train state (`critic`, `critic_opt_state`,
+    `critic_steps`)."""
+
+    model = train_state_field("critic", lambda critic: critic.learner)
+    opt_state = train_state_field("critic_opt_state", lambda critic: critic.learner)
+    steps = train_state_field("critic_steps", lambda critic: critic.learner)
 
     def __init__(self, config: CriticConfig, model_config: ModelConfig, vocab_size: int, learner):
         self.config = config

@@ -37,7 +37,8 @@ from marin_rl.learner.losses import (
     sft_loss,
 )
 from marin_rl.learner.optimizer import LR_SCHEDULES, OptimizerConfig  # noqa: F401 - re-exported
-from marin_rl.learner.step import apply_gradients, loss_step
+from marin_rl.learner.step import apply_gradients, loss_step, microbatched
+from marin_rl.learner.train_state import TrainState, train_state_field
 from marin_rl.model import lora
 from marin_rl.model.build import ModelConfig, build_model, parameter_count
 from marin_rl.model.hf import export_hf_checkpoint
@@ -388,18 +389,9 @@ def _sampled_tokens(ex: RlExample) -> jax.Array:
     return jnp.sum(ex.loss_mask.array.astype(jnp.float32))
 
 
-def _weighted_metrics(metrics: dict[str, jax.Array], share: jax.Array) -> dict[str, jax.Array]:
-    """A chunk's metrics scaled by its share of the minibatch (maxima and minima kept), so that `combine_metrics`
-    adds the chunks up to their weighted mean."""
-    out = {}
-    for k, v in metrics.items():
-        last = k.rsplit("/", 1)[-1]
-        out[k] = v if last.startswith(("max", "min")) else v * share
-    return out
-
-
 class Learner:
-    """Holds the policy and its optimizer state; each `train_step` consumes one batch and makes one new version.
+    """Holds the train state (`TrainState`: the policy, its optimizer state, the counters, the reference model and
+    the critic); each `train_step` consumes one batch and makes one new version.
 
     A batch is `minibatches × epochs` optimizer steps (one by default), each accumulating the gradients of
     `microbatches` row chunks. With `loss.kl_coef > 0` the learner also holds a frozen reference model, a copy of the
@@ -407,8 +399,17 @@ class Learner:
     kl_coef = 0 no reference model exists.
     """
 
+    model = train_state_field("model")
+    opt_state = train_state_field("opt_state")
+    reference_model = train_state_field("reference_model")
+    version = train_state_field("version")
+    optimizer_steps = train_state_field("optimizer_steps")
+
     def __init__(self, model_config: ModelConfig, config: LearnerConfig, vocab_size: int, temperature: float = 1.0):
         check_platform(config.platform)
+        self.train_state = TrainState(model=None, opt_state=None)
+        """Everything training changes; `model`, `opt_state`, `reference_model`, `version` and `optimizer_steps` are
+        its fields (and `critic`'s model, optimizer state and steps)."""
         self.config = config
         self.model_config = model_config
         self.temperature = float(temperature)
@@ -421,11 +422,7 @@ class Learner:
         with self._sharding():
             self.model = self._shard_params(self.model)
         self.opt_state = None if config.lora.enabled else self.supervised_optimizer_state(self.optimizer)
-        """The RL optimizer's state over the trainable parameters (with LoRA: None until `add_adapters`)."""
         self._publish_full = True  # with LoRA, the next publish carries the base (see `publish_params`)
-        self.version = 0
-        self.optimizer_steps = 0
-        self.reference_model = None
         self.algorithm = get_algorithm(config.algorithm_name)
         """The algorithm whose learner-side calls `train_step` runs (`learner.algorithm`)."""
         self.learner_calls = self.algorithm.learner_calls()
@@ -614,32 +611,21 @@ class Learner:
         n = self.config.microbatches
         if n == 1:
             grads, metrics = self._grads(model, reference, ex, None, loss)
-        elif loss.takes_normalizers and loss_weight_fn is None:
-            # Normalise every chunk by the whole minibatch so that the chunks' gradients add up to its gradient.
-            normalizers = loss_normalizers(ex, self._loss_config(loss))
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(lora.split(model)[0], eqx.is_inexact_array))
-
-            def body(acc, raw):
-                grads, metrics = self._grads(model, reference, _from_raw(raw), normalizers, loss)
-                return jax.tree_util.tree_map(jnp.add, acc, grads), metrics
-
-            grads, stacked = jax.lax.scan(body, zeros, self._chunked(ex, n))
-            metrics = combine_metrics(stacked)
         else:
-            weight_fn = loss_weight_fn or _sampled_tokens
-            chunks = self._chunked(ex, n)
-            weights = jax.lax.map(lambda raw: jnp.asarray(weight_fn(_from_raw(raw)), jnp.float32), chunks)
-            shares = weights / jnp.maximum(jnp.sum(weights), 1e-12)
             zeros = jax.tree_util.tree_map(jnp.zeros_like, eqx.filter(lora.split(model)[0], eqx.is_inexact_array))
-
-            def body(acc, xs):
-                raw, share = xs
-                grads, metrics = self._grads(model, reference, _from_raw(raw), None, loss)
-                acc = jax.tree_util.tree_map(lambda a, g: a + share * g, acc, grads)
-                return acc, _weighted_metrics(metrics, share)
-
-            grads, stacked = jax.lax.scan(body, zeros, (chunks, shares))
-            metrics = combine_metrics(stacked)
+            chunks = self._chunked(ex, n)
+            if loss.takes_normalizers and loss_weight_fn is None:
+                # Every chunk normalised by the whole minibatch: the chunks' gradients add up to its gradient.
+                normalizers = loss_normalizers(ex, self._loss_config(loss))
+                shares = None
+            else:
+                normalizers = None
+                weight_fn = loss_weight_fn or _sampled_tokens
+                weights = jax.lax.map(lambda raw: jnp.asarray(weight_fn(_from_raw(raw)), jnp.float32), chunks)
+                shares = weights / jnp.maximum(jnp.sum(weights), 1e-12)
+            grads, metrics = microbatched(
+                lambda raw: self._grads(model, reference, _from_raw(raw), normalizers, loss), chunks, zeros, shares
+            )
         trainable, frozen = lora.split(model)
         trainable, opt_state, metrics["grad_norm"] = apply_gradients(
             trainable, grads, opt_state, self.optimizer, self._shard_params
@@ -860,22 +846,12 @@ class Learner:
             fs.put(f"{local}/", target, recursive=True)
 
     # ---- checkpoint state ------------------------------------------------------------------------------
-    def state(self) -> dict:
-        """Everything a resumed run needs from the learner, as a pytree of arrays: the policy, the optimizer state,
-        the frozen reference model (None when there is none), the policy version and the optimizer step count, and
-        the critic with its optimizer state and step count (None without a critic)."""
+    def state(self) -> TrainState:
+        """Everything a resumed run needs from the learner: the train state with its counters as int32 arrays
+        (replicated over the mesh), the optimizer state on the devices."""
         self.restore_optimizer()  # a checkpoint holds device arrays with their shardings
         self.add_adapters()  # with LoRA, a checkpoint always holds the adapted policy and the adapters' optimizer
-        return {
-            "model": self.model,
-            "opt_state": self.opt_state,
-            "reference_model": self.reference_model,
-            "version": self._replicated(self.version),
-            "optimizer_steps": self._replicated(self.optimizer_steps),
-            "critic": None if self.critic is None else self.critic.model,
-            "critic_opt_state": None if self.critic is None else self.critic.opt_state,
-            "critic_steps": None if self.critic is None else self._replicated(self.critic.steps),
-        }
+        return self.train_state.with_counters(self._replicated)
 
     def _replicated(self, value: int) -> jax.Array:
         """An int32 scalar; on a mesh, replicated over all of it (a multi-host checkpoint writes only arrays that
@@ -885,31 +861,29 @@ class Learner:
         host = np.asarray(value, dtype=np.int32)
         return jax.make_array_from_callback((), NamedSharding(self.mesh, PartitionSpec()), lambda _: host)
 
-    def state_template(self, has_reference: bool) -> dict:
-        """A pytree shaped like `state()` (the current arrays as exemplars) for loading a checkpoint into; with
+    def state_template(self, has_reference: bool) -> TrainState:
+        """A state shaped like `state()` (the current arrays as exemplars) for loading a checkpoint into; with
         `has_reference` it has a reference-model slot even if this learner has not frozen one yet."""
         template = self.state()
-        if has_reference and template["reference_model"] is None:
-            template["reference_model"] = self.model
         if not has_reference:
-            template["reference_model"] = None
-        return template
+            return template.replace(reference_model=None)
+        return template if template.has_reference else template.replace(reference_model=self.model)
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: TrainState) -> None:
         """Continue from a `state()` (e.g. loaded from a checkpoint): arrays are laid out by the parameter mapping."""
         with self._sharding():
-            self.model = self._shard_params(state["model"])
-            self.opt_state = self._shard_params(state["opt_state"])
-            self._offloaded = None
-            self._publish_full = True
-            ref = state.get("reference_model")
-            self.reference_model = None if ref is None else self._shard_params(ref)
-            if self.critic is not None:
-                self.critic.model = self._shard_params(state["critic"])
-                self.critic.opt_state = self._shard_params(state["critic_opt_state"])
-                self.critic.steps = int(state["critic_steps"])
-        self.version = int(state["version"])
-        self.optimizer_steps = int(state["optimizer_steps"])
+            shard = self._shard_params
+            loaded = state.with_counters(int)
+            self.train_state = loaded.replace(
+                model=shard(state.model),
+                opt_state=shard(state.opt_state),
+                reference_model=None if state.reference_model is None else shard(state.reference_model),
+                critic=None if self.critic is None else shard(state.critic),
+                critic_opt_state=None if self.critic is None else shard(state.critic_opt_state),
+                critic_steps=None if self.critic is None else loaded.critic_steps,
+            )
+        self._offloaded = None
+        self._publish_full = True
 
     # ---- supervised training: the warm start and `learner.mode: sft` ---------------------------------------
     def supervised_optimizer_state(self, optimizer: optax.GradientTransformation) -> optax.OptState:

@@ -27,7 +27,7 @@ def pytest_configure(config):
 # collection order.
 FILE_SECONDS = {
     "test_benchmarks.py": 600,
-    "test_agent_env.py": 400,
+    "test_agent_env.py": 550,
     "test_local_backend.py": 300,
     "test_bpe_tokenizer.py": 260,
     "test_reward_model.py": 260,

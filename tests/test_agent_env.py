@@ -148,33 +148,21 @@ def test_bad_agent_paths_are_named():
         _env(tok, agent="experiments/openai_agent.py:calc")
 
 
-# The suite's longest test: 800 warm-start steps (uncached on a fresh machine, ~490 s alone on a 2-core VM) and RL.
-# It runs the first 30 of the experiment's 60 RL steps (the learning rate is constant after a 10-step warm-up, so
-# they are the same steps): measured alone on a 2-core VM, held-out reward every 10 steps 0.32, 0.47, 0.52, 0.64,
-# 0.64 (step 40), the gain is on its plateau by step 30, and the second half cost ~300 s of the suite's longest test.
-# The bound is for a loaded 2-core VM, not for a hang (every wait in a run is bounded).
+# The suite's longest test: 800 warm-start steps (uncached on a fresh machine) and 60 RL steps. Beside the other
+# worker's tests on a 2-core VM it took 640 s on one and 1,188 s on a slower one, where it once ran past the suite's
+# 1,200 s limit while still training (761 s alone there); this bound is for that machine class, not for a hang (every
+# wait in a run is bounded).
 @pytest.mark.timeout(2400)
 @pytest.mark.slow
 def test_the_sdk_only_agent_trains_end_to_end(tmp_path):
-    """experiments/openai_agent.yaml as shipped, for its first 30 RL steps: the agent (openai SDK only),
-    warm-started on its unreliable demonstrations, is trained through the capturing chat route and learns to copy the
-    calculator's result: held-out reward rises by at least 0.2. Every group is accepted but those dynamic sampling
-    rejects for having no signal, every step trains on a gradient, episodes span several chat requests, and at most 2%
-    of the rollouts are dropped for a broken prefix."""
+    """experiments/openai_agent.yaml as shipped: the agent (openai SDK only), warm-started on its unreliable
+    demonstrations, is trained through the capturing chat route and learns to copy the calculator's result: held-out
+    reward rises by at least 0.2. Every group is accepted but those dynamic sampling rejects for having no signal,
+    every step trains on a gradient, episodes span several chat requests, and at most 2% of the rollouts are dropped for
+    a broken prefix."""
     out = tmp_path / "run"
     config = parse_config(
-        [
-            "--config",
-            "experiments/openai_agent.yaml",
-            "--output_dir",
-            str(out),
-            "--orchestrator.num_cpus",
-            "2",
-            "--orchestrator.num_steps",
-            "30",
-            "--orchestrator.eval_every",
-            "30",
-        ]
+        ["--config", "experiments/openai_agent.yaml", "--output_dir", str(out), "--orchestrator.num_cpus", "2"]
     )
     summary = run(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

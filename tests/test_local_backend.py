@@ -381,7 +381,7 @@ def test_an_offloaded_optimizer_state_trains_exactly_like_one_kept_on_the_device
     for a, b in zip(jax.tree_util.tree_leaves(kept.model), jax.tree_util.tree_leaves(offloaded.model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     state = offloaded.state()  # a checkpoint takes device arrays again
-    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(state["opt_state"]))
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(state.opt_state))
 
 
 # ---- several hosts: one process per host ----------------------------------------------------------------------------

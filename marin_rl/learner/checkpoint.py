@@ -4,8 +4,8 @@ Layout of one checkpoint, `{root}/step-{N}/` (local path or any fsspec URL such 
 
 * `run_state.json` — the driver's state: replay buffers, batcher, problem iterators, counters (written first);
 * `learner.json` — the learner's version, optimizer step count and whether it holds a reference model;
-* the arrays of `Learner.state()` (policy, optimizer state, reference model, version) as TensorStore, written by
-  `levanter.checkpoint.save_checkpoint`;
+* the arrays of `Learner.state()`, a `TrainState` (policy, optimizer state, reference model, counters, critic), as
+  TensorStore under its field names, written by `levanter.checkpoint.save_checkpoint`;
 * `metadata.json` — Levanter's completion marker, written by the checkpointer's commit callback only after every
   array is committed, and so after everything above.
 

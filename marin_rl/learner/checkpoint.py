@@ -138,6 +138,7 @@ def save_learner_state(learner: Learner, path: str, step: int) -> None:
     """Write the learner's state into checkpoint directory `path`; its completion marker is written last, so call
     this after every other file of the checkpoint is written. A multi-host learner calls it on every process: each
     writes its shards, process 0 the JSON and (once every shard is committed) the marker."""
+    state = learner.state()
     if is_primary():
         write_json(
             path,
@@ -145,11 +146,11 @@ def save_learner_state(learner: Learner, path: str, step: int) -> None:
             {
                 "version": learner.version,
                 "optimizer_steps": learner.optimizer_steps,
-                "has_reference": learner.reference_model is not None,
-                "has_critic": learner.critic is not None,
+                "has_reference": state.has_reference,
+                "has_critic": state.has_critic,
             },
         )
-    save_checkpoint(learner.state(), step, path, is_temporary=False)
+    save_checkpoint(state, step, path, is_temporary=False)
 
 
 def load_learner_state(learner: Learner, path: str) -> None:

@@ -880,7 +880,6 @@ class Learner:
                 reference_model=None if state.reference_model is None else shard(state.reference_model),
                 critic=None if self.critic is None else shard(state.critic),
                 critic_opt_state=None if self.critic is None else shard(state.critic_opt_state),
-                critic_steps=None if self.critic is None else loaded.critic_steps,
             )
         self._offloaded = None
         self._publish_full = True

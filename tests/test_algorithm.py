@@ -14,7 +14,6 @@ from marin_rl.learner.algorithm import (
     get_algorithm,
     known_algorithms,
     register_algorithm,
-    register_learner_call,
 )
 from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig
 from marin_rl.model.build import ModelConfig, tiny_llama
@@ -37,7 +36,7 @@ def test_shipped_algorithms_are_valid_graphs_in_dependency_order():
     "calls, message",
     [
         (
-            (GEN, Call("train", "actor", "train", ("rollouts", "advantages"), ("actor",), fn="actor_train")),
+            (GEN, Call("train", "actor", "train", ("rollouts", "advantages"), ("actor",))),
             "call 'train' reads 'advantages', which no call writes",
         ),
         ((GEN, Call("judge", "judge", "inference", ("rollouts",), ("scores",))), "unknown role 'judge'"),
@@ -53,17 +52,17 @@ def test_shipped_algorithms_are_valid_graphs_in_dependency_order():
         (
             (
                 Call("g", "actor", "generate", ("prompts",), ("rollouts", "rewards"), side="rollout"),
-                Call("t", "actor", "train", ("rollouts", "rewards"), ("actor",), fn="actor_train"),
+                Call("t", "actor", "train", ("rollouts", "rewards"), ("actor",)),
             ),
             "stay on the rollout",
         ),
         (
             (
                 GEN,
-                Call("x", "actor", "compute", ("token_rewards",), ("advantages",), fn="no_such_function"),
-                Call("t", "actor", "train", ("rollouts", "advantages"), ("actor",), fn="actor_train"),
+                Call("x", "actor", "compute", ("token_rewards",), ("advantages",)),
+                Call("t", "actor", "train", ("rollouts", "advantages"), ("actor",)),
             ),
-            "learner function 'no_such_function'",
+            r"declares learner calls \['x', 't'\] but no step function",
         ),
     ],
 )
@@ -73,17 +72,22 @@ def test_start_time_checks_name_the_missing_key_role_or_cycle(calls, message):
 
 
 # ---- an algorithm written by a user: REINFORCE with per-token rewards to go, no critic ---------------------------
-@register_learner_call("rewards_to_go")
-def rewards_to_go(learner, data, **_):
-    """Advantage of a token: the sum of the rewards from it to the end of its episode."""
-    batch, rewards = data["rollouts"], data["token_rewards"]
+def rewards_to_go(batch):
+    """Advantage of each sampled token: the sum of the rewards from it to the end of its episode (host arrays)."""
+    rewards = batch.rewards
     adv = np.zeros_like(rewards)
     for r in range(rewards.shape[0]):
         for t in range(rewards.shape[1] - 1, -1, -1):
             same = t + 1 < rewards.shape[1] and batch.segment_ids[r, t + 1] == batch.segment_ids[r, t]
             adv[r, t] = rewards[r, t] + (adv[r, t + 1] if same else 0.0)
-    data["advantages"] = np.where(batch.loss_mask, adv, 0.0)
-    return {"to_go/advantage_sum": float(data["advantages"].sum())}
+    return np.where(batch.loss_mask, adv, 0.0)
+
+
+def reinforce_to_go_step(learner, batch, placed, *, loss, loss_weight_fn):
+    """The user algorithm's learner side, top to bottom: rewards to go, then the actor's steps on them."""
+    advantages = rewards_to_go(batch)
+    metrics = learner.actor_train(batch, placed, loss=loss, loss_weight_fn=loss_weight_fn, advantages=advantages)
+    return {**metrics, "to_go/advantage_sum": float(advantages.sum())}
 
 
 REINFORCE_TO_GO = register_algorithm(
@@ -91,11 +95,12 @@ REINFORCE_TO_GO = register_algorithm(
         "reinforce_to_go",
         (
             GEN,
-            Call("to_go", "actor", "compute", ("token_rewards",), ("advantages",), fn="rewards_to_go"),
+            Call("to_go", "actor", "compute", ("token_rewards",), ("advantages",)),
             Call("actor_train", "actor", "train", ("rollouts", "advantages"), ("actor",)),
         ),
         "gae",
         "REINFORCE with per-token rewards to go",
+        step=reinforce_to_go_step,
     )
 )
 
@@ -146,7 +151,7 @@ def test_a_bad_algorithm_in_a_config_stops_before_anything_starts(tmp_path):
     (tmp_path / "bad_algorithm.py").write_text(
         "from marin_rl.learner.algorithm import Algorithm, Call\n"
         "BAD = Algorithm('bad', (Call('g', 'actor', 'generate', ('prompts',), ('rollouts',), side='rollout'),\n"
-        "    Call('t', 'actor', 'train', ('rollouts', 'advantages'), ('actor',), fn='actor_train')), 'gae')\n"
+        "    Call('t', 'actor', 'train', ('rollouts', 'advantages'), ('actor',))), 'gae')\n"
     )
     sys.path.insert(0, str(tmp_path))
     try:

@@ -5,13 +5,15 @@ train or compute — each with the role that runs it, the keys it reads and the 
 
 * on the **rollout side** (env actors and replay buffers): generation and the group-level estimators, configured by
   the algorithm (`advantage_estimator`, a greedy baseline episode for ReMax);
-* on the **learner**: each call is a function registered with `register_learner_call`, which the learner executes
-  in the graph's order on every batch (`Learner.train_step`).
+* on the **learner**: the algorithm's `step`, one plain function that runs its learner calls top to bottom on
+  every batch (`Learner.train_step`; PPO's `ppo_step`: the critic's values, GAE, the actor's steps, the critic's step).
 
 `Algorithm.ordered()` checks the graph when a run starts — every key a call reads is an input or written upstream,
-every role is known, no cycle — and names what is wrong. GRPO, RLOO, Dr.GRPO, REINFORCE, ReMax and PPO (critic and
-GAE) are shipped graphs; `learner.algorithm` chooses one. A new algorithm is a graph plus its learner functions,
-registered from user code (`register_algorithm`, `register_learner_call`); nothing in the orchestrator changes.
+every role is known, no cycle, every declared learner call has a step that runs it — and names what is wrong. The
+graph is what `python -m marin_rl.graph` draws and what the rollout side is configured from; the step function is
+what runs. GRPO, RLOO, Dr.GRPO, REINFORCE, ReMax, on-policy distillation and PPO (critic and GAE) are shipped;
+`learner.algorithm` chooses one. A new algorithm is a graph plus, when its learner side is more than the actor's train
+call, its step function, registered from user code (`register_algorithm`); nothing in the orchestrator changes.
 `python -m marin_rl.graph --config X` draws the configured graph (DOT and PNG) and lists its calls in order.
 """
 
@@ -49,13 +51,7 @@ class Call:
     writes: tuple[str, ...]
     """Keys it produces."""
     side: str = "learner"
-    """'rollout' (env actors and replay buffers) or 'learner' (a registered learner function, `fn`)."""
-    fn: str | None = None
-    """Learner side: the name of its function in `register_learner_call`'s registry (default: `name`)."""
-
-    @property
-    def function(self) -> str:
-        return self.fn or self.name
+    """'rollout' (env actors and replay buffers) or 'learner' (run by the algorithm's `step`)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +75,14 @@ class Algorithm:
     """The loss it trains with (`learner.loss.objective` must name it or one of `other_losses`), or None: any loss."""
     other_losses: tuple[str, ...] = ()
     """Further losses it may train with, besides `loss`."""
+    step: LearnerStep | None = None
+    """Its learner side on one batch, a plain function (`LearnerStep`) that runs the graph's learner calls in order;
+    None: `actor_step` (the actor's train call alone, on the advantages the batch carries)."""
+
+    def train_step(self, learner, batch, placed, *, loss, loss_weight_fn) -> dict[str, Any]:
+        """Run the learner side on one batch (`step`, or `actor_step`); returns its metrics."""
+        step = self.step or actor_step
+        return step(learner, batch, placed, loss=loss, loss_weight_fn=loss_weight_fn)
 
     @property
     def losses(self) -> tuple[str, ...]:
@@ -155,7 +159,8 @@ class Algorithm:
         return order
 
     def learner_calls(self) -> list[Call]:
-        """The learner-side calls in order, each with a registered function (ValueError naming a missing one)."""
+        """The learner-side calls in order. ValueError when one reads a key that stays on the rollout side, or when
+        calls besides the actor's train call are declared without a `step` to run them."""
         ordered = self.ordered()
         rollout_keys = {k for c in ordered if c.side == "rollout" for k in c.writes}
         calls = [c for c in ordered if c.side == "learner"]
@@ -166,36 +171,42 @@ class Algorithm:
                     f"algorithm {self.name!r}: learner call {c.name!r} reads {kept}, which stay on the "
                     f"rollout side (batches deliver {list(DELIVERED)})"
                 )
-            if c.function not in _LEARNER_CALLS:
-                raise ValueError(
-                    f"algorithm {self.name!r}: call {c.name!r} needs learner function {c.function!r}, "
-                    f"which is not registered (known: {sorted(_LEARNER_CALLS)})"
-                )
+        default = len(calls) == 1 and calls[0].role == "actor" and calls[0].kind == "train"
+        if self.step is None and calls and not default:
+            raise ValueError(
+                f"algorithm {self.name!r} declares learner calls {[c.name for c in calls]} but no step function "
+                "to run them; the default step (actor_step) runs only the actor's train call: give "
+                "Algorithm(step=...) a function that runs them in order"
+            )
         return calls
 
 
-LearnerCall = Callable[..., dict[str, Any]]
-"""fn(learner, data, **options) -> metrics: reads its keys from the dict `data` and stores its writes there."""
+LearnerStep = Callable[..., dict[str, Any]]
+"""`step(learner, batch, placed, *, loss, loss_weight_fn) -> metrics`: an algorithm's learner side on one batch.
+`batch` is the host `PackedBatch` (its `advantages`, or per-token `rewards` with `replay.advantage_estimator: gae`),
+`placed` the same batch on the devices (`Learner.place_batch`); the learner's parts are `learner.actor_train` (the
+policy's optimizer steps, on the batch's advantages or given ones) and, with a critic role, `learner.critic`'s
+`values`, `gae` and `train`. `loss`/`loss_weight_fn` go to `actor_train`. The learner increments the policy version
+after it."""
 
-_LEARNER_CALLS: dict[str, LearnerCall] = {}
 _ALGORITHMS: dict[str, Algorithm] = {}
 
 
-def register_learner_call(name: str) -> Callable[[LearnerCall], LearnerCall]:
-    """Decorator: register `fn(learner, data, **options) -> metrics` as the learner function `name`. `data` holds
-    the batch's keys ('rollouts': the `PackedBatch`; 'token_rewards', 'group_advantages' when the batch has them)
-    and what earlier calls wrote; `options` are `train_step`'s (`loss`, `loss_weight_fn`)."""
-
-    def decorator(fn: LearnerCall) -> LearnerCall:
-        _LEARNER_CALLS[name] = fn
-        return fn
-
-    return decorator
+def actor_step(learner, batch, placed, *, loss, loss_weight_fn) -> dict[str, Any]:
+    """The group algorithms' and distillation's learner side: the actor's steps on the advantages the batch carries
+    (with a teacher, the batch carries its logprobs too, which the distillation losses read)."""
+    return learner.actor_train(batch, placed, loss=loss, loss_weight_fn=loss_weight_fn)
 
 
-def learner_call(name: str) -> LearnerCall:
-    """The registered learner function `name`."""
-    return _LEARNER_CALLS[name]
+def ppo_step(learner, batch, placed, *, loss, loss_weight_fn) -> dict[str, Any]:
+    """PPO's learner side, top to bottom: the critic's values of the batch before any update, GAE over its per-token
+    rewards on the devices, the actor's steps on those advantages, one critic step towards the returns."""
+    values, bootstrap_values = learner.critic.values(placed)
+    advantages, returns, gae_metrics = learner.critic.gae(placed, None, values, bootstrap_values)
+    metrics = learner.actor_train(batch, placed, loss=loss, loss_weight_fn=loss_weight_fn, advantages=advantages)
+    critic_metrics = learner.critic.train(placed, values, returns)
+    prefixed = {f"learner/{k}": v for k, v in gae_metrics.items()}
+    return {**prefixed, **metrics, **{f"learner/{k}": v for k, v in critic_metrics.items()}}
 
 
 def register_algorithm(algorithm: Algorithm) -> Algorithm:
@@ -356,5 +367,6 @@ register_algorithm(
         ),
         "gae",
         "PPO: a critic's values, GAE advantages per token, the clipped value loss",
+        step=ppo_step,
     )
 )

@@ -11,7 +11,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import equinox as eqx
 import fsspec
@@ -24,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from marin_rl.bounds import bounded, check_fields
 from marin_rl.learner import warm_start_cache
-from marin_rl.learner.algorithm import get_algorithm, learner_call, register_learner_call
+from marin_rl.learner.algorithm import get_algorithm
 from marin_rl.learner.critic import Critic, CriticConfig
 from marin_rl.learner.distributed import host_arrays, is_primary
 from marin_rl.learner.losses import (
@@ -681,13 +680,6 @@ class Learner:
             )
         if self.mesh is not None:
             self._check_rows(batch.num_rows, "the batch", m * n)
-        ex = self.place_batch(batch)
-        data: dict[str, Any] = {"rollouts": batch, "_example": ex}  # "_example": the batch placed once
-        # host arrays for user calls; built-in calls read the placed example's unless a call replaced them
-        if batch.rewards is not None:
-            data["token_rewards"] = batch.rewards
-        else:
-            data["advantages"] = batch.advantages
         if batch.rewards is None and self.reads_token_rewards:
             raise ValueError(
                 f"algorithm {self.algorithm.name!r} needs batches with per-token rewards: set "
@@ -699,11 +691,11 @@ class Learner:
                 f"{self.algorithm.name!r} does not use them: its group advantages are all 0 (choose an "
                 "algorithm that does, e.g. learner.algorithm: ppo)"
             )
-        metrics: dict[str, float] = {}
+        placed = self.place_batch(batch)
         self.add_adapters()
         self.restore_optimizer()
-        for call in self.learner_calls:  # the algorithm's learner-side graph, in order
-            metrics.update(learner_call(call.function)(self, data, loss=loss, loss_weight_fn=loss_weight_fn))
+        # the algorithm's learner side, a plain function (`Algorithm.train_step`: e.g. PPO's values, GAE, actor, critic)
+        metrics = self.algorithm.train_step(self, batch, placed, loss=loss, loss_weight_fn=loss_weight_fn)
         if self.config.offload_optimizer:
             self.offload_optimizer()
         self.version += 1
@@ -712,13 +704,19 @@ class Learner:
         metrics["learner/tokens_per_s"] = e * float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
         return metrics
 
-    def _actor_train(self, data: dict[str, Any], loss: LossSpec, loss_weight_fn) -> dict[str, float]:
-        """The policy's `minibatches × epochs` optimizer steps on `data['rollouts']` with `data['advantages']`."""
+    def actor_train(
+        self, batch: PackedBatch, placed: RlExample, loss=None, loss_weight_fn=None, advantages=None
+    ) -> dict[str, float]:
+        """The policy's `minibatches × epochs` optimizer steps on a batch (`batch` on the host, `placed` on the
+        devices by `place_batch`): the actor step of every algorithm. `advantages` (rows × positions, device or host)
+        replaces the batch's own, e.g. a critic's GAE; `loss` and `loss_weight_fn` as in `train_step`. Returns the
+        `learner/...` metrics of the steps combined, the trained tokens, the cumulative optimizer steps and the
+        learning rate."""
         cfg = self.config
         m, e = cfg.minibatches, cfg.epochs
-        batch, ex = data["rollouts"], data["_example"]
-        if data["advantages"] is not batch.advantages:  # computed in the step (a critic's GAE, or a user's call)
-            advantages = data["advantages"]
+        loss = self.loss if loss is None else get_loss(loss)
+        ex = placed
+        if advantages is not None:
             if not isinstance(advantages, hax.NamedArray):
                 advantages = hax.named(jnp.asarray(advantages, jnp.float32), ex.advantages.axes)
             ex = self._shard_batch(dataclasses.replace(ex, advantages=advantages))
@@ -1025,37 +1023,3 @@ class Learner:
                 losses.append(float(metrics["loss"]))
                 progress.advance_to(i + 1, f"loss {losses[-1]:.4f}")
         return {"losses": losses, "seconds": time.time() - start}
-
-
-# ---- the learner-side calls of the shipped algorithms (`marin_rl.learner.algorithm`) ------------------------------
-@register_learner_call("actor_train")
-def actor_train(learner: Learner, data: dict[str, Any], loss=None, loss_weight_fn=None, **_) -> dict[str, float]:
-    """The policy's steps on the batch with `data['advantages']` (reads rollouts, advantages; writes actor)."""
-    return learner._actor_train(data, learner.loss if loss is None else loss, loss_weight_fn)
-
-
-@register_learner_call("critic_inf")
-def critic_inference(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
-    """The critic's values of the batch before any update (reads rollouts; writes values, bootstrap_values)."""
-    data["values"], data["bootstrap_values"] = learner.critic.values(data["_example"])
-    return {}
-
-
-@register_learner_call("gae")
-def generalized_advantages(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
-    """GAE over the batch's per-token rewards, on the devices (reads token_rewards, values, bootstrap_values; writes
-    advantages, returns). The batch's own rewards are read from the placed example; rewards a call before this one
-    wrote are uploaded."""
-    rewards = data["token_rewards"]
-    rewards = None if rewards is data["rollouts"].rewards else rewards
-    data["advantages"], data["returns"], metrics = learner.critic.gae(
-        data["_example"], rewards, data["values"], data["bootstrap_values"]
-    )
-    return {f"learner/{k}": v for k, v in metrics.items()}
-
-
-@register_learner_call("critic_train")
-def critic_train(learner: Learner, data: dict[str, Any], **_) -> dict[str, float]:
-    """One critic step of the clipped value loss (reads rollouts, values, returns; writes critic)."""
-    metrics = learner.critic.train(data["_example"], data["values"], data["returns"])
-    return {f"learner/{k}": v for k, v in metrics.items()}

@@ -203,7 +203,7 @@ def test_engine_calls_generate_submit_wait_pause_and_track_versions(engines):
         with pytest.raises(ValueError, match="no held-out problems"):
             inference.evaluate(env, [])
         # ReMax: a group sampled with its greedy episode carries that episode's reward as its baseline
-        group = inference._call(
+        group = inference._loop.call(
             inference.worker.run_group(env, problems[0], 2, cfg.envs[0].sampling, greedy_baseline=True)
         )
         assert len(group.rollouts) == 2 and group.baseline_reward == reference[0]

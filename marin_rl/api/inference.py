@@ -47,6 +47,12 @@ class InferenceEngine:
     Build one with `InferenceEngine.local(run_config)` (embedded Levanter servers in this process) or
     `InferenceEngine.remote(addresses)` (servers already running: embedded, vLLM, or a run's). Thread-safe: methods
     may be called from any thread except the engine's own loop (workflows may await `agenerate` there).
+
+    Over running servers, pausing and weight updates use their control routes and need `control_secret` (the
+    servers' `inference.control_secret`); `reward_addresses`: running reward servers by model name (for
+    `attach_reward_models`); `vocab_size` (e.g. `len(tokenizer)`): gated groups' token ids are checked against it
+    (None: only for being non-negative integers); `api_key`: the servers' `inference.api_key`, sent with every
+    request. `servers`, `transport`, `reward_servers`, `env_reward_models` are what `local` passes.
     """
 
     def __init__(
@@ -67,15 +73,11 @@ class InferenceEngine:
             raise ValueError("InferenceEngine needs at least one server address")
         self.config = config or EngineConfig()
         self.addresses = list(addresses)
-        self.vocab_size = vocab_size
-        """Vocabulary size gated groups' token ids are validated against (None: only non-negative integers)."""
         self.servers = list(servers or [])
         """In-process servers (`local`), which get weights directly; empty for remote servers."""
         timeout = self.config.request_timeout_s
         self.rewards = RewardModels(reward_addresses, reward_servers, env_reward_models, timeout)
         """The reward models' clients and in-process servers (`local` with `reward_models`, stopped by `close`)."""
-        self.reward_clients, self.reward_servers = self.rewards.clients, self.rewards.servers
-        self.control_secret = control_secret
         self.control = ServerControl(self.addresses, self.servers, transport, control_secret, timeout)
         """Weight updates, pause and resume on the servers."""
         self._loop = BackgroundLoop("inference-engine")
@@ -83,11 +85,11 @@ class InferenceEngine:
         """Runs the groups and evaluations (on the engine's loop): the same code as the orchestrator's env actors."""
         self.gated = GatedRollouts(self.worker, self._loop, self.config, vocab_size)
         """The gated work (`submit`, `wait`, `prepare_batch`) under the staleness gate."""
-        self.client: PolicyClient = self._loop.call(self._make_clients())
+        self.client: PolicyClient = self._loop.call(self._clients())
         """The client of gated groups and `agenerate` (token ids in and out, per-token versions)."""
 
-    async def _make_clients(self) -> PolicyClient:
-        self.worker.client("eval")
+    async def _clients(self) -> PolicyClient:
+        self.worker.client("eval")  # made on the loop, like the gated groups' client
         return self.worker.client("train")
 
     # ---- construction -------------------------------------------------------------------------------
@@ -131,19 +133,9 @@ class InferenceEngine:
         vocab_size: int | None = None,
         api_key: str | None = None,
     ) -> InferenceEngine:
-        """An engine over running servers at `addresses` ('host:port'). Pausing and weight updates use their
-        control routes and need `control_secret` (the servers' `inference.control_secret`). `reward_addresses`:
-        running reward servers by model name (for `attach_reward_models`). `vocab_size` (e.g. `len(tokenizer)`):
-        gated groups' token ids are checked against it (None: only for being non-negative integers). `api_key`:
-        the servers' `inference.api_key`, sent with every completions request."""
-        return cls(
-            addresses,
-            config,
-            control_secret=control_secret,
-            reward_addresses=reward_addresses,
-            vocab_size=vocab_size,
-            api_key=api_key,
-        )
+        """An engine over running servers at `addresses` ('host:port'); the options as the class describes."""
+        options = dict(reward_addresses=reward_addresses, vocab_size=vocab_size, api_key=api_key)
+        return cls(addresses, config, control_secret=control_secret, **options)
 
     # ---- reward models ------------------------------------------------------------------------------
     def attach_reward_models(self, workflow: Environment, names: list[str] | None = None) -> Environment:
@@ -151,10 +143,6 @@ class InferenceEngine:
         `reward_models`) named rewards of `workflow`, weighted by its `reward_weights`; returns `workflow`. Raises
         KeyError naming a model this engine has no servers for (`RewardModels.attach`)."""
         return self.rewards.attach(workflow, names)
-
-    def _call(self, coro, timeout: float | None = None):
-        """Run `coro` on the engine's loop and block for its result."""
-        return self._loop.call(coro, timeout)
 
     # ---- versions, pause and resume -----------------------------------------------------------------
     @property
@@ -228,12 +216,11 @@ class InferenceEngine:
         """One group per problem, outside the staleness gate (e.g. evaluation): all at once, or at most
         `max_concurrent` at a time; blocks until all are done and returns them in the problems' order. A failed
         episode raises its error."""
-        size = group_size or self.config.group_size
-        params = sampling or self.config.sampling
-        problems = list(problems)
-        return self._call(
-            self.worker.run_groups(workflow, problems, size, params, max_concurrent=max_concurrent, role="eval")
+        size, params = group_size or self.config.group_size, sampling or self.config.sampling
+        coro = self.worker.run_groups(
+            workflow, list(problems), size, params, max_concurrent=max_concurrent, role="eval"
         )
+        return self._loop.call(coro)
 
     def evaluate(
         self,
@@ -252,16 +239,11 @@ class InferenceEngine:
         and the weights. Blocks; returns {reward, pass@1, pass@k, greedy_reward, problems}; raises ValueError when
         there are no problems and an episode's error."""
         problems = list(workflow.eval_problems() if problems is None else problems)
-        return self._call(
-            self.worker.evaluate(
-                workflow,
-                problems,
-                samples_per_problem,
-                sampling or self.config.sampling,
-                seed=seed,
-                max_concurrent=max_concurrent,
-            )
+        params = sampling or self.config.sampling
+        coro = self.worker.evaluate(
+            workflow, problems, samples_per_problem, params, seed=seed, max_concurrent=max_concurrent
         )
+        return self._loop.call(coro)
 
     # ---- gated work (`marin_rl.api.gated_rollouts`) -------------------------------------------------
     def submit(self, problem: Problem, workflow: Environment) -> None:
@@ -300,8 +282,8 @@ class InferenceEngine:
         servers')."""
         out = self.gated.stats()
         out["servers"] = [s.stats() for s in self.servers]
-        if self.reward_servers:
-            out["reward_servers"] = [s.stats() for s in self.reward_servers]
+        if self.rewards.servers:
+            out["reward_servers"] = [s.stats() for s in self.rewards.servers]
         return out
 
     def close(self) -> None:
@@ -309,8 +291,8 @@ class InferenceEngine:
         if not self.gated.close():
             return
         try:
-            self._call(self.worker.aclose(), timeout=30)
-            self._call(self.rewards.aclose(), timeout=30)
+            self._loop.call(self.worker.aclose(), timeout=30)
+            self._loop.call(self.rewards.aclose(), timeout=30)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
         for s in self.servers:

@@ -17,6 +17,12 @@ class AdditionEnvironment(SingleTurnEnvironment):
     `demo_error_rate` makes `reference_completion` an unreliable demonstrator: with that probability it slips by
     ±1 or ±10 (a dropped or spurious carry). A warm start on such demonstrations yields a policy that knows
     addition but often answers wrongly, the situation RL post-training is for; the reward is exact correctness.
+
+    `worked=True` asks for the work before the answer, column by column from the ones, then the sum after the last
+    ';': '23+48=' -> '3+8=11;2+4+1=7;71' (a column's '+1' is the carry into it). Completions are several times
+    longer while the reward still judges only the final sum (`final_sum`), which is where a per-token signal and a
+    per-episode reward differ most. A demonstrator's slip is then a column whose sum is off by one, carried through
+    consistently to the answer it writes.
     """
 
     name = "addition"
@@ -31,6 +37,7 @@ class AdditionEnvironment(SingleTurnEnvironment):
         max_operand: int = 99,
         num_eval: int = 200,
         demo_error_rate: float = 0.0,
+        worked: bool = False,
     ):
         super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
         if max_operand < 1:
@@ -46,6 +53,7 @@ class AdditionEnvironment(SingleTurnEnvironment):
         self._train = [make(a, b) for a, b in pairs[num_eval:]]
         self.max_operand = max_operand
         self.demo_error_rate = demo_error_rate
+        self.worked = bool(worked)
         self._demo_rng = random.Random(seed + 1)
 
     def train_problems(self) -> list[Problem]:
@@ -55,6 +63,13 @@ class AdditionEnvironment(SingleTurnEnvironment):
         return self._eval
 
     def reference_completion(self, problem: Problem) -> str:
+        if self.worked:
+            a, b = problem.fields["a"], problem.fields["b"]
+            columns = max(len(str(a)), len(str(b)))
+            slip = None
+            if self._demo_rng.random() < self.demo_error_rate:
+                slip = (self._demo_rng.randrange(columns), self._demo_rng.choice((-1, 1)))
+            return worked_sum(a, b, slip)
         if self._demo_rng.random() < self.demo_error_rate:
             answer = int(problem.answer)
             slips = [answer + d for d in (-10, -1, 1, 10) if answer + d >= 0]
@@ -62,4 +77,28 @@ class AdditionEnvironment(SingleTurnEnvironment):
         return problem.answer
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
-        return {"correct": float(completion.strip() == problem.answer)}
+        answer = final_sum(completion) if self.worked else completion.strip()
+        return {"correct": float(answer == problem.answer)}
+
+
+def worked_sum(a: int, b: int, slip: tuple[int, int] | None = None) -> str:
+    """The worked addition of `a` and `b` (`AdditionEnvironment(worked=True)`): one 'x+y[+1]=s' per column from the
+    ones, ';'-separated, then the sum. `slip` = (column, ±1) writes that column's sum off by one and carries the
+    error on consistently (the demonstrator's mistake); a slip below 0 writes 0 instead."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    steps, digits, carry = [], [], 0
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        total = x + y + carry + (slip[1] if slip is not None and slip[0] == i else 0)
+        total = max(total, 0)
+        steps.append(f"{x}+{y}{'+1' if carry else ''}={total}")
+        digits.append(str(total % 10))
+        carry = total // 10
+    answer = (str(carry) if carry else "") + "".join(reversed(digits))
+    return ";".join([*steps, str(int(answer))])
+
+
+def final_sum(completion: str) -> str:
+    """The answer of a worked completion: the text after its last ';', stripped ('' without one)."""
+    _, sep, tail = completion.rpartition(";")
+    return tail.strip() if sep else ""

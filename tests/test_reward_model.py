@@ -341,7 +341,7 @@ def test_inference_engine_local_serves_the_runs_reward_models_in_process(tmp_pat
     env = make_environment(config.envs[0], tokenizer, seed=0)
     sampling = SamplingParams(temperature=1.0, max_tokens=4)
     with InferenceEngine.local(config, EngineConfig(group_size=2, sampling=sampling), tokenizer=tokenizer) as engine:
-        assert list(engine.reward_clients) == ["rm"] and len(engine.reward_servers) == 1
+        assert list(engine.rewards.clients) == ["rm"] and len(engine.rewards.servers) == 1
         engine.attach_reward_models(env)  # the models its config entry names: ['rm']
         groups = engine.rollout_batch(env.eval_problems()[:3], env)
         for group in groups:

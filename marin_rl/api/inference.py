@@ -134,8 +134,14 @@ class InferenceEngine:
         api_key: str | None = None,
     ) -> InferenceEngine:
         """An engine over running servers at `addresses` ('host:port'); the options as the class describes."""
-        options = dict(reward_addresses=reward_addresses, vocab_size=vocab_size, api_key=api_key)
-        return cls(addresses, config, control_secret=control_secret, **options)
+        return cls(
+            addresses,
+            config,
+            control_secret=control_secret,
+            reward_addresses=reward_addresses,
+            vocab_size=vocab_size,
+            api_key=api_key,
+        )
 
     # ---- reward models ------------------------------------------------------------------------------
     def attach_reward_models(self, workflow: Environment, names: list[str] | None = None) -> Environment:

@@ -201,8 +201,7 @@ def actor_step(learner, batch, placed, *, loss, loss_weight_fn) -> dict[str, Any
 def ppo_step(learner, batch, placed, *, loss, loss_weight_fn) -> dict[str, Any]:
     """PPO's learner side, top to bottom: the critic's values of the batch before any update, GAE over its per-token
     rewards on the devices, the actor's steps on those advantages, one critic step towards the returns."""
-    values, bootstrap_values = learner.critic.values(placed)
-    advantages, returns, gae_metrics = learner.critic.gae(placed, None, values, bootstrap_values)
+    advantages, returns, values, gae_metrics = learner.critic.advantages(batch, placed)  # values, then GAE
     metrics = learner.actor_train(batch, placed, loss=loss, loss_weight_fn=loss_weight_fn, advantages=advantages)
     critic_metrics = learner.critic.train(placed, values, returns)
     prefixed = {f"learner/{k}": v for k, v in gae_metrics.items()}

@@ -179,15 +179,12 @@ class Critic:
         }
         return adv, ret, metrics
 
-    def gae(self, ex, rewards, values: jax.Array, after: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, float]]:
-        """GAE on the devices (`marin_rl.learner.gae`) over the placed example `ex`'s sampled tokens, per-token
-        `rewards` (a named or raw array; default the example's own) and the critic's `values` (truncated episodes
-        bootstrap from `after`): (advantages, whitened when configured; returns) as float32 device arrays, and the
-        `critic/...` metrics as floats."""
-        rewards = ex.rewards if rewards is None else rewards
-        rewards = rewards.array if isinstance(rewards, hax.NamedArray) else rewards
+    def gae(self, ex, values: jax.Array, after: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, float]]:
+        """GAE on the devices (`marin_rl.learner.gae`) over the placed example `ex`'s sampled tokens, its per-token
+        rewards and the critic's `values` (truncated episodes bootstrap from `after`): (advantages, whitened when
+        configured; returns) as float32 device arrays, and the `critic/...` metrics as floats."""
         with self.learner._sharding():
-            adv, ret, metrics = self._gae(ex, jnp.asarray(rewards, jnp.float32), values, after)
+            adv, ret, metrics = self._gae(ex, jnp.asarray(ex.rewards.array, jnp.float32), values, after)
         return adv, ret, dict(zip(metrics, map(float, host_arrays(list(metrics.values()))), strict=True))
 
     def advantages(self, batch: PackedBatch, ex) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, float]]:
@@ -196,7 +193,7 @@ class Critic:
         if batch.rewards is None or ex.rewards is None:
             raise ValueError("learner.critic needs batches with per-token rewards: set replay.advantage_estimator: gae")
         values, after = self.values(ex)
-        adv, ret, metrics = self.gae(ex, None, values, after)
+        adv, ret, metrics = self.gae(ex, values, after)
         return adv, ret, values, metrics
 
     def _train_impl(self, inputs, opt_state):

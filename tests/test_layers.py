@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "marin_rl"
 
 LAYERS: list[tuple[str, list[str]]] = [
+    ("start", ["deferred_imports"]),
     ("fields", ["bounds"]),
     ("logging", ["logs"]),
     ("text", ["bpe"]),

@@ -17,6 +17,7 @@ the first after a server was replaced.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,21 +28,17 @@ import numpy as np
 import safetensors.numpy
 from haliax.state_dict import from_torch_compatible_state_dict, to_torch_compatible_state_dict
 from jax.sharding import NamedSharding, PartitionSpec
-from levanter.adaptor.lora import (
-    PEFT_BASE_MODEL_PREFIX,
-    LoraLinear,
-    combine_lora_params,
-    loraize,
-    merge_lora_modules,
-    partition_lora_params,
-    save_peft_pretrained,
-    unwrap_lora_modules,
-)
-from levanter.adaptor.lora import (
-    LoraConfig as LevanterLoraConfig,
-)
 
 from marin_rl.bounds import bounded, check_fields
+
+
+def _levanter_lora():
+    """`levanter.adaptor.lora`, imported on first use: it pulls in Levanter's DPO and data-store modules (~0.5 s per
+    process), which a run without adapters never needs."""
+    import levanter.adaptor.lora as lora
+
+    return lora
+
 
 LORA_INITS = ("zero_a", "zero_b")
 
@@ -88,9 +85,9 @@ class LoraConfig:
         """Whether adapters are trained (rank > 0)."""
         return self.rank > 0
 
-    def levanter(self) -> LevanterLoraConfig:
+    def levanter(self):
         """The equivalent `levanter.adaptor.lora.LoraConfig` (no dropout: the policy's forward takes no keys)."""
-        return LevanterLoraConfig(
+        return _levanter_lora().LoraConfig(
             target_modules=self.target_modules,
             r=self.rank,
             alpha=float(self.alpha),
@@ -101,7 +98,8 @@ class LoraConfig:
 
 
 def _is_lora_linear(x) -> bool:
-    return isinstance(x, LoraLinear)
+    lora = sys.modules.get("levanter.adaptor.lora")  # nothing is a LoraLinear before that module is imported
+    return lora is not None and isinstance(x, lora.LoraLinear)
 
 
 def has_adapters(model: Any) -> bool:
@@ -112,7 +110,7 @@ def has_adapters(model: Any) -> bool:
 def add_adapters(model: Any, config: LoraConfig) -> Any:
     """`model` with adapters on its target linear layers (B·A = 0: the same function as `model`). Raises ValueError
     when no layer matches `target_modules`."""
-    adapted = loraize(model, config.levanter(), jax.random.PRNGKey(config.seed))
+    adapted = _levanter_lora().loraize(model, config.levanter(), jax.random.PRNGKey(config.seed))
     if not has_adapters(adapted):
         raise ValueError(
             f"learner.lora.target_modules={config.target_modules!r} matches none of the policy's linear layers"
@@ -124,23 +122,23 @@ def split(model: Any) -> tuple[Any, Any]:
     """(trainable, frozen): the adapters and the base of a model with adapters; (model, None) without."""
     if not has_adapters(model):
         return model, None
-    base, adapters = partition_lora_params(model)
+    base, adapters = _levanter_lora().partition_lora_params(model)
     return adapters, base
 
 
 def join(trainable: Any, frozen: Any) -> Any:
     """The model `split` took apart."""
-    return trainable if frozen is None else combine_lora_params(frozen, trainable)
+    return trainable if frozen is None else _levanter_lora().combine_lora_params(frozen, trainable)
 
 
 def without_adapters(model: Any) -> Any:
     """The base model: every adapted layer's wrapped linear layer (the same arrays, nothing copied)."""
-    return unwrap_lora_modules(model) if has_adapters(model) else model
+    return _levanter_lora().unwrap_lora_modules(model) if has_adapters(model) else model
 
 
 def merged(model: Any) -> Any:
     """The adapted model as a plain one, each adapted weight W + (α/r)·B·A (computed on the devices)."""
-    return merge_lora_modules(model) if has_adapters(model) else model
+    return _levanter_lora().merge_lora_modules(model) if has_adapters(model) else model
 
 
 def array_leaves(tree: Any) -> list:
@@ -251,7 +249,7 @@ def save_peft(model: Any, config: LoraConfig, path: str, base_path: str | None, 
     """Write an adapted `model`'s adapters at local directory `path` in PEFT's format (`adapter_config.json`,
     `adapter_model.safetensors`), naming `base_path` as the base model; `peft.PeftModel.from_pretrained` loads them
     onto the base. Returns `path`."""
-    save_peft_pretrained(model, config.levanter(), base_path, path, tokenizer)
+    _levanter_lora().save_peft_pretrained(model, config.levanter(), base_path, path, tokenizer)
     return path
 
 
@@ -275,7 +273,8 @@ def load_peft(model: Any, config: LoraConfig, path: str) -> Any:
                 f"(set learner.lora.{'rank' if key == 'r' else 'alpha'} to match)"
             )
     # The whole model's state dict (PEFT's key layout), its adapter entries replaced by the file's, read back.
-    prefix = PEFT_BASE_MODEL_PREFIX if all(k.startswith(PEFT_BASE_MODEL_PREFIX + ".") for k in tensors) else None
+    base_prefix = _levanter_lora().PEFT_BASE_MODEL_PREFIX
+    prefix = base_prefix if all(k.startswith(base_prefix + ".") for k in tensors) else None
     state = {k: np.asarray(v) for k, v in to_torch_compatible_state_dict(model, prefix=prefix).items()}
     ours = {k for k in state if ".lora_A." in k or ".lora_B." in k}
     if ours != set(tensors):

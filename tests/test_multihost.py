@@ -157,6 +157,44 @@ def test_checkpoint_of_two_processes_loads_in_one(runs, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+LATE_WORKER = r"""
+import sys, time
+pid, coordinator = int(sys.argv[1]), sys.argv[2]
+from marin_rl.learner.distributed import initialize
+initialize(coordinator, 2, pid)
+import jax, numpy as np
+from jax.experimental import multihost_utils
+if pid == 1:
+    time.sleep(35)  # a process slowed down (a busy host) reaches its first collective late
+gathered = multihost_utils.process_allgather(np.array([pid + 1.0]))
+assert gathered.tolist() == [[1.0], [2.0]], gathered
+"""
+
+
+def test_a_process_reaching_its_first_collective_late_does_not_fail_the_others():
+    """Gloo gives processes 30 s (fixed in XLA) to meet at the collective that sets its context up: `initialize`
+    lines the processes up and sets it up, so a process that later arrives 35 s behind the other is waited for."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = subprocess_env(TESTS, JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LATE_WORKER, str(i), coordinator],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
+
+
 def test_run_with_a_two_host_learner_learns(tmp_path):
     from marin_rl.run import parse_config, run
 

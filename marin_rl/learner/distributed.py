@@ -48,6 +48,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout_s:
         process_id=process_id,
         initialization_timeout=timeout_s,
     )
+    open_collectives(timeout_s)
     logger.info(
         "learner process %d of %d: %d local devices of %d (coordinator %s)",
         process_id,
@@ -56,6 +57,21 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout_s:
         jax.device_count(),
         coordinator,
     )
+
+
+def open_collectives(timeout_s: int = 300) -> None:
+    """Meet the other processes, then run one collective so that the Gloo context exists before any real work.
+
+    Gloo sets its context up at the first collective and waits only 30 s (fixed in XLA) for every process to get
+    there; processes that start unevenly (one slowed by a busy host while the other builds its model) fail there. A
+    barrier of the runtime's coordination service, whose timeout is ours, lines them up first; collectives after the
+    context exists wait as long as XLA's collective timeout (30 minutes).
+    """
+    from jax._src import distributed as jax_distributed
+    from jax.experimental import multihost_utils
+
+    jax_distributed.global_state.client.wait_at_barrier("marin_rl/collectives", timeout_in_ms=timeout_s * 1000)
+    multihost_utils.sync_global_devices("marin_rl/collectives")
 
 
 def is_primary() -> bool:

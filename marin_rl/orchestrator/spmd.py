@@ -25,6 +25,7 @@ from typing import Any
 import jax
 
 from marin_rl.config import RunConfig
+from marin_rl.learner.distributed import open_collectives
 
 logger = logging.getLogger("marin_rl")
 
@@ -58,6 +59,7 @@ def join(config: RunConfig) -> None:
     )
     if jax.process_count() != hosts:
         raise ValueError(f"the distributed runtime has {jax.process_count()} processes, learner.hosts={hosts}")
+    open_collectives()
     logger.info(
         "local backend: process %d of %d, %d local devices of %d",
         jax.process_index(),

@@ -27,14 +27,14 @@ def pytest_configure(config):
 # collection order.
 FILE_SECONDS = {
     "test_benchmarks.py": 600,
-    "test_agent_env.py": 550,
+    "test_agent_env.py": 400,
     "test_local_backend.py": 300,
     "test_bpe_tokenizer.py": 260,
     "test_reward_model.py": 260,
     "test_multihost.py": 260,
     "test_resume.py": 220,
     "test_faults.py": 200,
-    "test_envs_terminal.py": 170,
+    "test_envs_terminal.py": 110,
     "test_lora.py": 160,
     "test_vllm.py": 150,
     "test_sft.py": 120,

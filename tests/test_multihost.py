@@ -80,18 +80,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(out, case: str, nproc: int, mesh: dict, mode: str = "train", timeout: int = 600) -> None:
-    coordinator = f"127.0.0.1:{_free_port()}"
-    env = subprocess_env(TESTS, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}", JAX_PLATFORMS="cpu")
+def _processes(what: str, script: str, args: list[list[str]], timeout: int, **env) -> None:
+    """Run `script` in one subprocess per argument list, together, and check that every one succeeded."""
+    env = subprocess_env(TESTS, JAX_PLATFORMS="cpu", **env)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(out), str(i), str(nproc), coordinator, case, json.dumps(mesh), mode],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            [sys.executable, "-c", script, *a], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        for i in range(nproc)
+        for a in args
     ]
     logs = []
     try:
@@ -101,7 +97,13 @@ def _run(out, case: str, nproc: int, mesh: dict, mode: str = "train", timeout: i
         for p in procs:
             p.kill()
     for i, p in enumerate(procs):
-        assert p.returncode == 0, f"{case} process {i} failed:\n{logs[i][-4000:]}"
+        assert p.returncode == 0, f"{what} process {i} failed:\n{logs[i][-4000:]}"
+
+
+def _run(out, case: str, nproc: int, mesh: dict, mode: str = "train", timeout: int = 600) -> None:
+    coordinator = f"127.0.0.1:{_free_port()}"
+    args = [[str(out), str(i), str(nproc), coordinator, case, json.dumps(mesh), mode] for i in range(nproc)]
+    _processes(case, WORKER, args, timeout, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}")
 
 
 @pytest.fixture(scope="module")
@@ -175,24 +177,7 @@ def test_a_process_reaching_its_first_collective_late_does_not_fail_the_others()
     """Gloo gives processes 30 s (fixed in XLA) to meet at the collective that sets its context up: `initialize`
     lines the processes up and sets it up, so a process that later arrives 35 s behind the other is waited for."""
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = subprocess_env(TESTS, JAX_PLATFORMS="cpu")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", LATE_WORKER, str(i), coordinator],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
+    _processes("late collective", LATE_WORKER, [[str(i), coordinator] for i in range(2)], timeout=300)
 
 
 def test_run_with_a_two_host_learner_learns(tmp_path):

@@ -51,6 +51,7 @@ from marin_rl.inference.chat import (
     template_messages,
 )
 from marin_rl.inference.client import PolicyClient, ServerError
+from marin_rl.inference.http_server import client_limits
 from marin_rl.inference.openai_api import openai_app
 from marin_rl.inference.sessions import SESSION_HEADER, SessionRecords
 from marin_rl.types import Rollout
@@ -183,7 +184,9 @@ class AgentEnvironment(Environment):
             MAX_TOKENS_HEADER: str(int(sampling.max_tokens)),
         }
         auth = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-        async with httpx.AsyncClient(transport=transport, timeout=self.request_timeout_s) as http:
+        async with httpx.AsyncClient(
+            transport=transport, timeout=self.request_timeout_s, limits=client_limits()
+        ) as http:
             client = openai.AsyncOpenAI(
                 base_url=f"{base}/v1",
                 api_key=api_key or "unused",

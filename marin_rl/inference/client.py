@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
+from marin_rl.inference.http_server import client_limits
 from marin_rl.inference.prompt_scores import PromptScores, top_logprobs_arrays
 
 logger = logging.getLogger("marin_rl")
@@ -153,9 +154,7 @@ class PolicyClient:
                 base_url=f"http://{s}/v1",
                 headers=headers,
                 timeout=timeout_s,
-                limits=httpx.Limits(
-                    max_connections=max_concurrent_requests, max_keepalive_connections=max_concurrent_requests
-                ),
+                limits=client_limits(max_concurrent_requests),
             )
             for s in self.servers
         }

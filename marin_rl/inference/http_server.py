@@ -1,5 +1,6 @@
 """Serving an ASGI app with uvicorn from a daemon thread (every policy server's HTTP front end), the address a
-server binds to and advertises (`inference.host`), and completing a request's future from a worker thread."""
+server binds to and advertises (`inference.host`), completing a request's future from a worker thread, and the
+keep-alive rule between our clients and servers."""
 
 from __future__ import annotations
 
@@ -9,9 +10,29 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import uvicorn
 
 LOOPBACK = "127.0.0.1"
+
+SERVER_KEEP_ALIVE_S = 60
+"""Seconds our HTTP servers keep an idle connection open for its next request."""
+
+CLIENT_KEEP_ALIVE_S = 2.0
+"""Seconds our HTTP clients reuse an idle connection. Below every server's keep-alive (ours above; uvicorn's default,
+which vLLM's server keeps, is 5 s), so a client never sends a request on a connection the server is closing at that
+moment: that request would fail with `ReadError('')` (the server closed it without an answer) and, with one server,
+fail its group."""
+
+
+def client_limits(max_connections: int | None = None) -> httpx.Limits:
+    """Connection limits for an httpx client of our servers or vLLM's: at most `max_connections` (None: no bound),
+    as many kept alive, each for at most `CLIENT_KEEP_ALIVE_S` idle."""
+    return httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections if max_connections is not None else 256,
+        keepalive_expiry=CLIENT_KEEP_ALIVE_S,
+    )
 
 
 def resolve_future(future: asyncio.Future, result=None, error: Exception | None = None) -> None:
@@ -89,7 +110,14 @@ class HttpServerThread:
     def start(self, app, port: int = 0) -> str:
         """Serve the ASGI `app` on `port` (0: any free one); returns the advertised 'host:port' once it accepts
         connections."""
-        cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
+        cfg = uvicorn.Config(
+            app,
+            host=self.host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+        )
         self._uvicorn = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._uvicorn.run, name=f"{self.name}-http", daemon=True)
         self._thread.start()

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from marin_rl.bounds import bounded, check_fields
-from marin_rl.inference.http_server import HttpServerThread, resolve_future
+from marin_rl.inference.http_server import HttpServerThread, client_limits, resolve_future
 from marin_rl.model.reward import RewardModelSpec, load_reward_model, sequence_rewards
 from marin_rl.model.value import ValueModel
 from marin_rl.placement import RoleResources
@@ -374,7 +374,7 @@ class RewardClient:
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if loop not in self._http:
-            self._http[loop] = httpx.AsyncClient(timeout=self.timeout_s)
+            self._http[loop] = httpx.AsyncClient(timeout=self.timeout_s, limits=client_limits())
         return self._http[loop]
 
     async def score(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:

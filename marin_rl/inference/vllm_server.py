@@ -41,7 +41,7 @@ from levanter.models.lm_model import LmHeadModel
 
 from marin_rl.inference.completion_request import InvalidRequest, RequestLimits
 from marin_rl.inference.config import InferenceConfig, VllmConfig
-from marin_rl.inference.http_server import HttpServerThread
+from marin_rl.inference.http_server import SERVER_KEEP_ALIVE_S, HttpServerThread, client_limits
 from marin_rl.inference.openai_api import (
     SERVED_MODEL_NAME,
     BackendUnavailable,
@@ -203,6 +203,8 @@ class VllmServer:
                 "VLLM_SERVER_DEV_MODE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "PYTHONUNBUFFERED": "1",
+                # its HTTP server keeps idle connections open as long as ours (see `CLIENT_KEEP_ALIVE_S`)
+                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S),
             }
         )
         env.update(self.config.env)
@@ -600,7 +602,7 @@ class VllmPolicyServer(CompletionBackend):
         if self._client is None:  # created inside the front end's event loop
             self._client = httpx.AsyncClient(
                 timeout=self.config.request_timeout_s,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                limits=client_limits(),
             )
         return self._client
 

@@ -3,7 +3,7 @@
 An HTTP server closes a connection that stays idle for its keep-alive (uvicorn's default, which vLLM keeps, is 5 s);
 a client that reuses a connection idle for about as long sends its request into that close and gets
 `ReadError('')`, which fails a group when there is one server (seen in CI: the Python API's example loop, one embedded
-server, `ServerUnreachable(... ReadError(''))` at step 172). Our clients let an idle connection go well before any
+server, `ServerUnreachable(... ReadError(''))` at version 172). Our clients let an idle connection go well before any
 server would (`CLIENT_KEEP_ALIVE_S`).
 """
 

@@ -154,7 +154,7 @@ class PolicyClient:
                 base_url=f"http://{s}/v1",
                 headers=headers,
                 timeout=timeout_s,
-                limits=client_limits(max_concurrent_requests),
+                limits=client_limits(max_concurrent_requests, max_concurrent_requests),
             )
             for s in self.servers
         }

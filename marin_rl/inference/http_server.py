@@ -25,12 +25,13 @@ moment: that request would fail with `ReadError('')` (the server closed it witho
 fail its group."""
 
 
-def client_limits(max_connections: int | None = None) -> httpx.Limits:
-    """Connection limits for an httpx client of our servers or vLLM's: at most `max_connections` (None: no bound),
-    as many kept alive, each for at most `CLIENT_KEEP_ALIVE_S` idle."""
+def client_limits(max_connections: int | None = 100, max_keepalive_connections: int | None = 20) -> httpx.Limits:
+    """Connection limits for an httpx client of our servers or vLLM's: at most `max_connections` connections and
+    `max_keepalive_connections` kept alive (None: no bound; the defaults are httpx's), each kept at most
+    `CLIENT_KEEP_ALIVE_S` idle."""
     return httpx.Limits(
         max_connections=max_connections,
-        max_keepalive_connections=max_connections if max_connections is not None else 256,
+        max_keepalive_connections=max_keepalive_connections,
         keepalive_expiry=CLIENT_KEEP_ALIVE_S,
     )
 

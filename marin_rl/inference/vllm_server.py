@@ -602,7 +602,7 @@ class VllmPolicyServer(CompletionBackend):
         if self._client is None:  # created inside the front end's event loop
             self._client = httpx.AsyncClient(
                 timeout=self.config.request_timeout_s,
-                limits=client_limits(),
+                limits=client_limits(max_connections=None, max_keepalive_connections=256),
             )
         return self._client
 

@@ -1,7 +1,7 @@
 """On-policy distillation against reward-only RL on the addition task, from the same student start, same steps.
 
     python benchmarks/distillation.py [--config experiments/distill_addition.yaml] [--learning-rates 3e-4 1e-3]
-                                      [--field.path VALUE ...]
+                                      [--seeds 0 1 2] [--group-size 2] [--field.path VALUE ...]
     python benchmarks/distillation.py --replot benchmarks/distillation.json
     python benchmarks/distillation.py --smoke     # a tiny random teacher, two steps each (seconds; the test suite)
 
@@ -9,11 +9,15 @@ Runs the distillation experiment (which makes its teacher first when `teacher.pa
 experiment as reward-only RL (`learner.algorithm: rloo`, the clipped decoupled objective, no teacher), each into a
 fresh output directory, back to back; the two share the warm start (same seed and steps). With several learning rates,
 the pair runs at each. Writes `benchmarks/distillation.png` (held-out reward against learner step, one panel per
-learning rate) and `benchmarks/distillation.json` (the curves), and prints them as Markdown tables. Extra `--field
+learning rate) and `benchmarks/distillation.json` (the curves), and prints them as Markdown tables. With several
+`--seeds` (`orchestrator.seed`: the problems drawn, the samples, the warm start's batches) the pair runs once per
+seed; the figure and tables show the mean over seeds, the JSON keeps every seed's curves too, and a line per learning
+rate gives the paired difference (distillation minus reward-only RL, each seed's mean over its evaluations after step
+0) as mean ± standard error over the seeds. `--group-size` sets every environment's group size. Extra `--field
 value` arguments override every run's config (`--teacher.top_k 8 --learner.loss.objective opd_forward_kl_topk`: the
 top-k forward-KL variant against the same reward-only twin). `--replot` draws the figure of recorded curves again. The
 last line is `distill_over_rl=<held-out reward at the last evaluation, distillation ÷ reward-only RL>` (the first
-learning rate's).
+learning rate's, mean over seeds).
 """
 
 from __future__ import annotations
@@ -105,6 +109,27 @@ def run_pair(
     return curves
 
 
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The mean over runs of held-out reward at each step every run evaluated."""
+    steps = sorted(set.intersection(*(set(dict(c)) for c in curves)))
+    return [(s, sum(dict(c)[s] for c in curves) / len(curves)) for s in steps]
+
+
+def paired_difference(per_seed: list[dict[str, list]], distill: str) -> tuple[float, float]:
+    """Distillation minus reward-only RL, each seed's mean over its evaluations after step 0: (mean, standard error
+    over the seeds; 0 with one seed)."""
+    diffs = []
+    for curves in per_seed:
+        a, b = dict(curves[distill]), dict(curves[REWARD_ONLY])
+        steps = [s for s in a if s > 0 and s in b]
+        diffs.append(sum(a[s] - b[s] for s in steps) / len(steps))
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean, 0.0
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, (var / len(diffs)) ** 0.5
+
+
 def plot(results: dict[str, dict[str, list]], env: str, path: str) -> None:
     """One panel per learning rate, held-out reward against learner step for each method."""
     import matplotlib
@@ -140,6 +165,8 @@ def main() -> None:
     parser.add_argument("--config", default="experiments/distill_addition.yaml")
     parser.add_argument("--output", default=os.path.join(HERE, "distillation.png"))
     parser.add_argument("--learning-rates", nargs="*", type=float, default=None)
+    parser.add_argument("--seeds", nargs="*", type=int, default=None, help="orchestrator.seed of each repeat")
+    parser.add_argument("--group-size", type=int, default=None, help="every environment's group_size")
     parser.add_argument("--replot", default=None, help="a recorded curves JSON to draw again (runs nothing)")
     parser.add_argument("--smoke", action="store_true", help="a tiny random teacher, two steps each (seconds)")
     args, overrides = parser.parse_known_args()
@@ -159,26 +186,40 @@ def main() -> None:
         config.envs[0].eval_samples_per_problem = 1
         config.teacher.path = random_teacher(config, os.path.join(scratch, "teacher"))
         config.teacher.recipe = None
+    if args.group_size is not None:
+        for e in config.envs:
+            e.group_size = args.group_size
     env = config.envs[0].name
     rates = args.learning_rates or [config.learner.optimizer.learning_rate]
-    results = {}
+    seeds = args.seeds or [config.orchestrator.seed]
+    results, per_seed = {}, {}
     for lr in rates:
-        pair = copy.deepcopy(config)
-        pair.learner.optimizer.learning_rate = lr
-        if len(rates) > 1:
-            pair.output_dir = f"{config.output_dir}_lr{lr:g}"
-        # --smoke: the reward-only twin needs no teacher server, so it runs in one process (no second Ray cluster)
-        results[f"{lr:g}"] = run_pair(pair, env, "local" if args.smoke else None)
+        per_seed[f"{lr:g}"] = []
+        for seed in seeds:
+            pair = copy.deepcopy(config)
+            pair.learner.optimizer.learning_rate = lr
+            pair.orchestrator.seed = seed
+            if len(rates) > 1:
+                pair.output_dir = f"{pair.output_dir}_lr{lr:g}"
+            if len(seeds) > 1:
+                pair.output_dir = f"{pair.output_dir}_s{seed}"
+            # --smoke: the reward-only twin needs no teacher server, so it runs in one process (no second Ray cluster)
+            per_seed[f"{lr:g}"].append(run_pair(pair, env, "local" if args.smoke else None))
+        runs = per_seed[f"{lr:g}"]
+        results[f"{lr:g}"] = {label: mean_curve([r[label] for r in runs]) for label in runs[0]}
     plot(results, env, args.output)
     with open(os.path.splitext(args.output)[0] + ".json", "w") as f:
-        json.dump({"env": env, "curves": results}, f, indent=1)
+        json.dump({"env": env, "seeds": seeds, "curves": results, "curves_per_seed": per_seed}, f, indent=1)
+    label = distill_label(config)
     for lr, curves in results.items():
-        print(f"\nlearning rate {lr}\n{table(curves)}")
+        mean, se = paired_difference(per_seed[lr], label)
+        print(f"\nlearning rate {lr}, mean of {len(seeds)} seed(s)\n{table(curves)}")
+        print(f"distillation minus reward-only RL, mean over evaluations after step 0: {mean:+.3f} ± {se:.3f} (SE)")
     print(f"wrote {args.output}")
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
     first = next(iter(results.values()))
-    distilled, reward_only = first[distill_label(config)][-1][1], first[REWARD_ONLY][-1][1]
+    distilled, reward_only = first[label][-1][1], first[REWARD_ONLY][-1][1]
     print(f"distill_over_rl={distilled / max(reward_only, 1e-3):.3f}")
 
 

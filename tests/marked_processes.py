@@ -3,6 +3,7 @@ it, whatever session or parent it ends up with, so the mark counts what a killed
 marin_rl itself tracks its processes."""
 
 import os
+import threading
 import time
 import uuid
 
@@ -66,3 +67,45 @@ def wait_until(condition, timeout: float, poll_s: float = 0.1) -> float:
     while not condition() and time.time() - t < timeout:
         time.sleep(poll_s)
     return time.time() - t
+
+
+def slot_owner(path: str, prefix: str) -> int | None:
+    """The pid in a weight slot directory's name (`<prefix><pid>-<id>`), None when it is not such a directory."""
+    name = os.path.basename(path)
+    if not name.startswith(prefix):
+        return None
+    pid = name[len(prefix) :].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+class MarkedRun:
+    """Marks every process started from this one while inside (the mark is in this process's environment, so a local
+    Ray cluster's processes and everything they start inherit it), and remembers each marked process seen (polled
+    every `poll_s`), so a test can check what *its* run left while other tests run beside it: `left()` lists the
+    live ones, `seen` every pid that ever carried the mark (a weight slot named after one of them is this run's)."""
+
+    def __init__(self, poll_s: float = 0.2):
+        self.variable, self.value = new_mark()
+        self.poll_s = poll_s
+        self.seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.seen.update(self.left())
+
+    def left(self) -> list[int]:
+        """Live marked processes other than this one."""
+        return [p for p in marked_processes(self.variable, self.value) if p != os.getpid()]
+
+    def __enter__(self) -> "MarkedRun":
+        os.environ[self.variable] = self.value
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seen.update(self.left())
+        self._stop.set()
+        self._thread.join()
+        os.environ.pop(self.variable, None)

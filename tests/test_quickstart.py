@@ -2,16 +2,16 @@
 
 import glob
 import json
-import subprocess
-import time
+import os
 
 import pytest
+from marked_processes import MarkedRun, describe, slot_owner, wait_until
 
+from marin_rl.broadcast.shared_memory import PRIVATE_PREFIX
 from marin_rl.run import parse_config, run
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # checks that no Ray process and no weight slot of any run is left
 def test_shortened_quickstart_learns(tmp_path):
     out = tmp_path / "run"
     config = parse_config(
@@ -28,8 +28,9 @@ def test_shortened_quickstart_learns(tmp_path):
             "2",
         ]
     )
-    weight_dirs_before = set(glob.glob("/dev/shm/marin_rl-weights-*"))
-    summary = run(config)
+    # every process the run starts carries a mark, so what it leaves is checked while other tests run beside it
+    with MarkedRun() as marked:
+        summary = run(config)
 
     # An untrained model answers none of these; the warm start alone is near 0.4 at temperature 1.
     assert summary["eval_reward_end"] >= 0.6, summary
@@ -58,17 +59,15 @@ def test_shortened_quickstart_learns(tmp_path):
     evals = [r for r in rows if "eval/addition/reward" in r]
     assert [r["step"] for r in evals] == [0, 50, 100]
 
-    # nothing is left running once run() returns (Ray's workers exit within seconds of shutdown)
-    deadline = time.time() + 30
-    while True:
-        leftover = subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()
-        if not leftover or time.time() > deadline:
-            break
-        time.sleep(0.5)
-    assert leftover == [], f"actor processes still running: {leftover}"
+    # nothing the run started is left running once run() returns (Ray's processes exit within seconds of shutdown)
+    wait_until(lambda: not marked.left(), 30, poll_s=0.5)
+    assert marked.left() == [], f"processes of the run still running: {describe(marked.left())}"
+    assert len(marked.seen) >= 3, "the run's processes (Ray's, the actors) were seen and are gone"
     # broadcast.transport 'auto' chose shared memory (one machine); its slots are gone with the run
     assert summary["broadcast_transport"] == "shared_memory"
-    assert set(glob.glob("/dev/shm/marin_rl-weights-*")) <= weight_dirs_before
+    owners = marked.seen | {os.getpid()}
+    ours = [d for d in glob.glob(f"/dev/shm/{PRIVATE_PREFIX}*") if slot_owner(d, PRIVATE_PREFIX) in owners]
+    assert ours == [], f"weight slots of the run left: {ours}"
 
 
 @pytest.mark.slow

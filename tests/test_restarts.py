@@ -77,15 +77,13 @@ def test_a_replacement_fails_at_once_when_it_cannot_be_built_and_after_the_wait_
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # checks that no Ray process of any run is left
 def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing(tmp_path):
     """A live run with `max_restarts_per_role: 1`: the env actor killed after step 2 is replaced (and counted in
     the step metrics); killed again after step 4, the run stops with the bound's error and shuts everything down."""
     import json
-    import subprocess
 
     import ray
-    from marked_processes import wait_until
+    from marked_processes import MarkedRun, describe, wait_until
 
     from marin_rl.orchestrator.hooks import StepHook
     from marin_rl.orchestrator.orchestrator import Orchestrator
@@ -120,7 +118,11 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
             killed.append(step)
 
     orchestrator.hooks.hooks.append(StepHook("kill_env_actor", 1, kill_env_actor))
-    with pytest.raises(RestartLimitExceeded, match="env actors of addition were already replaced 1 times"):
+    # every process the run starts carries a mark: what it leaves is checked while other tests run beside it
+    with (
+        MarkedRun() as marked,
+        pytest.raises(RestartLimitExceeded, match="env actors of addition were already replaced 1 times"),
+    ):
         orchestrator.run()
     assert killed == [2, 4]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -128,9 +130,7 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
     assert restarts[:2] == [0.0, 0.0] and restarts[-1] == 1.0, restarts
     assert max(r["step"] for r in rows if "learner/loss" in r) < 30, "the run stopped at the bound"
 
-    def actor_processes() -> list[str]:
-        return subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()
-
-    wait_until(lambda: not actor_processes(), 30, poll_s=0.5)  # and shut everything down on its way out
-    assert actor_processes() == [], f"actor processes still running: {actor_processes()}"
+    wait_until(lambda: not marked.left(), 30, poll_s=0.5)  # and shut everything down on its way out
+    assert marked.left() == [], f"processes of the run still running: {describe(marked.left())}"
+    assert len(marked.seen) >= 3, "the run's processes (Ray's, the actors) were seen and are gone"
     assert orchestrator.parts._watchdog is None, "the watcher is stopped with the run"

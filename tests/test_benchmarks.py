@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from subprocess_env import subprocess_env
 
@@ -138,3 +139,22 @@ def test_the_size_model_counts_what_levanter_builds_and_what_the_model_cards_say
     for name in ("qwen2.5-7b", "llama3-8b"):
         assert {(name, "full", dev.name, "no") for dev in model_size.DEVICES} <= rows
         assert {(name, "LoRA r16", dev.name, "yes") for dev in model_size.DEVICES} <= rows
+
+
+def test_the_distillation_benchmark_pairs_seeds_and_averages_curves():
+    """Per seed, distillation minus reward-only RL is averaged over the evaluations after step 0 (step 0 is the shared
+    start); the seeds' mean and its standard error are reported, and mean curves keep the steps every run has."""
+    bench = _benchmark("distillation")
+    label = "distillation (opd_reverse_kl)"
+    per_seed = [
+        {label: [(0, 0.4), (10, 0.6), (20, 0.8)], bench.REWARD_ONLY: [(0, 0.5), (10, 0.5), (20, 0.7)]},  # +0.1
+        {label: [(0, 0.4), (10, 0.5), (20, 0.7)], bench.REWARD_ONLY: [(0, 0.3), (10, 0.5), (20, 0.6)]},  # +0.05
+        {label: [(0, 0.4), (10, 0.6), (20, 0.6)], bench.REWARD_ONLY: [(0, 0.4), (10, 0.6), (20, 0.6)]},  # 0
+    ]
+    mean, se = bench.paired_difference(per_seed, label)
+    diffs = np.array([0.1, 0.05, 0.0])
+    assert mean == pytest.approx(diffs.mean())
+    assert se == pytest.approx(diffs.std(ddof=1) / np.sqrt(3))
+    assert bench.paired_difference(per_seed[:1], label) == (pytest.approx(0.1), 0.0)
+    curve = bench.mean_curve([[(0, 0.2), (10, 0.4)], [(0, 0.4), (10, 0.6), (20, 0.9)]])
+    assert curve == [(0, pytest.approx(0.3)), (10, pytest.approx(0.5))]

@@ -99,6 +99,13 @@ class MarkedRun:
         """Live marked processes other than this one."""
         return [p for p in marked_processes(self.variable, self.value) if p != os.getpid()]
 
+    def assert_all_exited(self, timeout_s: float = 30) -> None:
+        """Wait up to `timeout_s` for every marked process to exit; fail naming those still running, or when none
+        was ever seen (the check would then have seen nothing of the run)."""
+        wait_until(lambda: not self.left(), timeout_s, poll_s=0.5)
+        assert self.left() == [], f"processes of the run still running: {describe(self.left())}"
+        assert len(self.seen) >= 3, "the run's processes (Ray's, the actors) were seen and are gone"
+
     def __enter__(self) -> "MarkedRun":
         os.environ[self.variable] = self.value
         self._thread.start()

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from marked_processes import MarkedRun, describe, slot_owner, wait_until
+from marked_processes import MarkedRun, slot_owner
 
 from marin_rl.broadcast.shared_memory import PRIVATE_PREFIX
 from marin_rl.run import parse_config, run
@@ -60,9 +60,7 @@ def test_shortened_quickstart_learns(tmp_path):
     assert [r["step"] for r in evals] == [0, 50, 100]
 
     # nothing the run started is left running once run() returns (Ray's processes exit within seconds of shutdown)
-    wait_until(lambda: not marked.left(), 30, poll_s=0.5)
-    assert marked.left() == [], f"processes of the run still running: {describe(marked.left())}"
-    assert len(marked.seen) >= 3, "the run's processes (Ray's, the actors) were seen and are gone"
+    marked.assert_all_exited(30)
     # broadcast.transport 'auto' chose shared memory (one machine); its slots are gone with the run
     assert summary["broadcast_transport"] == "shared_memory"
     owners = marked.seen | {os.getpid()}

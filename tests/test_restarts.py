@@ -83,7 +83,7 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
     import json
 
     import ray
-    from marked_processes import MarkedRun, describe, wait_until
+    from marked_processes import MarkedRun
 
     from marin_rl.orchestrator.hooks import StepHook
     from marin_rl.orchestrator.orchestrator import Orchestrator
@@ -130,7 +130,5 @@ def test_a_run_whose_env_actor_keeps_dying_stops_at_the_bound_and_leaves_nothing
     assert restarts[:2] == [0.0, 0.0] and restarts[-1] == 1.0, restarts
     assert max(r["step"] for r in rows if "learner/loss" in r) < 30, "the run stopped at the bound"
 
-    wait_until(lambda: not marked.left(), 30, poll_s=0.5)  # and shut everything down on its way out
-    assert marked.left() == [], f"processes of the run still running: {describe(marked.left())}"
-    assert len(marked.seen) >= 3, "the run's processes (Ray's, the actors) were seen and are gone"
+    marked.assert_all_exited(30)  # and shut everything down on its way out
     assert orchestrator.parts._watchdog is None, "the watcher is stopped with the run"

@@ -130,23 +130,29 @@ def paired_difference(per_seed: list[dict[str, list]], distill: str) -> tuple[fl
     return mean, (var / len(diffs)) ** 0.5
 
 
-def plot(results: dict[str, dict[str, list]], env: str, path: str) -> None:
-    """One panel per learning rate, held-out reward against learner step for each method."""
+def plot(results: dict[str, dict[str, list]], env: str, path: str, per_seed: dict[str, list] | None = None) -> None:
+    """One panel per learning rate, held-out reward against learner step for each method (the mean over seeds; with
+    `per_seed`, each seed's curve drawn thin in the same colour)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(max(7, 5 * len(results)), 4.5), sharey=True, squeeze=False)
     for ax, (lr, curves) in zip(axes[0], results.items(), strict=True):
+        seeds = (per_seed or {}).get(lr, [])
         for label, curve in curves.items():
-            ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o", label=label)
+            (line,) = ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o", label=label)
+            for seed_curve in [c[label] for c in seeds] if len(seeds) > 1 else []:
+                ax.plot(
+                    [s for s, _ in seed_curve], [r for _, r in seed_curve], color=line.get_color(), lw=0.7, alpha=0.35
+                )
         ax.set_title(f"learning rate {lr}")
         ax.set_xlabel("learner step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"held-out reward ({env})")
     axes[0][0].legend()
-    fig.suptitle("Student from the same warm start: on-policy distillation vs reward-only RL")
+    fig.suptitle("On-policy distillation vs reward-only RL, students from the same warm start", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -173,7 +179,7 @@ def main() -> None:
     if args.replot:
         with open(args.replot) as f:
             recorded = json.load(f)
-        plot(recorded["curves"], recorded["env"], args.output)
+        plot(recorded["curves"], recorded["env"], args.output, recorded.get("curves_per_seed"))
         print(f"wrote {args.output}")
         return
     scratch = tempfile.mkdtemp(prefix="distillation-bench-") if args.smoke else None
@@ -207,7 +213,7 @@ def main() -> None:
             per_seed[f"{lr:g}"].append(run_pair(pair, env, "local" if args.smoke else None))
         runs = per_seed[f"{lr:g}"]
         results[f"{lr:g}"] = {label: mean_curve([r[label] for r in runs]) for label in runs[0]}
-    plot(results, env, args.output)
+    plot(results, env, args.output, per_seed)
     with open(os.path.splitext(args.output)[0] + ".json", "w") as f:
         json.dump({"env": env, "seeds": seeds, "curves": results, "curves_per_seed": per_seed}, f, indent=1)
     label = distill_label(config)

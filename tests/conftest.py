@@ -33,6 +33,7 @@ FILE_SECONDS = {
     "test_reward_model.py": 260,
     "test_multihost.py": 260,
     "test_resume.py": 220,
+    "test_hf_families.py": 220,
     "test_faults.py": 200,
     "test_envs_terminal.py": 110,
     "test_lora.py": 160,

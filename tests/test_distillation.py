@@ -269,7 +269,9 @@ def test_the_opd_graph_scores_on_the_rollout_side_and_delivers_teacher_logprobs_
 
 
 def _opd_config(**teacher) -> RunConfig:
+    """experiments/distill_addition.yaml as reverse-KL distillation (it ships the top-k objective)."""
     cfg = parse_config(["--config", "experiments/distill_addition.yaml"])
+    cfg.learner.loss.objective = "opd_reverse_kl"
     cfg.teacher = TeacherConfig(**teacher) if teacher else None
     return cfg
 
@@ -353,6 +355,10 @@ def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towar
             "experiments/distill_addition.yaml",
             "--output_dir",
             str(tmp_path / "run"),
+            "--learner.loss.objective",
+            "opd_reverse_kl",
+            "--teacher.top_k",
+            "0",
             "--learner.warm_start.steps",
             "0",
             "--learner.optimizer.learning_rate",

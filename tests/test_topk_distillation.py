@@ -354,8 +354,11 @@ def _config(*overrides: str):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["--learner.loss.objective", "opd_forward_kl_topk"], "teacher.top_k: the objective 'opd_forward_kl_topk'"),
-        (["--teacher.top_k", "8"], "teacher.top_k: 8 top-k logprobs per token would be carried"),
+        (["--teacher.top_k", "0"], "teacher.top_k: the objective 'opd_forward_kl_topk'"),
+        (
+            ["--teacher.top_k", "8", "--learner.loss.objective", "opd_reverse_kl"],
+            "teacher.top_k: 8 top-k logprobs per token would be carried",
+        ),
         (["--teacher.top_k", "21", "--learner.loss.objective", "opd_forward_kl_topk"], "teacher.top_k"),
         (["--teacher.top_k", "-1"], "teacher.top_k"),
     ],

@@ -13,7 +13,15 @@ import pytest
 from marked_processes import dead_weight_slot_dirs, describe, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
-from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, driver_alive, sweep_orphans
+from marin_rl.orchestrator import watchdog
+from marin_rl.orchestrator.watchdog import (
+    RUN_TOKEN_VARIABLE,
+    driver_alive,
+    live_pids,
+    live_tokens,
+    still_known,
+    sweep_orphans,
+)
 from marin_rl.processes import process_token
 
 # A driver as the orchestrator is one: it starts the watchdog, then processes that inherit its environment: a child,
@@ -60,6 +68,29 @@ def test_process_token_names_one_live_process_and_never_a_dead_or_zombie_one():
     assert process_token(proc.pid) is None, "an unreaped zombie is dead"
     proc.wait()
     assert process_token(proc.pid) is None
+
+
+def test_the_watchers_known_processes_keep_only_live_ones_even_when_one_exits_while_they_are_read(monkeypatch):
+    """The watcher remembers its run's processes by token each poll. A process that exited is dropped, a reused pid
+    (same pid, another start time) too; and one that exits between being checked and being read must not leave None
+    among them (it did: the watcher crashed on its next poll, once, between a teacher recipe's run and the
+    student's)."""
+    me = process_token(os.getpid())
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = process_token(proc.pid) or f"{proc.pid}:1"
+    proc.wait()
+    reused = f"{os.getpid()}:1"
+    assert live_tokens({me, gone, reused}) == {me} and live_pids({me, gone, reused}) == [os.getpid()]
+
+    calls: dict[int, int] = {}
+
+    def exits_after_first_look(pid: int):  # a process that dies right after the watcher first looks at it
+        calls[pid] = calls.get(pid, 0) + 1
+        return me if calls[pid] == 1 else None
+
+    monkeypatch.setattr(watchdog, "process_token", exits_after_first_look)
+    known = still_known({me}, driver=me)
+    assert None not in known and known <= {me}, known
 
 
 @pytest.mark.skipif(not os.path.isdir(DEFAULT_ROOT), reason="needs /dev/shm")

@@ -101,11 +101,22 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
+def live_tokens(known: set[str]) -> set[str]:
+    """Those process tokens ('<pid>:<start time>') in `known` whose process still runs (a reused pid has another start
+    time). Each process is looked up once, so a process that exits meanwhile is either in the answer or not, never
+    half (reading its token again after the check gave None, which crashed the watcher on its next poll)."""
+    return {k for k in known if process_token(int(k.split(":", 1)[0])) == k}
+
+
 def live_pids(known: set[str]) -> list[int]:
-    """The pids of those process tokens ('<pid>:<start time>') in `known` whose process still runs (a reused pid has
-    another start time)."""
-    pids = [int(k.split(":", 1)[0]) for k in known]
-    return [pid for pid, k in zip(pids, known, strict=True) if process_token(pid) == k]
+    """The pids of `live_tokens(known)`."""
+    return sorted(int(k.split(":", 1)[0]) for k in live_tokens(known))
+
+
+def still_known(known: set[str], driver: str) -> set[str]:
+    """One poll of the watcher: the remembered process tokens that still run, and those of the driver `driver`'s run
+    now."""
+    return live_tokens(known) | run_process_tokens(driver)
 
 
 def run_process_tokens(token: str) -> set[str]:
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the driver stopping us after a normal shutdown
     known: set[str] = set()
     while driver_alive(args.driver):
-        known = {process_token(pid) for pid in live_pids(known)} | run_process_tokens(args.driver)
+        known = still_known(known, args.driver)
         time.sleep(args.poll_s)
     t = time.time()
     count = end_run_processes(args.driver, known=known)

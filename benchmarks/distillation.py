@@ -141,9 +141,10 @@ def plot(results: dict[str, dict[str, list]], env: str, path: str, per_seed: dic
     fig, axes = plt.subplots(1, len(results), figsize=(max(7, 5 * len(results)), 4.5), sharey=True, squeeze=False)
     for ax, (lr, curves) in zip(axes[0], results.items(), strict=True):
         seeds = (per_seed or {}).get(lr, [])
+        seeds = seeds if len(seeds) > 1 else []  # one seed's curve is the mean itself
         for label, curve in curves.items():
             (line,) = ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o", label=label)
-            for seed_curve in [c[label] for c in seeds] if len(seeds) > 1 else []:
+            for seed_curve in (c[label] for c in seeds):
                 ax.plot(
                     [s for s, _ in seed_curve], [r for _, r in seed_curve], color=line.get_color(), lw=0.7, alpha=0.35
                 )

@@ -105,7 +105,7 @@ def live_tokens(known: set[str]) -> set[str]:
     """Those process tokens ('<pid>:<start time>') in `known` whose process still runs (a reused pid has another start
     time). Each process is looked up once, so a process that exits meanwhile is either in the answer or not, never
     half (reading its token again after the check gave None, which crashed the watcher on its next poll)."""
-    return {k for k in known if process_token(int(k.split(":", 1)[0])) == k}
+    return {k for k in known if driver_alive(k)}  # the same check as the driver's: its token names a live process
 
 
 def live_pids(known: set[str]) -> list[int]:

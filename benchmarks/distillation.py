@@ -84,12 +84,9 @@ def random_teacher(config: RunConfig, path: str) -> str:
     return export_hf_checkpoint(model, tokenizer, path)
 
 
-def run_pair(
-    distill: RunConfig, env: str, reward_only_backend: str | None = None
-) -> dict[str, list[tuple[int, float]]]:
+def run_pair(distill: RunConfig, env: str) -> dict[str, list[tuple[int, float]]]:
     """Run `distill` and its reward-only twin (same config, no teacher, rloo with the decoupled objective) into fresh
-    directories `<output_dir>_opd` and `<output_dir>_rl`; their held-out reward curves. `reward_only_backend`
-    (`--smoke`: local) runs the twin on another `orchestrator.backend` than the distillation's."""
+    directories `<output_dir>_opd` and `<output_dir>_rl`; their held-out reward curves."""
     base_dir = distill.output_dir
     distill = copy.deepcopy(distill)
     distill.output_dir = f"{base_dir}_opd"
@@ -98,8 +95,6 @@ def run_pair(
     reward_only.teacher = None
     reward_only.learner.algorithm = "rloo"
     reward_only.learner.loss.objective = "decoupled"
-    if reward_only_backend is not None:
-        reward_only.orchestrator.backend = reward_only_backend
     curves = {}
     for label, config in ((distill_label(distill), distill), (REWARD_ONLY, reward_only)):
         shutil.rmtree(config.output_dir, ignore_errors=True)
@@ -193,6 +188,7 @@ def main() -> None:
         config.envs[0].eval_samples_per_problem = 1
         config.teacher.path = random_teacher(config, os.path.join(scratch, "teacher"))
         config.teacher.recipe = None
+        config.orchestrator.backend = "local"  # both runs in this process, the teacher an engine beside the student's
     if args.group_size is not None:
         for e in config.envs:
             e.group_size = args.group_size
@@ -210,8 +206,7 @@ def main() -> None:
                 pair.output_dir = f"{pair.output_dir}_lr{lr:g}"
             if len(seeds) > 1:
                 pair.output_dir = f"{pair.output_dir}_s{seed}"
-            # --smoke: the reward-only twin needs no teacher server, so it runs in one process (no second Ray cluster)
-            per_seed[f"{lr:g}"].append(run_pair(pair, env, "local" if args.smoke else None))
+            per_seed[f"{lr:g}"].append(run_pair(pair, env))
         runs = per_seed[f"{lr:g}"]
         results[f"{lr:g}"] = {label: mean_curve([r[label] for r in runs]) for label in runs[0]}
     plot(results, env, args.output, per_seed)

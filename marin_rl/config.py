@@ -386,9 +386,15 @@ class RunConfig:
                 f"orchestrator.backend: local with learner.hosts={self.learner.hosts} (one process per host) samples "
                 "with the dense engine: set inference.levanter.engine: dense"
             )
-        if self.teacher is not None:
+        if self.teacher is not None and self.teacher.num_servers != 1:
             raise ValueError(
-                "orchestrator.backend: local does not serve a teacher (teacher); use orchestrator.backend: ray"
+                "orchestrator.backend: local serves the teacher with one engine in the learner's process: set "
+                f"teacher.num_servers: 1 (got {self.teacher.num_servers})"
+            )
+        if self.teacher is not None and self.learner.hosts > 1:
+            raise ValueError(
+                f"orchestrator.backend: local with learner.hosts={self.learner.hosts} does not serve a teacher yet "
+                "(only the policy's engine runs on every host); use orchestrator.backend: ray"
             )
         if self.reward_models:
             raise ValueError(

@@ -103,6 +103,57 @@ def test_teacher_scoring_over_http_equals_the_teachers_learner_logprobs(teacher_
     assert server.stats()["scored_tokens"] >= single.num_tokens + multi.num_tokens
 
 
+@pytest.mark.parametrize("k,temperature", [(0, 1.0), (3, 1.0), (3, 0.5)])
+def test_in_process_scoring_answers_what_http_scoring_answers(teacher_server, k, temperature):
+    """The local backend's teacher client (`InProcessPolicyClient`, no HTTP) gives the same logprobs and top-k as
+    `PolicyClient` over the server's completions route, and refuses a bad scoring request with the same status,
+    message and field."""
+    from marin_rl.inference.client import PolicyClient, ServerError
+    from marin_rl.inference.local_client import InProcessPolicyClient
+
+    _, server, address = teacher_server
+    prompts = [[5, 9, 11, 7, 3], [4] * 12, [8, 6]]
+
+    async def both(batch):
+        http, local = PolicyClient([address], timeout_s=60), InProcessPolicyClient(server)
+        try:
+            out = []
+            for client in (http, local):
+                try:
+                    out.append(await client.score_top_k(batch, temperature, k))
+                except ServerError as e:
+                    out.append(e)
+            return out
+        finally:
+            await http.aclose()
+
+    over_http, in_process = asyncio.run(both(prompts))
+    for a, b in zip(over_http, in_process, strict=True):
+        assert a.logprobs == b.logprobs and len(b.logprobs) > 0
+        if k:
+            np.testing.assert_array_equal(a.top_ids, b.top_ids)
+            np.testing.assert_array_equal(a.top_logprobs, b.top_logprobs)
+            assert b.top_ids.shape == (len(b.logprobs), k)
+        else:
+            assert a.top_ids is None and b.top_ids is None
+    refused_http, refused_local = asyncio.run(both([[5] * (MAX_SEQ_LEN + 1)]))
+    assert isinstance(refused_http, ServerError) and isinstance(refused_local, ServerError)
+    assert (refused_local.status, refused_local.detail, refused_local.param) == (
+        refused_http.status,
+        refused_http.detail,
+        refused_http.param,
+    )
+
+
+def test_a_teacher_scorer_takes_servers_or_a_client():
+    from marin_rl.inference.local_client import InProcessPolicyClient
+
+    with pytest.raises(ValueError, match="one of the two"):
+        TeacherScorer()
+    with pytest.raises(ValueError, match="one of the two"):
+        TeacherScorer(["127.0.0.1:1"], client=InProcessPolicyClient.__new__(InProcessPolicyClient))
+
+
 def test_a_scoring_answer_is_openais_echo_shape(teacher_server):
     """The answer to a scoring request echoes the prompt's ids with a null first logprob and samples nothing."""
     import httpx
@@ -283,17 +334,35 @@ def _opd_config(**teacher) -> RunConfig:
         (lambda c: setattr(c.teacher, "path", " "), "set teacher.path"),
         (lambda c: setattr(c.learner.loss, "objective", "decoupled"), "trains with 'opd_reverse_kl'"),
         (lambda c: setattr(c.learner, "algorithm", "rloo"), "uses no teacher"),
-        (lambda c: setattr(c.orchestrator, "backend", "local"), "does not serve a teacher"),
+        (
+            lambda c: (setattr(c.orchestrator, "backend", "local"), setattr(c.teacher, "num_servers", 2)),
+            "set teacher.num_servers: 1",
+        ),
+        (
+            lambda c: (setattr(c.orchestrator, "backend", "local"), setattr(c.learner, "hosts", 2)),
+            "does not serve a teacher yet",
+        ),
         (
             lambda c: (setattr(c.teacher, "temperature", 0.5), setattr(c.inference, "backend", "vllm")),
             "vLLM scores prompts at temperature 1 only",
         ),
     ],
-    ids=["no teacher", "empty path", "another loss", "an algorithm without a teacher", "local backend", "vllm sharp"],
+    ids=[
+        "no teacher",
+        "empty path",
+        "another loss",
+        "an algorithm without a teacher",
+        "local backend, two teachers",
+        "local backend, two hosts",
+        "vllm sharp",
+    ],
 )
 def test_a_distillation_config_that_cannot_run_is_refused_in_one_line(change, message):
     cfg = _opd_config(path="runs/some_teacher")
     cfg.validate()
+    local = _opd_config(path="runs/some_teacher")
+    local.orchestrator.backend = "local"
+    local.validate()  # the local backend serves a teacher (one engine in the learner's process)
     change(cfg)
     with pytest.raises(ValueError, match=message) as e:
         cfg.validate()
@@ -341,8 +410,10 @@ def _sharp_teacher(tmp_path, tokenizer, model_config) -> str:
 
 
 @pytest.mark.slow
-def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towards_its_teacher(tmp_path):
-    """Through Ray, the embedded policy server and a teacher server of its own: every trained token carries the
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towards_its_teacher(tmp_path, backend):
+    """Through Ray (the embedded policy server and a teacher server of its own), and in one process without Ray
+    (the local backend: the teacher a second engine beside the colocated one): every trained token carries the
     teacher's logprob, the persisted rollouts hold them, and the student's reverse KL to the teacher (measured on
     its own samples) falls over a few steps."""
     import json
@@ -371,6 +442,8 @@ def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towar
             "2",
             "--checkpoint.every",
             "0",
+            "--orchestrator.backend",
+            backend,
         ]
     )
     cfg.teacher.path = _sharp_teacher(tmp_path, build_char_tokenizer(), cfg.model)

@@ -397,9 +397,11 @@ def _sharp_teacher(tmp_path, tokenizer, model_config) -> str:
 
 @pytest.mark.slow
 def test_a_short_top_k_distillation_run_carries_the_top_k_and_lowers_the_forward_kl(tmp_path):
-    """experiments/distill_addition.yaml with teacher.top_k: 8 and the top-k objective, through Ray and a teacher
-    server of its own, two microbatches per step: every step trains on the teacher's top-k, the persisted rollouts
-    hold it, and the forward KL to the teacher's top-k falls over a few steps."""
+    """experiments/distill_addition.yaml with teacher.top_k: 8 and the top-k objective, on the local backend (the
+    teacher an engine beside the student's; test_distillation runs a teacher server through Ray, and the top-k's way
+    through a rollout's dict, Ray's form, is tested above), two microbatches per step: every step trains on the
+    teacher's top-k, the persisted rollouts hold it, and the forward KL to the teacher's top-k falls over a few
+    steps."""
     import json
 
     from marin_rl.replay.store import read_rollouts
@@ -422,8 +424,8 @@ def test_a_short_top_k_distillation_run_carries_the_top_k_and_lowers_the_forward
         "12",
         "--orchestrator.eval_every",
         "0",
-        "--orchestrator.num_cpus",
-        "2",
+        "--orchestrator.backend",
+        "local",
         "--checkpoint.every",
         "0",
     )

@@ -19,6 +19,7 @@ from marin_rl.envs.base import Environment, SamplingParams
 from marin_rl.envs.difficulty import PassRateConfig, problem_order
 from marin_rl.envs.iteration import ProblemTicket
 from marin_rl.envs.rewards import OverlongPenalty
+from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ class LocalWorkerPool(WorkerPool):
     estimate. `deterministic`: each group is sampled with a seed derived from its ticket and groups are collected in
     hand-out order; a failed group is sampled again, with the same seed, in its place. `overlong`: the environment's
     soft overlong penalty (`marin_rl.envs.rewards.add_overlong_penalty`). `pass_rate`: draw problems by their recent
-    pass rate (`marin_rl.envs.difficulty`) instead of the seeded shuffle."""
+    pass rate (`marin_rl.envs.difficulty`) instead of the seeded shuffle. `teacher` (on-policy distillation): scores
+    every group before it is handed over, as the Ray backend's env actors do (`marin_rl.inference.teacher`)."""
 
     def __init__(
         self,
@@ -47,8 +49,10 @@ class LocalWorkerPool(WorkerPool):
         greedy_baseline: bool = False,
         overlong: OverlongPenalty | None = None,
         pass_rate: PassRateConfig | None = None,
+        teacher: TeacherScorer | None = None,
     ):
         self.env = env
+        self.teacher = teacher
         self.overlong = overlong
         self.worker = worker
         self.loop = loop
@@ -121,6 +125,8 @@ class LocalWorkerPool(WorkerPool):
             greedy_baseline=self.greedy_baseline,
             overlong=self.overlong,
         )
+        if self.teacher is not None:
+            await self.teacher.score_group(group)
         return group, time.perf_counter() - start
 
     def wait(self, timeout_s: float) -> None:

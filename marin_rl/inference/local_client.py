@@ -10,16 +10,22 @@ apart.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from marin_rl.inference.client import Sample, ServerError
 from marin_rl.inference.completion_request import CompletionRequest, InvalidRequest, check_request
 from marin_rl.inference.openai_api import CompletionBackend
+from marin_rl.inference.prompt_scores import PromptScores
+
+T = TypeVar("T")
 
 
 class InProcessPolicyClient:
-    """`PolicyClient`'s `sample` and counters over a `CompletionBackend` of this process; call it from the event loop
-    the backend answers in (the embedded server resolves its futures in the caller's loop). A request the checks or
-    the backend refuse raises `ServerError` with the status, message and field the HTTP front end answers with."""
+    """`PolicyClient`'s `sample`, `score`, `score_top_k` and counters over a `CompletionBackend` of this process; call
+    it from the event loop the backend answers in (the embedded server resolves its futures in the caller's loop). A
+    request the checks or the backend refuse raises `ServerError` with the status, message and field the HTTP front
+    end answers with."""
 
     def __init__(self, backend: CompletionBackend):
         self.backend = backend
@@ -47,9 +53,8 @@ class InProcessPolicyClient:
         seed: int | None = None,
     ) -> list[Sample]:
         """`n` completions of `prompt_ids` from the backend (see `PolicyClient.sample`)."""
-        start = time.time()
-        server = self.servers[0]
-        try:
+
+        async def complete():
             request = CompletionRequest(
                 prompt=[int(t) for t in prompt_ids],
                 max_tokens=int(max_tokens),
@@ -63,15 +68,9 @@ class InProcessPolicyClient:
             )
             prompts = check_request(request, self.backend.tokenizer, self.backend.limits)
             served = self.backend.version
-            completions = await self.backend.complete(request, prompts)
-        except InvalidRequest as e:
-            raise ServerError(server, e.status, e.message, param=e.param) from e
-        except ValueError as e:
-            raise ServerError(server, 400, str(e)) from e
-        latency = time.time() - start
-        self.requests += 1
-        self.request_s += latency
-        self.backend_s += latency
+            return served, await self.backend.complete(request, prompts)
+
+        (served, completions), latency = await self._answer(complete)
         return [
             Sample(
                 token_ids=list(c.token_ids),
@@ -81,11 +80,53 @@ class InProcessPolicyClient:
                 version_start=int(c.token_versions[0]) if c.token_versions else served,
                 version_end=int(c.token_versions[-1]) if c.token_versions else served,
                 token_versions=[int(v) for v in c.token_versions],
-                server=server,
+                server=self.servers[0],
                 latency_s=latency,
             )
             for c in completions
         ]
+
+    async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Each token sequence's logprobs under the backend's model, one per token after the first (see
+        `PolicyClient.score`)."""
+        return [s.logprobs for s in await self.score_top_k(prompts, temperature, 0)]
+
+    async def score_top_k(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
+        """`score`, and with `k` > 0 the k most likely tokens at every position after the first (see
+        `PolicyClient.score_top_k`): the scoring request the HTTP front end serves (`echo`, `max_tokens: 0`,
+        `logprobs: k`), checked as it checks one, answered by the same backend calls."""
+
+        async def scores():
+            request = CompletionRequest(
+                prompt=[[int(t) for t in p] for p in prompts],
+                max_tokens=0,
+                echo=True,
+                logprobs=int(k),
+                temperature=float(temperature),
+            )
+            checked = check_request(request, self.backend.tokenizer, self.backend.limits)
+            if k:
+                return await self.backend.score_top_k(checked, request.temperature, request.logprobs)
+            return [PromptScores(lp) for lp in await self.backend.score(checked, request.temperature)]
+
+        scored, _ = await self._answer(scores)
+        return scored
+
+    async def _answer(self, call: Callable[[], Awaitable[T]]) -> tuple[T, float]:
+        """`call()`'s result and its seconds, counted as one request; what the checks or the backend refuse is
+        raised as the `ServerError` the HTTP front end would answer."""
+        start = time.time()
+        try:
+            result = await call()
+        except InvalidRequest as e:
+            raise ServerError(self.servers[0], e.status, e.message, param=e.param) from e
+        except ValueError as e:
+            raise ServerError(self.servers[0], 400, str(e)) from e
+        latency = time.time() - start
+        self.requests += 1
+        self.request_s += latency
+        self.backend_s += latency
+        return result, latency
 
     async def aclose(self) -> None:
         """Nothing to close (the backend belongs to its owner)."""

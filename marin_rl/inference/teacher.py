@@ -120,19 +120,24 @@ def sequence_teacher_top(rollout: Rollout, scored: PromptScores) -> list[tuple[l
 
 
 class TeacherScorer:
-    """Scores rollouts with a teacher served at `servers` ('host:port' of policy servers serving the teacher); with
-    `top_k` > 0 the teacher's k most likely tokens at each sampled position too."""
+    """Scores rollouts with a teacher served at `servers` ('host:port' of policy servers serving the teacher), or
+    through `client` (any client with `PolicyClient`'s `score_top_k` and `aclose`: the local backend's
+    `InProcessPolicyClient` of an in-process teacher engine); with `top_k` > 0 the teacher's k most likely tokens at
+    each sampled position too."""
 
     def __init__(
         self,
-        servers: list[str],
+        servers: list[str] | None = None,
         *,
+        client=None,
         timeout_s: float = 600.0,
         api_key: str | None = None,
         temperature: float = 1.0,
         top_k: int = 0,
     ):
-        self.client = PolicyClient(servers, timeout_s=timeout_s, api_key=api_key)
+        if (servers is None) == (client is None):
+            raise ValueError("TeacherScorer needs the teacher's servers or a client of it (one of the two)")
+        self.client = client if client is not None else PolicyClient(servers, timeout_s=timeout_s, api_key=api_key)
         self.temperature = temperature
         self.top_k = top_k
         self.scored_tokens = 0

@@ -3,7 +3,9 @@
 The learner (`marin_rl.orchestrator.local_learner.LocalLearner`: a `TrainEngine` whose steps run on a worker thread), a
 colocated policy server (the embedded Levanter engine sampling from the learner's own parameters:
 `LevanterInferenceServer(share_weights=True)`), and every environment's workers (`LocalWorkerPool`s on one event-loop
-thread, sampling through `InProcessPolicyClient`: no HTTP, no JSON) live in one process and time-share its devices. A
+thread, sampling through `InProcessPolicyClient`: no HTTP, no JSON) live in one process and time-share its devices;
+so does an on-policy distillation run's teacher (a second embedded engine serving the teacher's checkpoint, which
+scores every group through its own `InProcessPolicyClient` before the group is handed over). A
 new version is handed over by reference: the engine reads the learner's arrays (0 bytes copied where the two layouts
 agree; the learner's step never donates the policy), so the process holds one copy of the policy, not a learner's and a
 server's.
@@ -34,8 +36,10 @@ from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
+from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.orchestrator.local_learner import ColocatedUpdate, LocalLearner, process_memory
 from marin_rl.orchestrator.spmd import CommandStream
+from marin_rl.orchestrator.teacher_recipe import ensure_teacher, teacher_run_config
 
 logger = logging.getLogger("marin_rl")
 
@@ -100,6 +104,8 @@ class LocalComponents:
         self.learner: LocalLearner | None = None
         self.server: LevanterInferenceServer | None = None
         self.servers: ColocatedServers | None = None
+        self.teacher_server: LevanterInferenceServer | None = None
+        """On-policy distillation: the engine serving the teacher's checkpoint (never given the student's weights)."""
         self.pools: dict[str, LocalWorkerPool] = {}
         self.workers: dict[str, RolloutWorker] = {}
         self.rollouts: RolloutController | None = None
@@ -137,6 +143,7 @@ class LocalComponents:
         if addresses:
             logger.info("the colocated engine's OpenAI endpoint: http://%s/v1", addresses[0])
         self.servers = ColocatedServers(self.server, addresses)
+        teacher = self._start_teacher() if cfg.algorithm().uses_teacher else None
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="env-workers", daemon=True)
         self._loop_thread.start()
@@ -160,6 +167,7 @@ class LocalComponents:
                 greedy_baseline=greedy,
                 overlong=e.overlong_penalty,
                 pass_rate=cfg.problem_sampling(),
+                teacher=teacher,
             )
         self.rollouts = run_rollout_controller(cfg, self.pools, vocab_size, self._section, self._count)
         logger.info(
@@ -167,6 +175,22 @@ class LocalComponents:
             f"{self.learner.engine.learner.num_params:,}",
             jax.devices()[0].platform,
             time.time() - t,
+        )
+
+    def _start_teacher(self) -> TeacherScorer:
+        """The teacher's engine (the embedded server built from `teacher.path`'s checkpoint, as a Ray run's teacher
+        server is) and a scorer that every environment's groups go through."""
+        from marin_rl.api.servers import make_policy_server
+
+        cfg = self.config
+        t = time.time()
+        checkpoint = ensure_teacher(cfg)  # `run` made it already when a recipe had to
+        self.teacher_server = make_policy_server(teacher_run_config(cfg, checkpoint), self.tokenizer, "teacher-0")
+        logger.info("teacher (%s) in this process (%.1fs)", checkpoint, time.time() - t)
+        return TeacherScorer(
+            client=InProcessPolicyClient(self.teacher_server),
+            temperature=cfg.teacher.temperature,
+            top_k=cfg.teacher.top_k,
         )
 
     def start_learner(self, wait: bool) -> None:
@@ -195,6 +219,8 @@ class LocalComponents:
             self.learner.kill()
         if self.servers is not None:
             self.servers.stop()
+        if self.teacher_server is not None:
+            self.teacher_server.stop()
         if self.stream is not None:
             self.stream.send("stop")  # the followers stop once they ran everything before
 

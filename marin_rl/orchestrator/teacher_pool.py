@@ -7,23 +7,16 @@ with them) and stopped with the run. They never receive the student's weights.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import time
 
 from marin_rl.config import RunConfig
 from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.restarts import stop_actors
+from marin_rl.orchestrator.teacher_recipe import teacher_run_config
 from marin_rl.placement import wait_for_actors
 
 logger = logging.getLogger("marin_rl")
-
-
-def teacher_run_config(config: RunConfig, checkpoint: str) -> RunConfig:
-    """The run config a teacher server is built from: the run's, its initial policy being the teacher's weights."""
-    path = checkpoint if "://" in checkpoint or not os.path.exists(checkpoint) else os.path.abspath(checkpoint)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, init_from_hf=path))
 
 
 class TeacherServerPool:

@@ -1,10 +1,13 @@
 """Making the teacher of an on-policy distillation run before the run starts, when `teacher.path` holds none and
-`teacher.recipe` says how: the recipe's run as a step (a subprocess), its output directory `teacher.path`. No Ray:
-`marin_rl.run` imports this on every backend."""
+`teacher.recipe` says how: the recipe's run as a step (a subprocess), its output directory `teacher.path`; and the run
+config a teacher's server is built from (`teacher_run_config`, for the Ray backend's teacher servers and the local
+backend's in-process teacher engine). No Ray: `marin_rl.run` imports this on every backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +17,12 @@ from marin_rl.inference.teacher import teacher_checkpoint
 from marin_rl.logs import configure_logging
 
 logger = logging.getLogger("marin_rl")
+
+
+def teacher_run_config(config: RunConfig, checkpoint: str) -> RunConfig:
+    """The run config a teacher server is built from: the run's, its initial policy being the teacher's weights."""
+    path = checkpoint if "://" in checkpoint or not os.path.exists(checkpoint) else os.path.abspath(checkpoint)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, init_from_hf=path))
 
 
 def ensure_teacher(config: RunConfig) -> str:

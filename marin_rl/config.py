@@ -396,10 +396,10 @@ class RunConfig:
                 f"orchestrator.backend: local with learner.hosts={self.learner.hosts} does not serve a teacher yet "
                 "(only the policy's engine runs on every host); use orchestrator.backend: ray"
             )
-        if self.reward_models:
+        if self.used_reward_models() and self.learner.hosts > 1:
             raise ValueError(
-                "orchestrator.backend: local does not serve reward models (reward_models "
-                f"{[m.name for m in self.reward_models]}); use orchestrator.backend: ray"
+                f"orchestrator.backend: local with learner.hosts={self.learner.hosts} does not serve reward models "
+                "yet (only the policy's engine runs on every host); use orchestrator.backend: ray"
             )
         if self.orchestrator.ray_address:
             raise ValueError("orchestrator.ray_address is set but orchestrator.backend is 'local' (no Ray)")

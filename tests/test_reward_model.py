@@ -397,6 +397,56 @@ def test_config_validation_names_the_unknown_model_or_the_missing_weight(tmp_pat
         parse_config(["--config", _config(tmp_path, text)])
 
 
+@pytest.mark.slow
+def test_a_local_backend_run_scores_every_rollout_with_its_reward_model_in_process(tmp_path, checkpoint):
+    """experiments/quickstart_reward_model.yaml on the local backend (no Ray), a few steps: the reward model's server
+    runs in the learner's process, every persisted rollout carries the model's reward, equal to a plain forward pass
+    of the reward model over its tokens, and the run trains on it."""
+    from marin_rl.replay.store import read_rollouts
+    from marin_rl.run import run
+
+    path, model = checkpoint
+    out = tmp_path / "run"
+    config = parse_config(
+        [
+            "--config",
+            "experiments/quickstart_reward_model.yaml",
+            "--output_dir",
+            str(out),
+            "--orchestrator.backend",
+            "local",
+            "--learner.warm_start.steps",
+            "0",
+            "--orchestrator.num_steps",
+            "3",
+            "--orchestrator.eval_every",
+            "0",
+            "--checkpoint.every",
+            "0",
+        ]
+    )
+    config.reward_models[0].path = path
+    assert run(config)["steps"] == 3
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "learner/loss" in r]) == 3
+    stored = read_rollouts(str(out / "rollouts" / "addition")).rollouts
+    assert stored
+    for s in stored[:24]:
+        prompt, sampled = s.rollout.turns
+        expected = _reference_score(model, prompt.token_ids + sampled.token_ids)
+        assert sampled.rewards["rm"] == pytest.approx(expected, abs=1e-5)
+        assert sampled.reward == pytest.approx(sampled.rewards["rm"])  # 'correct' has weight 0
+
+
+def test_the_local_backend_serves_reward_models_on_one_host_and_refuses_them_on_several():
+    config = parse_config(["--config", "experiments/quickstart_reward_model.yaml", "--orchestrator.backend", "local"])
+    config.validate()
+    config.learner.hosts = 2
+    with pytest.raises(ValueError, match="does not serve reward models yet") as e:
+        config.validate()
+    assert "\n" not in str(e.value)
+
+
 def test_a_run_with_reward_models_has_a_reward_inf_call_in_its_graph(tmp_path):
     config = parse_config(["--config", _config(tmp_path, BASE)])
     assert config.envs[0].reward_models == ["rm"] and config.reward_models[0].path == "/somewhere/checkpoint"

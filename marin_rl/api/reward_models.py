@@ -1,8 +1,10 @@
 """`RewardModels`: an `InferenceEngine`'s reward-model servers and clients, and attaching them to environments as
-named rewards."""
+named rewards; `attach_run_reward_models`: the same for a run's environment (the Ray env actors and the local
+backend's workers)."""
 
 from __future__ import annotations
 
+from marin_rl.config import EnvConfig, RunConfig
 from marin_rl.envs.base import Environment
 from marin_rl.envs.model_rewards import attach_reward_models
 from marin_rl.inference.reward_server import RewardClient
@@ -49,3 +51,16 @@ class RewardModels:
         """Stop the in-process reward servers."""
         for s in self.servers:
             s.stop()
+
+
+def attach_run_reward_models(
+    env: Environment, config: RunConfig, env_config: EnvConfig, addresses: dict[str, list[str]]
+) -> dict[str, RewardClient]:
+    """Make each reward model `env_config.reward_models` names a named reward of `env`, scored by a client over its
+    servers' `addresses` (by model name) with the model's `request_timeout_s`; returns the clients (to close)."""
+    clients = {}
+    for name in env_config.reward_models:
+        model = config.reward_model(name)
+        clients[name] = RewardClient(addresses[name], name=name, timeout_s=model.request_timeout_s)
+    attach_reward_models(env, clients)
+    return clients

@@ -59,18 +59,32 @@ def start_local_servers(run_config: RunConfig, tokenizer, num_servers: int) -> L
     """Start `num_servers` policy servers (`make_policy_server`) and `model.num_servers` servers of each reward model
     the environments use, in this process. Blocks until every one listens; when one cannot start, those already
     started are stopped and its error raised."""
-    servers, reward_servers, reward_addresses = [], [], {}
+    servers = []
     try:
         for i in range(num_servers):
             servers.append(make_policy_server(run_config, tokenizer, f"server-{i}"))
         addresses = [s.start() for s in servers]
+        reward_servers, reward_addresses = start_reward_servers(run_config)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return LocalServers(servers, addresses, reward_servers, reward_addresses)
+
+
+def start_reward_servers(run_config: RunConfig) -> tuple[list, dict[str, list[str]]]:
+    """Start `model.num_servers` servers of each reward model the environments use, in this process: (the servers,
+    their 'host:port' addresses by model name). Blocks until every one listens; when one cannot start, those already
+    started are stopped and its error raised."""
+    reward_servers, reward_addresses = [], {}
+    try:
         for name in run_config.used_reward_models():
             model = run_config.reward_model(name)
             for i in range(model.num_servers):
                 reward_servers.append(RewardServer.from_checkpoint(model, f"{name}-{i}"))
                 reward_addresses.setdefault(name, []).append(reward_servers[-1].start())
     except BaseException:
-        for s in [*servers, *reward_servers]:
+        for s in reward_servers:
             s.stop()
         raise
-    return LocalServers(servers, addresses, reward_servers, reward_addresses)
+    return reward_servers, reward_addresses

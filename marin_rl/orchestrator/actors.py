@@ -11,14 +11,14 @@ import traceback
 
 import ray
 
+from marin_rl.api.reward_models import attach_run_reward_models
 from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
 from marin_rl.api.servers import make_policy_server
 from marin_rl.api.train import TrainEngine
 from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
-from marin_rl.envs.model_rewards import attach_reward_models
-from marin_rl.inference.reward_server import RewardClient, RewardModelConfig, RewardServer
+from marin_rl.inference.reward_server import RewardModelConfig, RewardServer
 from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.learner import distributed
 from marin_rl.logs import configure_logging
@@ -207,11 +207,8 @@ class EnvActor:
         self.env = make_environment(
             self.env_config, self.tokenizer, seed=config.orchestrator.seed, max_seq_len=config.batcher.max_seq_len
         )
-        clients = {}
-        for name in self.env_config.reward_models:  # reward models as named rewards (`reward_servers`: addresses)
-            model = config.reward_model(name)
-            clients[name] = RewardClient((reward_servers or {})[name], name=name, timeout_s=model.request_timeout_s)
-        attach_reward_models(self.env, clients)
+        # reward models as named rewards (`reward_servers`: addresses)
+        attach_run_reward_models(self.env, config, self.env_config, reward_servers or {})
         self.worker = RolloutWorker(
             servers, timeout_s=config.inference.request_timeout_s, api_key=config.inference.api_key
         )

@@ -4,8 +4,9 @@ The learner (`marin_rl.orchestrator.local_learner.LocalLearner`: a `TrainEngine`
 colocated policy server (the embedded Levanter engine sampling from the learner's own parameters:
 `LevanterInferenceServer(share_weights=True)`), and every environment's workers (`LocalWorkerPool`s on one event-loop
 thread, sampling through `InProcessPolicyClient`: no HTTP, no JSON) live in one process and time-share its devices;
-so does an on-policy distillation run's teacher (a second embedded engine serving the teacher's checkpoint, which
-scores every group through its own `InProcessPolicyClient` before the group is handed over). A
+so do an on-policy distillation run's teacher (a second embedded engine serving the teacher's checkpoint, which
+scores every group through its own `InProcessPolicyClient` before the group is handed over) and the reward models'
+servers (on loopback: the env workers score through their HTTP route, as on Ray). A
 new version is handed over by reference: the engine reads the learner's arrays (0 bytes copied where the two layouts
 agree; the learner's step never donates the policy), so the process holds one copy of the policy, not a learner's and a
 server's.
@@ -31,6 +32,7 @@ import numpy as np
 
 from marin_rl.api.controller import RolloutController, run_rollout_controller
 from marin_rl.api.local_pool import LocalWorkerPool
+from marin_rl.api.reward_models import attach_run_reward_models
 from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
@@ -106,6 +108,9 @@ class LocalComponents:
         self.servers: ColocatedServers | None = None
         self.teacher_server: LevanterInferenceServer | None = None
         """On-policy distillation: the engine serving the teacher's checkpoint (never given the student's weights)."""
+        self.reward_servers: list = []
+        """The reward models' servers (`reward_models`), in this process."""
+        self.reward_clients: list = []
         self.pools: dict[str, LocalWorkerPool] = {}
         self.workers: dict[str, RolloutWorker] = {}
         self.rollouts: RolloutController | None = None
@@ -144,6 +149,7 @@ class LocalComponents:
             logger.info("the colocated engine's OpenAI endpoint: http://%s/v1", addresses[0])
         self.servers = ColocatedServers(self.server, addresses)
         teacher = self._start_teacher() if cfg.algorithm().uses_teacher else None
+        reward_addresses = self._start_reward_servers()
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="env-workers", daemon=True)
         self._loop_thread.start()
@@ -152,6 +158,7 @@ class LocalComponents:
         greedy = cfg.algorithm().greedy_baseline
         for e in cfg.envs:
             env = make_environment(e, self.tokenizer, seed=cfg.orchestrator.seed, max_seq_len=cfg.batcher.max_seq_len)
+            self.reward_clients += attach_run_reward_models(env, cfg, e, reward_addresses).values()
             worker = RolloutWorker(client_factory=lambda: InProcessPolicyClient(self.server))
             self.workers[e.name] = worker
             self.pools[e.name] = LocalWorkerPool(
@@ -193,6 +200,18 @@ class LocalComponents:
             top_k=cfg.teacher.top_k,
         )
 
+    def _start_reward_servers(self) -> dict[str, list[str]]:
+        """The reward models' servers, in this process on loopback (the env workers score through their HTTP route,
+        as on Ray); their addresses by model name."""
+        from marin_rl.api.servers import start_reward_servers
+
+        if not self.config.used_reward_models():
+            return {}
+        t = time.time()
+        self.reward_servers, addresses = start_reward_servers(self.config)
+        logger.info("reward servers in this process at %s (%.1fs)", addresses, time.time() - t)
+        return addresses
+
     def start_learner(self, wait: bool) -> None:
         """Not supported: the local learner is not replaced in-run."""
         raise RuntimeError("the local backend does not replace its learner in-run; rerun the command to resume")
@@ -221,11 +240,13 @@ class LocalComponents:
             self.servers.stop()
         if self.teacher_server is not None:
             self.teacher_server.stop()
+        for server in self.reward_servers:
+            server.stop()
         if self.stream is not None:
             self.stream.send("stop")  # the followers stop once they ran everything before
 
     async def _close_workers(self) -> None:
-        await asyncio.gather(*(w.aclose() for w in self.workers.values()))
+        await asyncio.gather(*(w.aclose() for w in self.workers.values()), *(c.aclose() for c in self.reward_clients))
 
     def begin_checkpoint(self, root: str, step: int) -> str:
         """Prepare the checkpoint directory of `step` under `root` (on every process of a multi-host run)."""

@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 
 class InProcessPolicyClient:
-    """`PolicyClient`'s `sample`, `score`, `score_top_k` and counters over a `CompletionBackend` of this process; call
+    """`PolicyClient`'s `sample`, `score_top_k` and counters over a `CompletionBackend` of this process; call
     it from the event loop the backend answers in (the embedded server resolves its futures in the caller's loop). A
     request the checks or the backend refuse raises `ServerError` with the status, message and field the HTTP front
     end answers with."""
@@ -86,15 +86,10 @@ class InProcessPolicyClient:
             for c in completions
         ]
 
-    async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Each token sequence's logprobs under the backend's model, one per token after the first (see
-        `PolicyClient.score`)."""
-        return [s.logprobs for s in await self.score_top_k(prompts, temperature, 0)]
-
     async def score_top_k(self, prompts: list[list[int]], temperature: float, k: int) -> list[PromptScores]:
-        """`score`, and with `k` > 0 the k most likely tokens at every position after the first (see
-        `PolicyClient.score_top_k`): the scoring request the HTTP front end serves (`echo`, `max_tokens: 0`,
-        `logprobs: k`), checked as it checks one, answered by the same backend calls."""
+        """Each token sequence's logprobs, one per token after the first, and with `k` > 0 the k most likely tokens at
+        every position after the first (see `PolicyClient.score_top_k`): the scoring request the HTTP front end serves
+        (`echo`, `max_tokens: 0`, `logprobs: k`), checked as it checks one, answered by the same backend calls."""
 
         async def scores():
             request = CompletionRequest(

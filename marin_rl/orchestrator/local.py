@@ -111,6 +111,7 @@ class LocalComponents:
         self.reward_servers: list = []
         """The reward models' servers (`reward_models`), in this process."""
         self.reward_clients: list = []
+        """The environments' clients of those servers (closed with the env workers)."""
         self.pools: dict[str, LocalWorkerPool] = {}
         self.workers: dict[str, RolloutWorker] = {}
         self.rollouts: RolloutController | None = None
@@ -205,11 +206,10 @@ class LocalComponents:
         as on Ray); their addresses by model name."""
         from marin_rl.api.servers import start_reward_servers
 
-        if not self.config.used_reward_models():
-            return {}
         t = time.time()
         self.reward_servers, addresses = start_reward_servers(self.config)
-        logger.info("reward servers in this process at %s (%.1fs)", addresses, time.time() - t)
+        if addresses:
+            logger.info("reward servers in this process at %s (%.1fs)", addresses, time.time() - t)
         return addresses
 
     def start_learner(self, wait: bool) -> None:

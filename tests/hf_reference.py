@@ -2,9 +2,11 @@
 
 Run by an interpreter with transformers >= 5 and torch (the vLLM environment), never imported by the test process:
 
-    python tests/hf_reference.py OUT_DIR
+    python tests/hf_reference.py OUT_DIR [--ship]
 
-writes OUT_DIR/NAME/ (config.json as transformers saved it, model.safetensors) for every case in `CASES`, and
+writes OUT_DIR/NAME/ (config.json as transformers saved it, model.safetensors) for every case in `CASES`, every
+tensor the seeded one of `seeded_checkpoints.fixture_tensor` (so the repository ships the references without the
+weights: with `--ship`, this output is also stripped into `tests/data/hf_families/`), and
 OUT_DIR/reference.json: {"sequences": [[id, ...], ...], "cases": {NAME: {"logprobs": [[...], ...]}}}, where
 logprobs[s][t] is log p(sequences[s][t + 1] | sequences[s][: t + 1]) under Hugging Face's eager float32 forward.
 """
@@ -12,11 +14,13 @@ logprobs[s][t] is log p(sequences[s][t + 1] | sequences[s][: t + 1]) under Huggi
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 import transformers
+from seeded_checkpoints import DATA, seed_directory, strip
 
 VOCAB = 96
 SEQ_LEN = 24
@@ -205,13 +209,18 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Move every parameter off its initial value (norm scales of one, zero biases), so that a loader that drops
-    or misplaces a tensor cannot agree by accident."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+def _seeded_checkpoint(model: torch.nn.Module, path: Path, case: str) -> torch.nn.Module:
+    """Save `model` at `path` with every tensor of its file replaced by the seeded one (`fixture_tensor`: off the
+    initial norm scales of one and zero biases, so that a loader that drops or misplaces a tensor cannot agree by
+    accident), and load it back as transformers loads a checkpoint (experts fused or not, a tied head)."""
+    model.save_pretrained(path)
+    seed_directory(path, case)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    unused = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    assert not unused, f"{case}: {unused}"
+    return loaded.eval()
 
 
 def main(out: Path) -> None:
@@ -220,17 +229,14 @@ def main(out: Path) -> None:
     sequences = [torch.randint(3, VOCAB, (SEQ_LEN,), generator=gen).tolist() for _ in range(3)]
     ids = torch.tensor(sequences)
     cases = {}
-    for i, (name, (cls_name, extra)) in enumerate(CASES.items()):
+    for name, (cls_name, extra) in CASES.items():
         kwargs = {**_COMMON, **extra}
         if cls_name == "Qwen2Config":
             kwargs.setdefault("attention_bias", True)  # transformers' Qwen2 always has qkv biases
         config = getattr(transformers, cls_name)(**kwargs)
         config._attn_implementation = "eager"
-        torch.manual_seed(100 + i)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _perturb(model, 200 + i)
-        model.eval()
-        model.save_pretrained(out / name)
+        model = _seeded_checkpoint(model, out / name, name)
         try:
             with torch.no_grad():
                 logits = model(ids).logits.float()
@@ -243,5 +249,17 @@ def main(out: Path) -> None:
     (out / "reference.json").write_text(json.dumps({"sequences": sequences, "cases": cases, "versions": info}))
 
 
+def ship(out: Path) -> None:
+    """Replace the shipped references (`tests/data/hf_families/`) with the checkpoints and logprobs at `out`."""
+    shipped = DATA / "hf_families"
+    if shipped.exists():
+        shutil.rmtree(shipped)
+    for case in sorted(p for p in out.iterdir() if p.is_dir()):
+        strip(case, shipped / case.name, case.name)
+    shutil.copy(out / "reference.json", shipped / "reference.json")
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    if "--ship" in sys.argv[2:]:
+        ship(Path(sys.argv[1]))

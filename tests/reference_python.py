@@ -1,19 +1,49 @@
-"""The interpreter that computes Hugging Face references (the vLLM environment, with torch and transformers)."""
+"""Interpreters with the libraries the tests compare against (torch, transformers >= 5, peft, vLLM).
 
+The gate tier needs none: it checks against references shipped under `tests/data/` (`tests/seeded_checkpoints.py`).
+The end-to-end tier computes them afresh, and checks vLLM, in the vLLM environment."""
+
+import os
 import subprocess
 
 import pytest
 
+REFERENCE_PYTHON = "MARIN_RL_REFERENCE_PYTHON"
+"""An interpreter with torch and transformers >= 5 (and peft) to compute references with, instead of the vLLM
+environment's."""
+
+
+def _imports(python: str, modules: str) -> str | None:
+    """None when `python` imports `modules`, else the end of the error it gives."""
+    probe = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else probe.stderr.strip()[-300:]
+
 
 def reference_python(modules: str = "torch, transformers") -> str:
-    """The vLLM environment's Python when it can import `modules`; the calling test is skipped otherwise."""
+    """$MARIN_RL_REFERENCE_PYTHON, else the vLLM environment's interpreter (created when missing: minutes, once per
+    machine). The calling test fails, naming what is missing, when it cannot import `modules`: a reference check never
+    skips."""
+    python = os.environ.get(REFERENCE_PYTHON)
+    if not python:
+        from marin_rl.inference.vllm_env import ensure_vllm_env
+
+        python = ensure_vllm_env(quiet=True)
+    error = _imports(python, modules)
+    if error is not None:
+        pytest.fail(f"{python} cannot import {modules} for the reference: {error}")
+    return python
+
+
+def built_vllm_python() -> str:
+    """The vLLM environment's interpreter where it has been built; the calling test is skipped, saying how to build it,
+    where it has not (vLLM is an optional backend: the end-to-end tier builds its environment and runs its checks)."""
     from marin_rl.inference.vllm_env import vllm_python
 
     try:
         python = vllm_python(None)
     except FileNotFoundError as e:
-        pytest.skip(f"no interpreter with {modules} for the reference: {e}")
-    probe = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"{python} cannot import {modules}: {probe.stderr.strip()[-300:]}")
+        pytest.skip(f"vLLM's environment is not built on this machine ({e})")
+    error = _imports(python, "vllm")
+    if error is not None:
+        pytest.skip(f"{python} cannot import vllm: {error}")
     return python

@@ -2,9 +2,11 @@
 the checkpoint is refused with one line naming the setting Levanter cannot honour.
 
 The checkpoints are tiny random models of each family's real shape (GQA, tying, qkv bias, qk-norm, soft-capping,
-explicit head_dim, Llama 3 rotary scaling), saved by transformers 5.x in the vLLM environment, which also computes
-the reference logprobs (`tests/hf_reference.py`). A 4.x-layout copy of each config.json (top-level `rope_theta`
-and `rope_scaling`) must load to the same numbers.
+explicit head_dim, Llama 3 rotary scaling), saved by transformers 5.x, which also computed the reference logprobs
+(`tests/hf_reference.py`). Their tensors are drawn from a seed, so the repository ships only their configs and those
+logprobs (`tests/data/hf_families/`, `tests/seeded_checkpoints.py`) and every run of the suite checks them without
+torch; the end-to-end tier checks that the shipped references are still what transformers computes. A 4.x-layout
+copy of each config.json (top-level `rope_theta` and `rope_scaling`) must load to the same numbers.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ import pytest
 from jax.sharding import Mesh
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
-from reference_python import reference_python
+from reference_python import built_vllm_python, reference_python
+from seeded_checkpoints import DATA, materialise
 
 from marin_rl.model.build import ModelConfig, build_model
 from marin_rl.model.hf_config import architecture_from_hf, normalised_hf_config, unhonoured_setting
 
 TOLERANCE = 1e-4
+
+SHIPPED = DATA / "hf_families"
+"""The shipped references: each case's config files and list of tensors, and transformers' logprobs."""
 
 LOADED = (
     "llama3",
@@ -58,12 +64,11 @@ REFUSED = {
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> tuple[Path, dict]:
-    """The checkpoints and transformers' logprobs on them, made once per test session."""
-    python = reference_python()
+    """The shipped checkpoints, written out once per test session, and transformers' logprobs on them."""
     out = tmp_path_factory.mktemp("hf_families")
-    script = Path(__file__).with_name("hf_reference.py")
-    done = subprocess.run([python, str(script), str(out)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    for case in sorted(p for p in SHIPPED.iterdir() if p.is_dir()):
+        materialise(case, out / case.name, case.name)
+    shutil.copy(SHIPPED / "reference.json", out / "reference.json")
     ref = json.loads((out / "reference.json").read_text())
     assert ref["versions"]["transformers"].split(".")[0] >= "5", ref["versions"]
     return out, ref
@@ -357,12 +362,8 @@ def test_export_round_trips_every_tensor_bit_exactly(reference, tmp_path, name):
     assert again == arch
 
 
-@pytest.mark.slow
-def test_vllm_scores_every_family_as_transformers_does(reference):
-    """vLLM (its CPU build, float32, in the vLLM environment) gives each checkpoint's tokens the logprobs
-    transformers gives them: the vLLM column of the parity matrix."""
+def _vllm_scores_every_family_as_transformers_does(reference, python: str) -> None:
     root, ref = reference
-    python = reference_python("vllm")
     script = Path(__file__).with_name("vllm_family_logprobs.py")
     done = subprocess.run(
         [python, str(script), str(root), ",".join(LOADED)], capture_output=True, text=True, timeout=900
@@ -374,3 +375,41 @@ def test_vllm_scores_every_family_as_transformers_does(reference):
         delta = float(np.abs(np.asarray(got[name]["logprobs"]) - np.asarray(ref["cases"][name]["logprobs"])).max())
         print(f"PARITY vllm {name} max|dlogprob|={delta:.2e}")
         assert delta <= TOLERANCE, f"{name}: vLLM's logprobs differ from transformers' by {delta:.2e}"
+
+
+@pytest.mark.gate_run
+def test_vllm_scores_every_family_as_transformers_does_where_its_environment_is_built(reference):
+    """vLLM (its CPU build, float32, in the vLLM environment) gives each checkpoint's tokens the logprobs
+    transformers gives them: the vLLM column of the parity matrix, in the gate where vLLM's environment exists."""
+    _vllm_scores_every_family_as_transformers_does(reference, built_vllm_python())
+
+
+@pytest.mark.slow
+def test_vllm_scores_every_family_as_transformers_does(reference):
+    """The same check in the end-to-end tier, which builds vLLM's environment where it is missing (minutes)."""
+    _vllm_scores_every_family_as_transformers_does(reference, reference_python("vllm"))
+
+
+@pytest.mark.slow
+def test_the_shipped_references_are_what_transformers_computes(reference, tmp_path):
+    """transformers >= 5, run now, writes the shipped checkpoints bit for bit (configs and tensors) and gives them the
+    shipped logprobs: the fixtures the suite checks every family against have not drifted from their source."""
+    root, ref = reference
+    python = reference_python()
+    script = Path(__file__).with_name("hf_reference.py")
+    done = subprocess.run([python, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = json.loads((tmp_path / "reference.json").read_text())
+    assert fresh["sequences"] == ref["sequences"] and sorted(fresh["cases"]) == sorted(ref["cases"])
+    for name, case in ref["cases"].items():
+        for f in sorted((root / name).iterdir()):
+            again = tmp_path / name / f.name
+            if f.suffix == ".json":  # as written by any transformers 5.x: the same settings
+                ours, theirs = (json.loads(x.read_text()) for x in (f, again))
+                ours.pop("transformers_version", None), theirs.pop("transformers_version", None)
+                assert ours == theirs, f"{name}/{f.name} differs"
+            else:
+                assert f.read_bytes() == again.read_bytes(), f"{name}/{f.name} differs"
+        if "logprobs" in case:
+            delta = float(np.abs(np.asarray(fresh["cases"][name]["logprobs"]) - np.asarray(case["logprobs"])).max())
+            assert delta <= 1e-6, f"{name}: transformers {fresh['versions']} now gives logprobs {delta:.2e} away"

@@ -4,8 +4,6 @@ exact resume, and the configuration's refusals."""
 import asyncio
 import dataclasses
 import json
-import subprocess
-from pathlib import Path
 
 import haliax as hax
 import haliax.nn as hnn
@@ -16,7 +14,7 @@ import pytest
 from levanter.adaptor.lora import LORA_R, LoraLinear
 from random_adapters import perturbed_adapters
 from random_packed_batch import random_packed_batch
-from reference_python import reference_python
+from seeded_checkpoints import DATA, materialise
 
 from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import SamplingParams, run_groups
@@ -191,7 +189,7 @@ def test_lora_configuration_refusals():
         lora.LoraConfig(rank=2, init_from_peft=" ")
 
 
-@pytest.mark.slow
+@pytest.mark.gate_run  # a LoRA version carrying only adapters, and an in-run server replacement
 def test_quickstart_lora_learns_ships_only_adapters_and_a_replaced_server_gets_the_base(tmp_path):
     import ray
 
@@ -227,7 +225,7 @@ def test_quickstart_lora_learns_ships_only_adapters_and_a_replaced_server_gets_t
     assert (out / "hf" / "step-60" / "peft" / "adapter_config.json").exists()
 
 
-def test_exported_peft_adapters_load_in_peft_and_give_the_learners_logprobs(tmp_path):
+def test_exported_peft_adapters_load_back_as_the_same_adapters(tmp_path):
     tok = build_char_tokenizer()
     learner = _lora_learner(len(tok))
     learner.model = perturbed_adapters(learner.model, scale=0.1)
@@ -245,22 +243,39 @@ def test_exported_peft_adapters_load_in_peft_and_give_the_learners_logprobs(tmp_
     for a, b in zip(lora.array_leaves(learner.model), lora.array_leaves(resumed.model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    python = reference_python("torch, transformers, peft")
-    rng = np.random.default_rng(0)
-    sequences = [rng.integers(0, len(tok), size=n).tolist() for n in (12, 20, 31)]
-    (tmp_path / "sequences.json").write_text(json.dumps(sequences))
-    script = Path(__file__).with_name("peft_reference.py")
-    args = [str(export / "base"), str(export / "peft"), str(export), str(tmp_path / "sequences.json")]
-    done = subprocess.run(
-        [python, str(script), *args, str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = json.loads((tmp_path / "out.json").read_text())
+
+PEFT_REFERENCE = DATA / "peft_reference"
+"""A tiny Llama and rank-2 adapters in PEFT's format, their tensors seeded, and PEFT's logprobs with the adapters
+applied and merged (`tests/peft_reference.py`, which also says how to compute them again)."""
+
+
+def test_peft_adapters_give_peft_logprobs_and_export_as_they_were_read(tmp_path):
+    """The learner that loads PEFT adapters (`init_from_peft`) onto their base gives the logprobs PEFT gives; its
+    export holds the same adapter tensors bit for bit (so PEFT loads the export as it loaded them), and its merged
+    checkpoint gives the logprobs of PEFT's own merge."""
+    from safetensors.numpy import load_file
+
+    tok = build_char_tokenizer()
+    base = materialise(PEFT_REFERENCE / "base", tmp_path / "base", "peft_reference/base")
+    adapters = materialise(PEFT_REFERENCE / "adapters", tmp_path / "adapters", "peft_reference/adapters")
+    reference = json.loads((PEFT_REFERENCE / "reference.json").read_text())
+    sequences = reference["sequences"]
+    config = LearnerConfig(lora=lora.LoraConfig(rank=RANK, alpha=4.0, init_from_peft=str(adapters)))
+    learner = Learner(ModelConfig(architecture=tiny_llama(), init_from_hf=str(base)), config, len(tok))
+    assert learner.add_adapters()
     rows = list(range(len(sequences)))
     batch, _ = pack([Sequence.supervised(s[:1], s[1:]) for s in sequences], len(sequences), 32, assignment=rows)
-    ours = learner.logprobs(batch)
-    for name in ("peft", "merged"):
-        worst = max(
-            float(np.max(np.abs(ours[r, 1 : len(s)] - np.asarray(reference[name][r])))) for r, s in enumerate(sequences)
-        )
-        assert worst <= 1e-4, f"{name}: max |Δ logprob| {worst}"
+
+    def worst(ours, theirs) -> float:
+        return max(float(np.max(np.abs(ours[r, 1 : len(s)] - np.asarray(theirs[r])))) for r, s in enumerate(sequences))
+
+    assert worst(learner.logprobs(batch), reference["peft"]) <= 1e-4
+
+    export = tmp_path / "export"
+    learner.export_hf(str(export), tok)
+    read, written = (load_file(str(d / "adapter_model.safetensors")) for d in (adapters, export / "peft"))
+    assert sorted(written) == sorted(read), set(written) ^ set(read)
+    for key, value in read.items():
+        assert written[key].dtype == value.dtype and np.array_equal(written[key], value), key
+    merged = Learner(ModelConfig(architecture=tiny_llama(), init_from_hf=str(export)), LearnerConfig(), len(tok))
+    assert worst(merged.logprobs(batch), reference["merged"]) <= 1e-4

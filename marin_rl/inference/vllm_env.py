@@ -16,6 +16,7 @@ environment that an earlier version created at `.venvs/vllm` under the repositor
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -72,9 +73,21 @@ def ensure_vllm_env(path: str | os.PathLike | None = None, gpu: bool = False, qu
     """Create the vLLM environment at `path` (None: `default_path()`) unless it is complete.
 
     Returns the path of its Python interpreter. Installing takes minutes (the packages are large); afterwards the
-    call returns at once. Raises RuntimeError with pip's output when the installation fails.
+    call returns at once. Raises RuntimeError with pip's output when the installation fails. Processes that call it
+    at once for the same `path` take turns (a lock file beside it): one installs, the others find it complete.
     """
     root = (Path(path) if path is not None else default_path()).absolute()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{root.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _ensure_vllm_env(root, gpu, quiet)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _ensure_vllm_env(root: Path, gpu: bool, quiet: bool) -> str:
+    """`ensure_vllm_env`'s work, under its lock."""
     python = _python_in(root)
     packages = list(GPU_PACKAGES if gpu else CPU_PACKAGES)
     if is_ready(root):

@@ -11,6 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+GATE_BOUND_S = 60.0
+"""A test that takes longer than this (set-up, call and tear-down together) without being an end-to-end run
+(`slow` or `gate_run`) is named at the end of the run: the gate tier must not creep back towards an hour."""
+
+END_TO_END = ("slow", "gate_run")
+"""The markers of tests that start a whole run (tests/README.md): `slow` ones form the end-to-end tier, `gate_run`
+ones are the few the gate keeps."""
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
@@ -19,44 +28,127 @@ def pytest_configure(config):
     )
 
 
-# About how many seconds each of the suite's longest files took in a full run on two workers (2-core x86 VM,
-# 2026-11-26, from `--durations`). Under `--dist loadfile` a file is one unit of work and xdist hands the units out in
-# the order given (`--no-loadscope-reorder`; by default it orders them by their number of tests, which put these,
-# most with few tests, last, and left one worker idle at the end while the other ran the longest file). Longest first
-# lets the two workers finish together. Only the order depends on these figures; unlisted files follow in
-# collection order.
+def _named_on_command_line(config) -> list[str]:
+    """The node ids (`path::name...`) given as arguments, relative to the repository root."""
+    named = []
+    for arg in config.args:
+        if "::" not in arg:
+            continue
+        path, rest = arg.split("::", 1)
+        try:
+            path = Path(path).resolve().relative_to(config.rootpath).as_posix()
+        except ValueError:
+            pass
+        named.append(f"{path}::{rest}")
+    return named
+
+
+def _gate_tier(config, items) -> None:
+    """With no `-m` expression, the run is the gate tier: tests marked `slow` are deselected, unless the command
+    line names them (`python -m pytest tests/test_x.py::test_y` runs test_y whatever its tier). `-m slow` runs the
+    end-to-end tier, `-m "slow or not slow"` both."""
+    if config.getoption("markexpr"):
+        return
+    named = _named_on_command_line(config)
+    keep, drop = [], []
+    for item in items:
+        wanted = item.get_closest_marker("slow") is None or any(item.nodeid.startswith(n) for n in named)
+        (keep if wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+# About how many seconds each of the longest files takes in each tier on two workers (2-core x86 VM, 2026-11-28, from
+# `--durations`). Under `--dist loadfile` a file is one unit of work and xdist hands the units out in the order given
+# (`--no-loadscope-reorder`; by default it orders them by their number of tests, which put these, most with few
+# tests, last, and left one worker idle at the end while the other ran the longest file). Longest first lets the two
+# workers finish together. Only the order depends on these figures; unlisted files follow in collection order.
+GATE_FILE_SECONDS = {
+    "test_local_backend.py": 230,
+    "test_lora.py": 170,
+    "test_hf_families.py": 150,
+    "test_learner.py": 120,
+    "test_reward_model.py": 100,
+    "test_config_validation.py": 95,
+    "test_quickstart.py": 90,
+    "test_critic.py": 85,
+    "test_levanter_engine.py": 80,
+    "test_api.py": 65,
+    "test_sft.py": 65,
+    "test_sharding.py": 55,
+    "test_chat_completions.py": 50,
+}
+"""The gate tier (the default run)."""
+
 FILE_SECONDS = {
-    "test_benchmarks.py": 600,
-    "test_agent_env.py": 400,
+    "test_agent_env.py": 1000,
+    "test_benchmarks.py": 780,
+    "test_bpe_tokenizer.py": 440,
+    "test_vllm.py": 400,
+    "test_multihost.py": 380,
+    "test_faults.py": 350,
+    "test_reward_model.py": 320,
     "test_local_backend.py": 300,
-    "test_bpe_tokenizer.py": 260,
-    "test_reward_model.py": 260,
-    "test_multihost.py": 260,
     "test_resume.py": 220,
-    "test_hf_families.py": 220,
-    "test_faults.py": 200,
-    "test_envs_terminal.py": 110,
-    "test_lora.py": 160,
-    "test_vllm.py": 150,
+    "test_envs_terminal.py": 210,
+    "test_hf_families.py": 200,
+    "test_api.py": 150,
+    "test_vllm_run.py": 130,
     "test_sft.py": 120,
-    "test_api.py": 100,
     "test_quickstart.py": 100,
     "test_gcs.py": 90,
     "test_curriculum.py": 80,
-    "test_sharding.py": 80,
-    "test_vllm_run.py": 70,
-    "test_distillation.py": 60,
+    "test_distillation.py": 65,
     "test_two_nodes.py": 60,
-    "test_topk_distillation.py": 50,
 }
+"""The end-to-end tier (`-m slow`), and any other `-m` selection."""
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Longest files first (`FILE_SECONDS`), each file's tests kept together and in their order."""
+    """The gate tier by default (`_gate_tier`); longest files first (`GATE_FILE_SECONDS`, or `FILE_SECONDS` under
+    `-m`), each file's tests kept together and in their order."""
+    seconds = GATE_FILE_SECONDS if not config.getoption("markexpr") else FILE_SECONDS
+    _gate_tier(config, items)
     first = {}
     for i, item in enumerate(items):
         first.setdefault(item.path, i)
-    items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, 0), first[item.path]))
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 0), first[item.path]))
+
+
+_TIMES: dict[str, tuple[float, bool]] = {}
+"""Each test's seconds (set-up, call and tear-down) and whether it is an end-to-end run, by node id."""
+
+
+def pytest_runtest_logreport(report):
+    """Adds the phase's time to `_TIMES`; under pytest-xdist this runs in the controlling process too, on the workers'
+    reports, which carry each test's markers among their keywords."""
+    seconds, end_to_end = _TIMES.get(report.nodeid, (0.0, False))
+    _TIMES[report.nodeid] = (seconds + report.duration, end_to_end or any(m in report.keywords for m in END_TO_END))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Names every test over `GATE_BOUND_S` that is not marked as an end-to-end run, and the end-to-end runs' time."""
+    times = _TIMES
+    if not times or hasattr(config, "workerinput"):
+        return
+    over = sorted(((s, n) for n, (s, e2e) in times.items() if s > GATE_BOUND_S and not e2e), reverse=True)
+    runs = sorted(((s, n) for n, (s, e2e) in times.items() if e2e), reverse=True)
+    write = terminalreporter.write_line
+    terminalreporter.section("suite tiers")
+    write(
+        f"{len(runs)} end-to-end run(s) took {sum(s for s, _ in runs):.0f} test-seconds; "
+        f"all {len(times)} tests {sum(s for s, _ in times.values()):.0f}"
+    )
+    if over:
+        write(
+            f"{len(over)} test(s) took over {GATE_BOUND_S:.0f} s without an end-to-end marker (mark them `slow`, or "
+            "`gate_run` and list them in tests/README.md, or make them faster):",
+            yellow=True,
+            bold=True,
+        )
+        for seconds, nodeid in over:
+            write(f"  {seconds:7.1f} s  {nodeid}", yellow=True)
 
 
 @contextmanager

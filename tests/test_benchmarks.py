@@ -36,6 +36,7 @@ def test_every_benchmark_is_smoke_tested():
     assert set(BENCHMARKS) == set(FIGURE), f"add the new benchmark's figure line to FIGURE: {BENCHMARKS}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_benchmark_smoke_mode_runs_and_prints_its_figure(name):
     env = subprocess_env(PYTHONUNBUFFERED="1")

@@ -407,8 +407,13 @@ def _sharp_teacher(tmp_path, tokenizer, model_config) -> str:
     return export_hf_checkpoint(model, tokenizer, str(tmp_path / "teacher"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ray", "local"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("ray", marks=pytest.mark.slow),
+        pytest.param("local", marks=pytest.mark.gate_run),
+    ],  # a distillation step
+)
 def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towards_its_teacher(tmp_path, backend):
     """Through Ray (the embedded policy server and a teacher server of its own), and in one process without Ray
     (the local backend: the teacher a second engine beside the colocated one): every trained token carries the

@@ -207,6 +207,7 @@ def test_metrics_summary_and_plot_on_gs(gcs):
     assert fs.size(path) > 10_000
 
 
+@pytest.mark.gate_run  # a run whose data and outputs are on gs:// (seconds)
 def test_sft_run_reads_and_writes_gs(gcs):
     from marin_rl.learner.learner import LearnerConfig, OptimizerConfig, SftConfig
     from marin_rl.model.build import ModelConfig, build_model, tiny_llama

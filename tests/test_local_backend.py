@@ -72,6 +72,7 @@ def test_the_run_program_imports_where_ray_is_not_installed(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
     """experiments/quickstart_local.yaml, shortened to 100 RL steps, in a process where `import ray` fails: held-out
     reward rises, every version is handed over with 0 bytes copied and one resident copy of the policy."""
@@ -117,7 +118,7 @@ def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
     assert all(abs((r["time/unix"] - r["time/elapsed_s"]) - (timed[0]["time/unix"] - elapsed[0])) < 1 for r in timed)
 
 
-@pytest.mark.slow
+@pytest.mark.gate_run  # SIGKILL + resume equals the uninterrupted run
 def test_local_run_killed_with_sigkill_resumes_exactly(tmp_path):
     """Deterministic local runs, without Ray: one uninterrupted; one SIGKILLed after a checkpoint and a later step,
     then resumed to the end. The same batches, losses and final arrays; every step trained once."""
@@ -485,7 +486,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.gate_run  # the local backend learns, on two processes
 def test_a_two_process_local_run_learns(tmp_path):
     """experiments/quickstart_local.yaml on 2 processes (one per "host", `learner.hosts: 2`, the data axis over both),
     started like torchrun with the coordinator in the environment, without Ray: process 0 drives, process 1 follows;

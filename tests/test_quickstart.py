@@ -11,7 +11,7 @@ from marin_rl.broadcast.shared_memory import PRIVATE_PREFIX
 from marin_rl.run import parse_config, run
 
 
-@pytest.mark.slow
+@pytest.mark.gate_run  # the Ray backend learns
 def test_shortened_quickstart_learns(tmp_path):
     out = tmp_path / "run"
     config = parse_config(

@@ -435,6 +435,7 @@ def test_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_pa
     assert stored > surviving, (stored, surviving)
 
 
+@pytest.mark.slow
 def test_ppo_run_killed_with_sigkill_and_resumed_matches_an_uninterrupted_run(tmp_path):
     """With a critic (PPO and GAE): a deterministic run SIGKILLed after a checkpoint and a later step, resumed to the
     end, trains the same steps as an uninterrupted one: policy and critic metrics, and final policy and critic

@@ -75,6 +75,7 @@ def offline_runs(output_dir: Path) -> list[dict]:
     return runs
 
 
+@pytest.mark.gate_run  # a run's metrics through W&B, offline (seconds)
 def test_offline_run_records_metrics_and_config(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "completion": str(2 * a)}) + "\n" for a in range(40)))

@@ -8,6 +8,7 @@ special tokens and ChatML chat template. Both are standard HF tokenizers, which 
 
 from __future__ import annotations
 
+import json
 import os
 import string
 import tempfile
@@ -105,7 +106,63 @@ def load_tokenizer(config: TokenizerConfig) -> PreTrainedTokenizerBase:
         for f in fs.ls(root, detail=False):
             fs.get(f, os.path.join(local, os.path.basename(f)))
         path = local
+    settings = _tokenizer_settings(config.path, path)
     try:
+        if settings.get("tokenizer_class") in TRANSFORMERS5_CLASSES:
+            return _transformers5_tokenizer(path, settings)
         return AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise ValueError(f"tokenizer.path={config.path!r} is not a Hugging Face tokenizer directory: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever the library raises on a bad file becomes one line naming it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"tokenizer.path={config.path!r} cannot be loaded: {type(e).__name__}: {first}") from e
+
+
+TRANSFORMERS5_CLASSES = ("TokenizersBackend",)
+"""`tokenizer_class` values that transformers 5 writes and this line of transformers (4.x) does not know: such a
+directory holds a plain `tokenizer.json`, which `PreTrainedTokenizerFast` reads (`_transformers5_tokenizer`)."""
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _tokenizer_settings(configured: str, path: str) -> dict:
+    """The directory's tokenizer_config.json ({} when it has none); a file that is not a JSON object is named."""
+    file = os.path.join(path, "tokenizer_config.json")
+    if not os.path.exists(file):
+        return {}
+    try:
+        with open(file) as f:
+            settings = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer.path={configured!r}: tokenizer_config.json is not valid JSON: {e}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"tokenizer.path={configured!r}: tokenizer_config.json is not a JSON object")
+    return settings
+
+
+def _transformers5_tokenizer(path: str, settings: dict) -> PreTrainedTokenizerFast:
+    """A tokenizer directory written by transformers 5 (`tokenizer_class: TokenizersBackend`, the chat template in
+    `chat_template.jinja`, `extra_special_tokens` a list) as the `PreTrainedTokenizerFast` it describes."""
+
+    def content(token):  # a special token is a string, or an AddedToken's fields
+        return token.get("content") if isinstance(token, dict) else token
+
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} is missing (transformers 5 tokenizers keep their vocabulary there)")
+    kwargs = {k: content(settings[k]) for k in _SPECIAL_TOKENS if settings.get(k) is not None}
+    extra = settings.get("extra_special_tokens") or settings.get("additional_special_tokens") or []
+    if isinstance(extra, dict):  # named extra tokens: {name: token}
+        extra = list(extra.values())
+    kwargs["additional_special_tokens"] = [content(t) for t in extra]
+    for key in ("model_max_length", "clean_up_tokenization_spaces", "padding_side", "truncation_side"):
+        if key in settings:
+            kwargs[key] = settings[key]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=file, **kwargs)
+    template = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(template):
+        with open(template) as f:
+            tokenizer.chat_template = f.read()
+    elif settings.get("chat_template"):
+        tokenizer.chat_template = settings["chat_template"]
+    return tokenizer

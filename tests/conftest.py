@@ -72,7 +72,6 @@ GATE_FILE_SECONDS = {
     "test_hf_families.py": 125,
     "test_critic.py": 120,
     "test_reward_model.py": 115,
-    "test_quickstart.py": 110,
     "test_config_validation.py": 105,
     "test_api.py": 70,
     "test_sft.py": 65,

@@ -11,7 +11,7 @@ from marin_rl.broadcast.shared_memory import PRIVATE_PREFIX
 from marin_rl.run import parse_config, run
 
 
-@pytest.mark.gate_run  # the Ray backend learns
+@pytest.mark.slow  # the gate's Ray run that learns is the LoRA quickstart (tests/README.md)
 def test_shortened_quickstart_learns(tmp_path):
     out = tmp_path / "run"
     config = parse_config(

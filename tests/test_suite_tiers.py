@@ -38,7 +38,10 @@ STOPS_BEFORE_THE_LOOP = {
 """Tests (a file, or a file::test) that reach an entry point but stop before a run starts, and why."""
 
 GATE_ROUTES = {
-    "the Ray backend learns (shortened)": ("test_quickstart.py", "test_shortened_quickstart_learns"),
+    "the Ray backend learns (shortened)": (
+        "test_lora.py",
+        "test_quickstart_lora_learns_ships_only_adapters_and_a_replaced_server_gets_the_base",
+    ),
     "the local backend learns": ("test_local_backend.py", "test_a_two_process_local_run_learns"),
     "SIGKILL + resume equals the uninterrupted run": (
         "test_local_backend.py",
@@ -231,7 +234,7 @@ def test_the_static_reading_finds_the_runs_it_should():
     """The reading above is not vacuous: it finds runs started in process (`run(...)`, an `Orchestrator`), in a process
     of their own (`python -m marin_rl.run`, a benchmark's `--smoke`), and through a helper; and it passes over functions
     that start none."""
-    assert _starts_a_run("test_quickstart", "test_shortened_quickstart_learns")
+    assert _starts_a_run("test_quickstart", "test_shortened_quickstart_learns")  # run(...)
     assert _starts_a_run(
         "test_faults", "test_a_killed_process_is_recovered_in_run_and_the_run_matches_an_uninterrupted_one"
     )

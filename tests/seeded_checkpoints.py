@@ -7,7 +7,7 @@ stream NumPy guarantees never to change) seeded by the directory's case name and
 such a directory's small files and the list of its tensors (`tensors.json`); `materialise` writes the directory
 again, bit for bit, from those alone, in the test process (no torch, no transformers 5).
 
-Shipped references (each directory's README-free docstring is in the script that computes it):
+Shipped references (the script that computes each says how to compute it again):
 - `tests/data/hf_families/`: tiny checkpoints of real families and transformers' logprobs on them
   (`tests/hf_reference.py`, run by an interpreter with torch and transformers >= 5);
 - `tests/data/peft_reference/`: a base and LoRA adapters in PEFT's format and PEFT's logprobs on them

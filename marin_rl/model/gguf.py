@@ -1,6 +1,7 @@
 """GGUF checkpoints in: a GGUF file (llama.cpp's format) written out as the Hugging Face directory it describes, which
 `model.init_from_hf` and `tokenizer.path` then read like any other (`python -m marin_rl.model.gguf FILE OUT_DIR`, or
-`gguf_to_hf`).
+`gguf_to_hf`). `model.init_from_hf` and `tokenizer.path` also take the `.gguf` file itself (a local path or an fsspec
+URL): it is converted once into a cache directory (`hf_directory`) that every later run reuses.
 
 Tensors are dequantised to float32 with the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants: whatever
 its `dequantize` supports), so a quantised file gives a close relative of the model it was made from, not the model
@@ -13,13 +14,20 @@ naming it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 """GGUF `general.architecture` values this converter writes, and the Hugging Face class each becomes."""
@@ -150,6 +158,57 @@ def gguf_to_hf(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _tokenizer(architecture, tokenizer, tokenizer_config).save_pretrained(str(out))
     return out
+
+
+def is_gguf(path: str | None) -> bool:
+    """Whether `path` (a checkpoint or tokenizer path of the config) names a GGUF file rather than a directory."""
+    return path is not None and path.lower().endswith(".gguf")
+
+
+def default_cache_dir() -> Path:
+    """Where converted GGUF files are kept: `$MARIN_RL_CACHE/gguf`, else `~/.cache/marin_rl/gguf`."""
+    root = os.environ.get("MARIN_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "marin_rl")
+    return Path(root) / "gguf"
+
+
+def hf_directory(path: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """`path` itself, unless it names a GGUF file (local or fsspec URL, ending '.gguf'): then the Hugging Face
+    directory it converts to (`gguf_to_hf`), written once under `cache_dir` (default `default_cache_dir()`) in a
+    directory named after the file, its size and modification time, so a changed file converts again. Concurrent
+    callers never see a partial directory (each writes a temporary one, then renames it into place). ValueError, one
+    line naming the file, when it is missing or cannot be converted."""
+    if not is_gguf(path):
+        return path
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, local = fsspec.core.url_to_fs(path)
+    try:
+        info = fs.info(local)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such GGUF file") from None
+    stamp = json.dumps([fs.unstrip_protocol(local), info.get("size"), str(info.get("mtime") or info.get("updated"))])
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"{Path(local).stem}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}"
+    if (target / "config.json").exists():
+        return str(target)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        t = time.time()
+        source = local
+        if not isinstance(fs, LocalFileSystem):
+            source = str(tmp / "download.gguf")
+            fs.get(local, source)
+        gguf_to_hf(source, tmp / "hf")
+        logger.info("converted %s to a Hugging Face directory at %s (%.1fs)", path, target, time.time() - t)
+        try:
+            os.rename(tmp / "hf", target)
+        except OSError:  # another process converted the same file first: use theirs
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -74,42 +74,49 @@ def _converter(
 def load_hf_model(arch: LmConfig, path: str, vocab_size: int) -> LmHeadModel:
     """Load the HF checkpoint at `path` (local or fsspec URL) as a Levanter model of architecture `arch`.
 
-    Parameters are float32 whatever the checkpoint stores. The checkpoint's model type and architecture
+    `path` may also name a GGUF file (`marin_rl.model.gguf.hf_directory`). Parameters are float32 whatever the
+    checkpoint stores. The checkpoint's model type and architecture
     (sizes, norms, rope, tying) must match `arch`, and its vocabulary must hold the tokenizer's `vocab_size`
     tokens; a larger (padded) vocabulary is kept as it is. Raises ValueError naming what disagrees.
     """
+    from marin_rl.model.gguf import hf_directory
     from marin_rl.tokenizer import build_char_tokenizer
 
-    arch = _hf_compat(arch, f"model.init_from_hf={path!r}")
+    configured = path
+    try:
+        path = hf_directory(path)  # a GGUF file: its converted directory
+    except ValueError as e:
+        raise ValueError(f"model.init_from_hf={configured!r}: {e}") from None
+    arch = _hf_compat(arch, f"model.init_from_hf={configured!r}")
     # The converter requires a tokenizer object, but when loading it only uses the tokenizer's size to resize the
     # vocabulary, which is disabled below; a local placeholder avoids reading (or fetching) the checkpoint's.
     converter = _converter(arch, vocab_size, path, build_char_tokenizer())
     try:
         cfg = normalised_hf_config(read_config_json(path))
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"model.init_from_hf={path!r}: cannot read a Hugging Face config.json there: {e}") from e
+        raise ValueError(f"model.init_from_hf={configured!r}: cannot read a Hugging Face config.json there: {e}") from e
     except ValueError as e:
-        raise ValueError(f"model.init_from_hf={path!r}: {e}") from e
+        raise ValueError(f"model.init_from_hf={configured!r}: {e}") from e
     expected = arch.to_hf_config(int(cfg.get("vocab_size") or vocab_size))
     if cfg.get("model_type") != expected.model_type:
         raise ValueError(
-            f"model.init_from_hf={path!r} holds a {cfg.get('model_type')!r} model but model.architecture is "
+            f"model.init_from_hf={configured!r} holds a {cfg.get('model_type')!r} model but model.architecture is "
             f"{type(arch).__name__} ({expected.model_type!r}); set model.architecture.type to match the checkpoint"
         )
     problem = unhonoured_setting(cfg, arch.max_seq_len) or unread_setting(arch, cfg)
     if problem:
-        raise ValueError(f"model.init_from_hf={path!r}: {problem}")
+        raise ValueError(f"model.init_from_hf={configured!r}: {problem}")
     diffs = round_trip_differences(arch, cfg)
     if diffs:
         raise ValueError(
-            f"model.init_from_hf={path!r} does not match model.architecture; set these fields to the "
+            f"model.init_from_hf={configured!r} does not match model.architecture; set these fields to the "
             f"checkpoint's values: "
             + "; ".join(f"{k}: configured {ours!r} != checkpoint {theirs!r}" for k, theirs, ours in diffs)
         )
     found = type(expected)(**cfg)
     if found.vocab_size < vocab_size:
         raise ValueError(
-            f"model.init_from_hf={path!r} has a vocabulary of {found.vocab_size} tokens but the tokenizer has "
+            f"model.init_from_hf={configured!r} has a vocabulary of {found.vocab_size} tokens but the tokenizer has "
             f"{vocab_size}; use the checkpoint's own tokenizer (tokenizer.path)"
         )
     if found.vocab_size > vocab_size:

@@ -11,6 +11,7 @@ import logging
 import time
 
 from marin_rl.config import RunConfig
+from marin_rl.model.gguf import hf_directory
 from marin_rl.orchestrator.actors import ServerActor
 from marin_rl.orchestrator.restarts import stop_actors
 from marin_rl.orchestrator.teacher_recipe import teacher_run_config
@@ -26,7 +27,9 @@ class TeacherServerPool:
         self.config = config
         self.checkpoint = checkpoint
         served = teacher_run_config(config, checkpoint)
-        vllm_checkpoint = served.model.init_from_hf if config.inference.backend == "vllm" else None
+        vllm_checkpoint = None
+        if config.inference.backend == "vllm":
+            vllm_checkpoint = hf_directory(served.model.init_from_hf)  # vLLM reads the directory a GGUF file makes
         options = config.placement.servers.actor_options("teacher_servers")
         self.actors = [
             ServerActor.options(max_concurrency=4, **options).remote(served, f"teacher-{i}", None, vllm_checkpoint)

@@ -93,9 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['episodes']} episodes, {result['tokens']} sampled tokens, reward {result['reward']:.3f}; "
         f"sampled in {result['sample_s']:.1f}s (first call compiles), learner logprobs in {result['learner_s']:.1f}s"
     )
-    print(f"mean_abs_dlogprob={result['mean_abs']:.3e}")
-    print(f"p99_abs_dlogprob={result['p99_abs']:.3e}")
-    print(f"max_abs_dlogprob={result['max_abs']:.3e}")
+    print(f"mean |Δ logprob| {result['mean_abs']:.3e}, p99 {result['p99_abs']:.3e}, max {result['max_abs']:.3e}")
+    print(f"max_abs_dlogprob={result['max_abs']:.12f}")
     sys.stdout.flush()
 
 

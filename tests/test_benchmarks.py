@@ -27,6 +27,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "lora": "lora_bytes_over_full",
     "model_size": "mfu",
     "packing": "packing_efficiency",
+    "sampler_agreement": "max_abs_dlogprob",
     "server_load": "recovery_over_initial",
     "staleness": "async_over_sync",
 }

@@ -106,6 +106,20 @@ def test_dynamic_sampling_trains_no_zero_advantage_group_and_reports_the_oversam
     assert cumulative["replays/e/rejected/zero_advantage"] == len(zero_groups) == 12
 
 
+@pytest.mark.parametrize("estimator", ["rloo", "grpo", "dr_grpo", "turn_rloo"])
+@pytest.mark.parametrize("reward", [0.1, 0.7, -3.3, 1e-9])
+def test_a_zero_variance_group_is_dropped_whatever_its_reward(estimator, reward):
+    """Every reward equal means every advantage is 0 exactly, whatever the value: 0.1 + 0.1 + 0.1 != 0.3 in floating
+    point, so a baseline computed by sums would leave advantages of ~1e-17 and dynamic sampling would keep the group."""
+    rng = np.random.default_rng(0)
+    buffer, _ = _setup(estimator, dynamic=True)
+    for n in (3, 4, 7):
+        admitted = buffer.admit(_group([reward] * n, rng), max_version=0)
+        assert not admitted.accepted and admitted.reason == "zero_advantage", (n, admitted)
+    nearly = buffer.admit(_group([reward, reward, reward * (1 + 1e-6) + 1e-12], rng), max_version=0)
+    assert nearly.accepted  # a real difference, however small, is signal
+
+
 def test_without_dynamic_sampling_zero_advantage_groups_are_trained():
     """The same stream without the option: the first batch forms earlier and holds zero-advantage groups."""
     rng = np.random.default_rng(0)

@@ -126,3 +126,21 @@ def test_files_it_cannot_convert_are_refused_in_one_line(tmp_path):
     )
     assert done.returncode != 0 and done.stderr.strip().startswith("marin_rl.model.gguf: ")
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_the_shipped_reference_is_what_transformers_computes(tmp_path):
+    """transformers >= 5, run now on the installed file (`gguf_file=`), gives the shipped ids and logprobs: the
+    reference the gate checks the converter against has not drifted from its source."""
+    from reference_python import reference_python
+
+    python = reference_python("torch, transformers, gguf")
+    script = Path(__file__).with_name("gguf_reference.py")
+    out = tmp_path / "reference.json"
+    done = subprocess.run([python, str(script), str(smollm2_file()), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shipped, fresh = json.loads(REFERENCE.read_text()), json.loads(out.read_text())
+    assert fresh["chats"] == shipped["chats"]
+    for ours, theirs in zip(shipped["logprobs"], fresh["logprobs"], strict=True):
+        delta = float(np.max(np.abs(np.asarray(ours) - np.asarray(theirs))))
+        assert delta <= 1e-6, f"transformers {fresh['versions']} now gives logprobs {delta:.2e} away"

@@ -50,3 +50,30 @@ def test_a_directory_that_cannot_be_loaded_is_one_line_naming_the_file(tmp_path,
     with pytest.raises(ValueError, match=message) as info:
         load_tokenizer(TokenizerConfig(path=str(directory)))
     assert "\n" not in str(info.value) and str(info.value).startswith(f"tokenizer.path={str(directory)!r}")
+
+
+@pytest.mark.slow
+def test_the_shipped_directory_is_what_transformers5_writes(tmp_path):
+    """transformers >= 5, run now on the project's 512-token BPE, writes the shipped directory (its tokenizer files
+    and chat template) and encodes as the shipped reference says: the fixture has not drifted from its source."""
+    import subprocess
+
+    from reference_python import reference_python
+
+    from marin_rl.bpe import build_bpe_tokenizer
+
+    build_bpe_tokenizer(512, cache_dir=tmp_path / "cache").save_pretrained(str(tmp_path / "source"))
+    script = Path(__file__).with_name("tokenizer_reference.py")
+    done = subprocess.run(
+        [reference_python("transformers"), str(script), str(tmp_path / "source"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for f in sorted(SHIPPED.iterdir()):
+        ours, theirs = f.read_text(), (tmp_path / "out" / f.name).read_text()
+        if f.suffix == ".json":  # the reference names the transformers version that computed it: any 5.x will do
+            ours, theirs = json.loads(ours), json.loads(theirs)
+            if f.name == "reference.json":
+                ours.pop("transformers"), theirs.pop("transformers")
+        assert ours == theirs, f"{f.name} differs from what transformers writes now"

@@ -39,13 +39,15 @@ Either replaces the per-token weight above (and `sampler_weight_cap`), and logp_
   outside the band is masked (it leaves the normaliser, like the decoupled masking).
 
 KL to a frozen reference (added when kl_coef = β > 0): with x = logp_ref - logp on each sampled token, Schulman's
-estimators of KL(π || π_ref) are k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x. Entropy bonus (entropy_coef = c > 0): H_t is
-the policy's entropy over the vocabulary at sampled token t (at the sampling temperature, differentiable). The loss is
+estimators of KL(π || π_ref) are k1 = -x, k2 = x²/2, k3 = exp(x) - 1 - x (x clamped to ±`LOG_RATIO_BOUND` in k3, as
+every exponentiated log-ratio here is: the loss's value and gradient stay finite whatever the log-probs). Entropy bonus
+(entropy_coef = c > 0): H_t is the policy's entropy over the vocabulary at sampled token t (at the sampling temperature,
+differentiable). The loss is
   -aggregate(w·J over kept tokens) + β·aggregate(k over all sampled tokens) - c·aggregate(H over all sampled tokens).
 
 Mismatch diagnostics (metrics, whatever the options; x = logp_prox - logp_sampler on sampled tokens, which are drawn
 from the sampler): `mismatch/kl_k1` = mean(-x) and `mismatch/kl_k3` = mean(exp(x) - 1 - x), estimates of
-KL(sampler || learner); per sequence ρ as above (its log clamped to ±20 for the metrics only):
+KL(sampler || learner); per sequence ρ as above (its log clamped to ±20):
 `mismatch/seq_ratio/mean`, `mismatch/seq_ratio/max` and `mismatch/chi2_seq` = mean(ρ²) - 1 over sequences;
 `masked_frac` (sampled tokens masked) and `masked_seq_frac` (sequences with no kept token).
 
@@ -83,7 +85,27 @@ OBJECTIVES = ("decoupled", "ppo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SEQUENCE_CORRECTIONS = ("none", "seq_tis", "mis")
 METRIC_LOG_RATIO_BOUND = 20.0
-"""A sequence's log importance ratio is clamped to ±this for the diagnostics (the loss uses no clamp)."""
+"""A sequence's log importance ratio is clamped to ±this for the diagnostics."""
+
+LOG_RATIO_BOUND = 20.0
+"""Every log-ratio the loss exponentiates (a token's r, GSPO's sequence s, the sampler weight's exp(logp_prox -
+logp_sampler), k3's x) is clamped to ±this first. float32 overflows at exp(~88.7), and an infinite ratio gives an
+infinite value or, through `minimum`'s unselected branch (0·∞), a NaN gradient even where the clipped branch's true
+gradient is 0; one NaN spoils the whole update. e^20 ≈ 4.9e8 lies far beyond any clip band or cap, so only a token
+whose ratio is already astronomically off changes: its gradient through r is 0 instead of ±∞ or NaN (verl clamps
+at the same bound)."""
+
+
+def _k3(x: jnp.ndarray) -> jnp.ndarray:
+    """Schulman's k3 = exp(x) - 1 - x, with x clamped to ±`LOG_RATIO_BOUND` (finite, and so is its gradient)."""
+    x = jnp.clip(x, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return jnp.exp(x) - 1.0 - x
+
+
+def _safe_exp(log_ratio: jnp.ndarray) -> jnp.ndarray:
+    """exp of `log_ratio` clamped to ±`LOG_RATIO_BOUND`, computed in float32 at least (a bfloat16 log-ratio too)."""
+    x = log_ratio.astype(jnp.promote_types(log_ratio.dtype, jnp.float32))
+    return jnp.exp(jnp.clip(x, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 @dataclass
@@ -224,8 +246,8 @@ class LossNormalizers(NamedTuple):
 def clipped_objective(
     logp: jnp.ndarray, logp_old: jnp.ndarray, advantages: jnp.ndarray, clip_low: float, clip_high: float
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Per-token min(r·A, clip(r)·A) and the ratio r = exp(logp - logp_old)."""
-    ratio = jnp.exp(logp - logp_old)
+    """Per-token min(r·A, clip(r)·A) and the ratio r = exp(logp - logp_old) (its log clamped to ±`LOG_RATIO_BOUND`)."""
+    ratio = _safe_exp(logp - logp_old)
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return jnp.minimum(ratio * advantages, clipped * advantages), ratio
 
@@ -243,7 +265,7 @@ def gspo_token_objective(
     (logp - logp_old)))·exp(logp - sg(logp)): its value is the sequence's ratio, its gradient s·∇logp. Returns the
     per-token objective and s."""
     seq_log_ratio = sequence_means(jax.lax.stop_gradient(logp - logp_old), mask, segment_ids)
-    ratio = jnp.exp(seq_log_ratio) * jnp.exp(logp - jax.lax.stop_gradient(logp))
+    ratio = _safe_exp(seq_log_ratio) * jnp.exp(logp - jax.lax.stop_gradient(logp))
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return jnp.minimum(ratio * advantages, clipped * advantages), ratio
 
@@ -266,17 +288,17 @@ def importance_weights(
     """
     if not config.uses_proximal:
         return jnp.ones(mask.shape, jnp.float32), mask
-    raw = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_sampler))
+    raw = jax.lax.stop_gradient(_safe_exp(logp_prox - logp_sampler))
     if config.sequence_correction != "none":
         if segment_ids is None:
             raise ValueError("a sequence correction needs the batch's segment_ids")
         log_rho = sequence_sums(jax.lax.stop_gradient(logp_prox - logp_sampler), mask, segment_ids)
         if config.sequence_correction == "seq_tis":
-            weight, kept = jnp.exp(jnp.minimum(log_rho, math.log(config.sequence_cap))), mask
+            weight, kept = _safe_exp(jnp.minimum(log_rho, math.log(config.sequence_cap))), mask
         else:
             low, high = config.sequence_band
             inside = (log_rho >= _log_or_minus_inf(low)) & (log_rho <= math.log(high))
-            weight, kept = jnp.exp(jnp.where(inside, log_rho, 0.0)), mask & inside
+            weight, kept = _safe_exp(jnp.where(inside, log_rho, 0.0)), mask & inside
     elif config.tis_cap is not None:
         weight, kept = jnp.minimum(raw, config.tis_cap), mask
     elif config.objective == "decoupled":
@@ -297,7 +319,7 @@ def kl_estimate(logp: jnp.ndarray, logp_ref: jnp.ndarray, estimator: str) -> jnp
     if estimator == "k2":
         return 0.5 * x * x
     if estimator == "k3":
-        return jnp.exp(x) - 1.0 - x
+        return _k3(x)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
@@ -432,7 +454,7 @@ def policy_loss(
         "clip_frac/high": mean(((ratio > 1.0 + config.clip_high) & (adv > 0)).astype(jnp.float32)),
         # k3 estimator of KL(sampler || learner) on the sampled tokens (drawn from the sampler):
         # with ρ = π_learner / π_sampler = exp(x), E_sampler[ρ - 1 - log ρ] = KL(sampler || learner).
-        "kl_sampler": mean(jnp.exp(log_ratio_sampler) - 1.0 - log_ratio_sampler),
+        "kl_sampler": mean(_k3(log_ratio_sampler)),
         "logprob_diff_sampler/max_abs": jnp.max(jnp.where(mask, jnp.abs(log_ratio_sampler), 0.0)),
         "entropy": mean(_masked(entropy.array, mask)),
         "masked_frac": mean((mask & ~kept).astype(jnp.float32)),
@@ -472,7 +494,7 @@ def _mismatch_metrics(prox, sampler, mask, kept, seg, mean, num_seqs) -> dict[st
     rho = jnp.exp(jnp.clip(log_rho, -METRIC_LOG_RATIO_BOUND, METRIC_LOG_RATIO_BOUND))
     return {
         "mismatch/kl_k1": mean(-x),
-        "mismatch/kl_k3": mean(jnp.exp(x) - 1.0 - x),
+        "mismatch/kl_k3": mean(_k3(x)),
         "mismatch/seq_ratio/mean": jnp.sum(jnp.where(has, rho, 0.0)) / num_seqs,
         "mismatch/seq_ratio/max": jnp.max(jnp.where(has, rho, -jnp.inf)),
         "mismatch/chi2_seq": jnp.sum(jnp.where(has, rho * rho - 1.0, 0.0)) / num_seqs,

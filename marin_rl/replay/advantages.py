@@ -35,26 +35,36 @@ from marin_rl.replay.gae import token_rewards
 from marin_rl.types import Rollout, RolloutGroup
 
 
+def _tied(r: np.ndarray) -> bool:
+    """Whether every reward of the group is the same: a group-relative baseline then equals each reward and every
+    advantage is exactly 0, which floating point would leave at ~1e-17 (0.1 + 0.1 + 0.1 != 0.3), enough for dynamic
+    sampling to keep a group that carries no signal."""
+    return r.size > 0 and bool(np.all(r == r.flat[0]))
+
+
 def rloo(rewards: np.ndarray) -> np.ndarray:
-    """REINFORCE leave-one-out: A_i = r_i - mean_{j≠i} r_j  (0 for a group of one)."""
+    """REINFORCE leave-one-out: A_i = r_i - mean_{j≠i} r_j  (0 for a group of one, and exactly 0 when all tie)."""
     r = np.asarray(rewards, dtype=np.float64)
     n = r.shape[0]
-    if n < 2:
+    if n < 2 or _tied(r):
         return np.zeros_like(r)
     return r - (r.sum() - r) / (n - 1)
 
 
 def grpo(rewards: np.ndarray, eps: float = 1e-6, normalize_std: bool = True) -> np.ndarray:
-    """GRPO: (r_i - mean r) / (std r + eps), or only r_i - mean r when `normalize_std` is false."""
+    """GRPO: (r_i - mean r) / (std r + eps), or only r_i - mean r when `normalize_std` is false (exactly 0 when all
+    rewards tie)."""
     r = np.asarray(rewards, dtype=np.float64)
+    if _tied(r):
+        return np.zeros_like(r)
     centred = r - r.mean()
     return centred / (r.std() + eps) if normalize_std else centred
 
 
 def dr_grpo(rewards: np.ndarray) -> np.ndarray:
-    """Dr.GRPO: r_i - mean r (no std normalisation)."""
+    """Dr.GRPO: r_i - mean r (no std normalisation; exactly 0 when all rewards tie)."""
     r = np.asarray(rewards, dtype=np.float64)
-    return r - r.mean()
+    return np.zeros_like(r) if _tied(r) else r - r.mean()
 
 
 def remax(rewards: np.ndarray, greedy_reward: float) -> np.ndarray:
@@ -88,12 +98,13 @@ def turn_rloo(step_rewards: list[np.ndarray], lam: float = 1.0) -> list[np.ndarr
     got from the same turn on (unbiased: the baseline does not depend on episode i). λ = 0 with equal-length
     episodes gives A_i,k = r_i,k − mean_{j≠i} r_j,k: each turn's reward against the others' reward for that turn
     (no later turn's reward reaches it; exact when a turn's actions do not change later turns' rewards). A
-    single-turn group gets RLOO's advantages for either λ; a group of one gets zeros."""
+    single-turn group gets RLOO's advantages for either λ; a group of one, or of episodes whose per-turn rewards are
+    all the same, gets exact zeros."""
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda must be in [0, 1], got {lam}")
     rewards = [np.asarray(r, dtype=np.float64).reshape(-1) for r in step_rewards]
     n = len(rewards)
-    if n < 2:
+    if n < 2 or (len({len(r) for r in rewards}) == 1 and _tied(np.stack(rewards))):
         return [np.zeros_like(r) for r in rewards]
     turns = max((len(r) for r in rewards), default=0)
     returns = np.zeros((n, turns + 1))  # G_i,k; 0 past an episode's last turn

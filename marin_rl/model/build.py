@@ -52,7 +52,7 @@ class ModelConfig:
     init_from_hf: str | None = None
     """Local or gs:// directory of a Hugging Face checkpoint to initialise the policy from (its config must match
     `architecture`'s type and sizes), or a GGUF file (`.gguf`: dequantised and converted once into a cached Hugging
-    Face directory, `marin_rl.model.gguf`); None initialises randomly."""
+    Face directory, `marin_rl.gguf`); None initialises randomly."""
     export_every: int = bounded(0, ge=0)
     """Export the policy as an HF checkpoint to `output_dir/hf/step-N` every this many learner steps (0: only at
     the end)."""

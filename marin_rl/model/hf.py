@@ -74,12 +74,12 @@ def _converter(
 def load_hf_model(arch: LmConfig, path: str, vocab_size: int) -> LmHeadModel:
     """Load the HF checkpoint at `path` (local or fsspec URL) as a Levanter model of architecture `arch`.
 
-    `path` may also name a GGUF file (`marin_rl.model.gguf.hf_directory`). Parameters are float32 whatever the
+    `path` may also name a GGUF file (`marin_rl.gguf.hf_directory`). Parameters are float32 whatever the
     checkpoint stores. The checkpoint's model type and architecture
     (sizes, norms, rope, tying) must match `arch`, and its vocabulary must hold the tokenizer's `vocab_size`
     tokens; a larger (padded) vocabulary is kept as it is. Raises ValueError naming what disagrees.
     """
-    from marin_rl.model.gguf import hf_directory
+    from marin_rl.gguf import hf_directory
     from marin_rl.tokenizer import build_char_tokenizer
 
     configured = path

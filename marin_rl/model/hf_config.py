@@ -304,7 +304,7 @@ def architecture_from_hf(path: str, max_seq_len: int | None = None) -> LmConfig:
     """The Levanter architecture of the HF checkpoint at `path`, with `max_seq_len` positions (None: the
     checkpoint's `max_position_embeddings`). Raises ValueError naming the key when a setting cannot be honoured or
     the derived architecture would describe a different network."""
-    from marin_rl.model.gguf import hf_directory
+    from marin_rl.gguf import hf_directory
 
     what = f"model.init_from_hf={path!r}"
     try:

@@ -1,5 +1,5 @@
 """GGUF checkpoints in: a GGUF file (llama.cpp's format) written out as the Hugging Face directory it describes, which
-`model.init_from_hf` and `tokenizer.path` then read like any other (`python -m marin_rl.model.gguf FILE OUT_DIR`, or
+`model.init_from_hf` and `tokenizer.path` then read like any other (`python -m marin_rl.gguf FILE OUT_DIR`, or
 `gguf_to_hf`). `model.init_from_hf` and `tokenizer.path` also take the `.gguf` file itself (a local path or an fsspec
 URL): it is converted once into a cache directory (`hf_directory`) that every later run reuses.
 
@@ -214,14 +214,14 @@ def hf_directory(path: str, cache_dir: str | os.PathLike | None = None) -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m marin_rl.model.gguf", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m marin_rl.gguf", description=__doc__.split("\n\n")[0])
     parser.add_argument("gguf_file", help="the GGUF file to convert")
     parser.add_argument("out_dir", help="where to write the Hugging Face directory")
     args = parser.parse_args(argv)
     try:
         out = gguf_to_hf(args.gguf_file, args.out_dir)
     except ValueError as e:
-        sys.exit(f"marin_rl.model.gguf: {e}")
+        sys.exit(f"marin_rl.gguf: {e}")
     print(f"wrote {out} (model.init_from_hf and tokenizer.path read it)")
 
 

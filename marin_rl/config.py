@@ -416,9 +416,10 @@ class RunConfig:
             raise ValueError("envs: at least one environment is required")
         for i, e in enumerate(self.envs):
             try:
-                load_environment_class(e.env_class)
+                cls = load_environment_class(e.env_class)
             except Exception as err:  # the class's module may raise anything on import: name the field
                 raise ValueError(f"envs[{i}].env_class: {err}") from None
+            _check_env_args(e, cls)
         self._validate_reward_models()
         if len(set(names)) != len(names):
             raise ValueError(f"envs: names must be unique, got {names}")
@@ -542,6 +543,25 @@ def without_secrets(data: dict[str, Any], replacement: Any) -> dict[str, Any]:
         if data.get(section, {}).get(key) is not None:
             data[section][key] = replacement
     return data
+
+
+def _check_env_args(env_config: EnvConfig, cls: type) -> None:
+    """ValueError naming the environment when its `args` cannot be passed to its class's constructor (an unknown
+    name, a required one missing, one the run sets itself): checked against the signature, before anything starts,
+    since most classes are only built in the env workers. The values themselves are the class's to check."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a constructor without an inspectable signature: its workers will say
+        return
+    for key in ("name", "seed"):
+        if key in env_config.args:
+            raise ValueError(
+                f"envs[{env_config.name}].args.{key}: set by the run (envs[*].name, orchestrator.seed), not in args"
+            )
+    try:
+        signature.bind(None, name=env_config.name, seed=0, **env_config.args)
+    except TypeError as e:
+        raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from None
 
 
 def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: int | None = None) -> Environment:

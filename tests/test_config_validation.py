@@ -154,6 +154,16 @@ CASES = [
         ["--envs", "[{name: a, env_class: 'no_such_module_here:Env'}]"],
         "envs[0].env_class: environment class 'no_such_module_here:Env' cannot be imported",
     ),
+    (
+        ["--envs", "[{name: addition, args: {max_operandd: 9}}]"],
+        "envs[addition].args do not fit marin_rl.envs.arithmetic:AdditionEnvironment: got an unexpected keyword "
+        "argument 'max_operandd'",
+    ),
+    (
+        ["--envs", "[{name: gsm8k, env_class: 'marin_rl.envs.math:MathEnvironment'}]"],
+        "envs[gsm8k].args do not fit marin_rl.envs.math:MathEnvironment: missing a required argument: 'train_path'",
+    ),
+    (["--envs", "[{name: addition, args: {seed: 3}}]"], "envs[addition].args.seed: set by the run"),
     (["--orchestrator.num_steps", "[1, 2]"], "orchestrator.num_steps: expected int, got list [1, 2]"),
     (["--envs", "[{name: a, group_size: [1, 2]}]"], "envs[0].group_size: expected int, got list [1, 2]"),
     (["--learner.optimizer.learning_rate", "fast"], "learner.optimizer.learning_rate: expected float, got str 'fast'"),

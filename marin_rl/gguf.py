@@ -29,6 +29,10 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+CONVERTER_VERSION = 2
+"""Part of the cache key of a converted file (`hf_directory`): bumped when what the converter writes changes, so a
+directory an older converter wrote is not reused (2: the tokenizer does not clean up spaces on decode)."""
+
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 """GGUF `general.architecture` values this converter writes, and the Hugging Face class each becomes."""
 
@@ -129,6 +133,9 @@ def _tokenizer(architecture: str, tokenizer: dict, tokenizer_config: dict):
     special |= {"unk_token": token("unk_token_id"), "pad_token": token("pad_token_id")}
     # The file's own ids win: transformers 4.x's Llama converter swaps bos and eos in its `extra`.
     kwargs = {k: v for k, v in {**extra, **special}.items() if v is not None}
+    # No clean-up on decode (transformers' converter asks for it): it deletes the space before punctuation and quotes
+    # ("'#### ' and" -> "'####'and"), which a byte-level BPE encodes exactly; transformers 5 refuses it for BPE.
+    kwargs["clean_up_tokenization_spaces"] = False
     result = PreTrainedTokenizerFast(tokenizer_object=fast, **kwargs)
     if tokenizer_config.get("chat_template"):
         result.chat_template = tokenizer_config["chat_template"]
@@ -187,7 +194,8 @@ def hf_directory(path: str, cache_dir: str | os.PathLike | None = None) -> str:
         info = fs.info(local)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such GGUF file") from None
-    stamp = json.dumps([fs.unstrip_protocol(local), info.get("size"), str(info.get("mtime") or info.get("updated"))])
+    mtime = str(info.get("mtime") or info.get("updated"))
+    stamp = json.dumps([CONVERTER_VERSION, fs.unstrip_protocol(local), info.get("size"), mtime])
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / f"{Path(local).stem}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}"
     if (target / "config.json").exists():

@@ -19,15 +19,38 @@ def _imports(python: str, modules: str) -> str | None:
     return None if probe.returncode == 0 else probe.stderr.strip()[-300:]
 
 
+REFERENCE_PACKAGES = {"peft": "peft==0.21.2", "gguf": "gguf==0.19.0"}
+"""Libraries some references are computed with that vLLM's environment does not hold, at the versions that computed
+the shipped references: `reference_python` installs a missing one there (seconds; torch and transformers are vLLM's)."""
+
+
+def _add_reference_packages(python: str, modules: str) -> None:
+    """pip-install into the vLLM environment of `python` the `REFERENCE_PACKAGES` among `modules` that it cannot
+    import, one process at a time (a lock file in the environment)."""
+    import fcntl
+    from pathlib import Path
+
+    wanted = [REFERENCE_PACKAGES[m.strip()] for m in modules.split(",") if m.strip() in REFERENCE_PACKAGES]
+    if not wanted or _imports(python, modules) is None:
+        return
+    with open(Path(python).parents[1] / ".reference_packages.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _imports(python, modules) is not None:
+            done = subprocess.run([python, "-m", "pip", "install", "-q", *wanted], capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.fail(f"pip install {' '.join(wanted)} into {python} failed: {done.stderr.strip()[-500:]}")
+
+
 def reference_python(modules: str = "torch, transformers") -> str:
     """$MARIN_RL_REFERENCE_PYTHON, else the vLLM environment's interpreter (created when missing: minutes, once per
-    machine). The calling test fails, naming what is missing, when it cannot import `modules`: a reference check never
-    skips."""
+    machine; `REFERENCE_PACKAGES` among `modules` added to it when missing). The calling test fails, naming what is
+    missing, when it cannot import `modules`: a reference check never skips."""
     python = os.environ.get(REFERENCE_PYTHON)
     if not python:
         from marin_rl.inference.vllm_env import ensure_vllm_env
 
         python = ensure_vllm_env(quiet=True)
+        _add_reference_packages(python, modules)
     error = _imports(python, modules)
     if error is not None:
         pytest.fail(f"{python} cannot import {modules} for the reference: {error}")

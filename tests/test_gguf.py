@@ -74,6 +74,8 @@ def test_the_tokenizer_renders_the_files_chat_template_to_transformers_ids(conve
     tok = load_tokenizer(TokenizerConfig(path=str(converted)))
     ref = json.loads(REFERENCE.read_text())
     assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"
+    for text in ("End with '#### ' and the final answer.", "It is 7 . Isn't it ? Yes , 'quoted' !"):
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # decoding keeps every space
     for chat, answer, want in zip(CHATS, ANSWERS, ref["chats"], strict=True):
         text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + answer
         assert tok.encode(text, add_special_tokens=False) == want

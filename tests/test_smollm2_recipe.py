@@ -5,7 +5,6 @@ their script writes."""
 
 from __future__ import annotations
 
-import filecmp
 import json
 import subprocess
 import sys
@@ -18,12 +17,9 @@ DATA = ROOT / "experiments" / "data" / "small_sums"
 
 
 def test_the_shipped_sums_are_what_the_script_writes_and_hold_out_unordered_pairs(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "small_sums.py"), str(tmp_path)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    for name in ("train.jsonl", "test.jsonl"):
-        assert filecmp.cmp(tmp_path / name, DATA / name, shallow=False), f"{name} differs from the script's output"
+    from test_gsm8k_recipe import assert_the_script_writes_the_shipped_data
+
+    assert_the_script_writes_the_shipped_data("small_sums.py", DATA, tmp_path)
     read = lambda name: [json.loads(line) for line in (DATA / f"{name}.jsonl").read_text().splitlines()]
     rows = {name: read(name) for name in ("train", "test")}
     pairs = {name: {frozenset(r["question"].split(" + ")) for r in rs} for name, rs in rows.items()}

@@ -216,10 +216,15 @@ def cache_key(vocab_size: int) -> str:
     return f"bpe-v{BPE_VERSION}-{vocab_size}-{h.hexdigest()[:12]}"
 
 
+def cache_root() -> Path:
+    """The project's cache on this machine: `$MARIN_RL_CACHE`, else `~/.cache/marin_rl` (tokenizer builds here,
+    converted GGUF files in `marin_rl.gguf`)."""
+    return Path(os.environ.get("MARIN_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "marin_rl"))
+
+
 def default_cache_dir() -> Path:
     """Where builds are cached: `$MARIN_RL_CACHE/tokenizers`, else `~/.cache/marin_rl/tokenizers`."""
-    root = os.environ.get("MARIN_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "marin_rl")
-    return Path(root) / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 def build_bpe_tokenizer(vocab_size: int = 1024, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:

@@ -174,8 +174,9 @@ def is_gguf(path: str | None) -> bool:
 
 def default_cache_dir() -> Path:
     """Where converted GGUF files are kept: `$MARIN_RL_CACHE/gguf`, else `~/.cache/marin_rl/gguf`."""
-    root = os.environ.get("MARIN_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "marin_rl")
-    return Path(root) / "gguf"
+    from marin_rl.bpe import cache_root
+
+    return cache_root() / "gguf"
 
 
 def hf_directory(path: str, cache_dir: str | os.PathLike | None = None) -> str:

@@ -2,24 +2,25 @@
 
     python experiments/custom_loop.py [STEPS] [LOSS]      # default 200 grpo_clip; prints held-out reward before/after
 
-The model, tokenizer, environment and sizes come from experiments/quickstart.yaml (learning rate 1e-3). One embedded
-inference server and the learner share this process; groups are generated in the background under the staleness
-bound while the learner trains; groups whose rewards are all equal are filtered out (`should_accept`); advantages
-are GRPO's; the loss is the token-level clipped objective below, registered from this file.
+The model, tokenizer, environment, replay rules and batch shape come from experiments/quickstart.yaml (learning rate
+1e-3). One embedded inference server and the learner share this process; `prepare_batch` runs the rollout pipeline
+a config-driven run uses: groups are generated in the background under the staleness bound while the learner
+trains, scored by GRPO's estimator, groups whose rewards are all equal are dropped (`drop_zero_variance_groups`),
+and the replay buffer's rollouts are packed into the run's rows. The loss is the token-level clipped objective
+below, registered from this file.
 `experiments/custom_loss.py` runs the same loop with a sequence-level objective.
 """
 
 from __future__ import annotations
 
-import random
+import dataclasses
 import sys
 import time
 
 import jax.numpy as jnp
 
-from marin_rl.api import EngineConfig, InferenceEngine, TrainEngine, make_batch, register_loss
+from marin_rl.api import EngineConfig, InferenceEngine, TrainEngine, register_loss
 from marin_rl.config import make_environment, parse_config
-from marin_rl.replay.advantages import grpo
 
 
 @register_loss("grpo_clip")
@@ -41,26 +42,24 @@ def main(steps: int = 200, loss_fn: str = "grpo_clip", overrides: list[str] = ()
     trainer = TrainEngine(cfg)
     env = make_environment(cfg.envs[0], trainer.tokenizer, seed=0)
     trainer.warm_start(env)
-    engine = EngineConfig(group_size=8, sampling=cfg.envs[0].sampling, batch_size=16, max_staleness=1)
+    replay = dataclasses.replace(cfg.replay, advantage_estimator="grpo", drop_zero_variance_groups=True)
+    engine = EngineConfig(
+        group_size=8, sampling=cfg.envs[0].sampling, max_staleness=1, replay=replay, batcher=cfg.batcher
+    )
     with InferenceEngine.local(cfg, engine, tokenizer=trainer.tokenizer) as inference:
         trainer.update_weights(inference)  # the servers serve the warm-started policy as version 0
 
         def evaluate() -> float:  # mean reward of 4 samples per held-out problem
             return inference.evaluate(env, samples_per_problem=4)["reward"]
 
-        def problems(rng=random.Random(0)):
-            while True:
-                yield from rng.sample(env.train_problems(), len(env.train_problems()))
-
-        data, reward_start = problems(), evaluate()
+        reward_start = evaluate()
         log(f"held-out reward after the warm start: {reward_start:.3f}")
         for step in range(1, steps + 1):
-            groups = inference.prepare_batch(data, env, should_accept=lambda g: g.rewards.std() > 0)
-            batch = make_batch(groups, cfg.batcher.num_rows, cfg.batcher.max_seq_len, advantages=grpo)
-            metrics = trainer.train_batch(batch, loss_fn=loss_fn)
+            formed = inference.prepare_batch(env)  # the training problems in a run's seeded order
+            metrics = trainer.train_batch(formed, loss_fn=loss_fn)
             trainer.update_weights(inference)
             if step % 10 == 0:
-                reward = sum(r.reward for g in groups for r in g.rollouts) / sum(len(g.rollouts) for g in groups)
+                reward = sum(item.rollout.reward for item, _ in formed.placed) / formed.num_rollouts
                 log(f"step {step}: batch reward {reward:.3f}, loss {metrics['learner/loss']:+.4f}")
         reward_end = evaluate()
         stats = inference.stats()

@@ -15,13 +15,15 @@ import numpy as np
 import optax
 import pytest
 
-from marin_rl.api import EngineConfig, InferenceEngine, TrainEngine, get_loss, known_losses, make_batch, register_loss
+from marin_rl.api import EngineConfig, InferenceEngine, TrainEngine, get_loss, known_losses, register_loss
 from marin_rl.broadcast.base import BroadcastConfig, WeightSubscriber, make_transport
 from marin_rl.config import make_environment, parse_config
 from marin_rl.envs.base import SamplingParams
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.losses import LossConfig
 from marin_rl.model.build import build_model
+from marin_rl.replay.batcher import BatcherConfig
+from marin_rl.replay.buffer import ReplayConfig
 from marin_rl.replay.packing import Sequence, pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,10 +159,21 @@ def engines():
     trainer.close()
 
 
-def test_engine_calls_generate_submit_wait_pause_and_track_versions(engines):
+def _engine_config(cfg, max_staleness: int, group_size: int = 4) -> EngineConfig:
+    """Groups of `group_size`, batches of 512 tokens in rows of 64, every trained token at most `max_staleness`
+    versions behind (`replay.max_age`, the hard bound)."""
+    return EngineConfig(
+        group_size=group_size,
+        sampling=cfg.envs[0].sampling,
+        max_staleness=max_staleness,
+        replay=ReplayConfig(min_group_size=2, max_age=max_staleness),
+        batcher=BatcherConfig(total_token_budget=512, max_seq_len=64),
+    )
+
+
+def test_engine_calls_generate_prepare_batch_pause_and_track_versions(engines):
     cfg, trainer, env = engines
-    engine = EngineConfig(group_size=4, sampling=cfg.envs[0].sampling, batch_size=2, max_staleness=0)
-    with InferenceEngine.local(cfg, engine, tokenizer=trainer.tokenizer) as inference:
+    with InferenceEngine.local(cfg, _engine_config(cfg, 0), tokenizer=trainer.tokenizer) as inference:
         assert inference.version == -1
         trainer.update_weights(inference)
         assert inference.version == trainer.version == 0
@@ -168,17 +181,17 @@ def test_engine_calls_generate_submit_wait_pause_and_track_versions(engines):
         prompt = env.encode_prompt(env.train_problems()[0])
         samples = asyncio.run(inference.agenerate(prompt, n=3, max_tokens=4))
         assert len(samples) == 3 and all(s.token_versions == [0] * len(s.token_ids) for s in samples)
-        with pytest.raises(TimeoutError):
-            inference.wait(1, timeout=0.2)
         inference.pause()
-        inference.submit(env.train_problems()[1], env)
-        time.sleep(1.0)
-        assert inference.stats().get("groups/started", 0) == 0  # paused: the group waits
-        with pytest.raises(TimeoutError):
-            inference.wait(1, timeout=0.5)
+        with pytest.raises(TimeoutError, match="no batch within"):
+            inference.prepare_batch(env, timeout=1.0)
+        assert inference.counters["started"] == 0  # paused: no group starts
         inference.resume()
-        [result] = inference.wait(1, timeout=60)
-        assert result.problem.id == env.train_problems()[1].id and len(result.group.rollouts) == 4
+        formed = inference.prepare_batch(env, timeout=120)
+        assert formed.num_rollouts > 0 and formed.metrics["batches/rollouts"] == formed.num_rollouts
+        assert {item.rollout.problem_id for item, _ in formed.placed} <= {p.id for p in env.train_problems()}
+        assert inference.counters["accepted"] >= formed.num_rollouts // 4
+        metrics = trainer.train_batch(formed)  # what prepare_batch formed trains as is
+        assert np.isfinite(metrics["learner/loss"]) and trainer.version == 1
         groups = inference.rollout_batch(env.eval_problems()[:3], env, group_size=2)
         assert [g.problem_id for g in groups] == [p.id for p in env.eval_problems()[:3]]
         # evaluate: the run's held-out metrics. At temperature 0 every sample is the greedy completion, so the
@@ -214,29 +227,30 @@ def test_prepare_batch_respects_the_staleness_bound_under_a_slow_learner(engines
     """The learner sleeps 1 s per step while groups keep being generated in the background; every trained token
     lags the learner by at most max_staleness versions, and with max_staleness 1 generation does run ahead."""
     cfg, trainer, env = engines
-    engine = EngineConfig(group_size=4, sampling=cfg.envs[0].sampling, batch_size=8, max_staleness=max_staleness)
-    lags, ahead = [], []
+    engine = _engine_config(cfg, max_staleness)
+    lags, ahead, in_flight, room = [], [], [], []
     with InferenceEngine.local(cfg, engine, tokenizer=trainer.tokenizer) as inference:
         trainer.update_weights(inference)
-        data = iter(env.train_problems())
         for _ in range(6):
-            groups = inference.prepare_batch(data, env, timeout=120)
-            batch = make_batch(groups, cfg.batcher.num_rows, cfg.batcher.max_seq_len)
+            formed = inference.prepare_batch(env, timeout=120)
             time.sleep(1.0)  # a slow learner: generation goes on meanwhile, as far as the gate lets it
             stats = inference.stats()  # rollouts of later batches already started (finished or in flight)
-            ahead.append(stats["in_flight_rollouts"] + engine.group_size * stats["finished_groups"])
+            in_flight.append(stats["in_flight_rollouts"])
+            ahead.append(stats["in_flight_rollouts"] + stats["buffered_rollouts"])
+            room.append(max_staleness * stats["rollouts_per_batch"] + engine.group_size)
+            batch = formed.batch
             lags.append(trainer.version - batch.token_versions[batch.loss_mask])
-            trainer.train_batch(batch)
+            trainer.train_batch(formed)
             trainer.update_weights(inference)
     lag = np.concatenate(lags)
     assert lag.size > 100 and lag.min() >= 0
     assert lag.max() <= max_staleness, np.bincount(lag)
     # the gate's room while a batch trains: max_staleness more batches (plus one group under the starvation rule)
-    assert max(ahead) <= max_staleness * engine.batch_size * engine.group_size + engine.group_size, ahead
+    assert all(a <= r for a, r in zip(ahead, room, strict=True)), (ahead, room)
     if max_staleness == 0:
-        assert max(ahead) == 0, ahead  # nothing is sampled until the new weights are served
+        assert max(in_flight) == 0, in_flight  # nothing is sampled until the new weights are served
     else:
-        assert min(ahead) > 0 and lag.max() == 1, (ahead, np.bincount(lag))  # generation runs ahead
+        assert max(in_flight) > 0 and lag.max() == 1, (in_flight, np.bincount(lag))  # generation runs ahead
 
 
 def test_remote_engine_updates_and_pauses_servers_through_their_control_routes(engines, tmp_path):
@@ -250,7 +264,7 @@ def test_remote_engine_updates_and_pauses_servers_through_their_control_routes(e
     server.weights_source = WeightSubscriber(server_transport, server.apply_weights).poll
     address = server.start()
     try:
-        engine = EngineConfig(group_size=2, sampling=cfg.envs[0].sampling, batch_size=2)
+        engine = EngineConfig(group_size=2, sampling=cfg.envs[0].sampling)
         with InferenceEngine.remote([address], engine, control_secret="s3cret") as inference:
             trainer.train_batch(_fixed_batch(trainer.tokenizer, np.random.default_rng(0)), loss_fn=_token_mean_loss)
             inference.apply_update(publisher.publish(trainer.version, trainer.learner.model))

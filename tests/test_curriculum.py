@@ -14,7 +14,6 @@ from test_local_backend import _finish, _start, _without_ray
 from test_replay import make_group
 from test_resume import _markers, _reap_session, _signal_when, _stop_all
 
-from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
 from marin_rl.envs.difficulty import BUCKETS, PassRateConfig, PassRateSampler, problem_order
 from marin_rl.envs.iteration import ProblemIterator, stream_id
@@ -22,6 +21,7 @@ from marin_rl.replay.batcher import Batcher, BatcherConfig, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.replay.schedule import FractionSchedule
 from marin_rl.replay.store import read_rollouts
+from marin_rl.rollouts.staleness import RolloutsPerBatch
 from marin_rl.run import parse_config
 from marin_rl.tracking import read_metrics
 

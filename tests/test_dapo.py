@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from test_validation_paths import ENV, GROUP_SIZE, VOCAB, ScriptedWorkflow
 
-from marin_rl.api.controller import RolloutController
-from marin_rl.api.local_pool import LocalWorkerPool
-from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import parse_config
 from marin_rl.envs.base import SamplingParams
 from marin_rl.envs.rewards import OverlongPenalty, add_overlong_penalty, soft_overlong_penalty
 from marin_rl.replay.batcher import Batcher, BatcherConfig, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
+from marin_rl.rollouts.controller import RolloutController
+from marin_rl.rollouts.local_pool import LocalWorkerPool
+from marin_rl.rollouts.worker import RolloutWorker
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
 PROMPT, GEN, GROUP = 3, 5, 4  # tokens per prompt and completion, rollouts per group

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("envs", ["envs"]),
     ("learner", ["learner"]),
     ("config", ["config"]),
+    ("rollouts", ["rollouts"]),
     ("api", ["api"]),
     ("orchestrator", ["orchestrator"]),
     ("programs", ["sft", "try_env", "inspect_rollouts", "graph", "reward_model"]),

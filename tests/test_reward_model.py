@@ -259,7 +259,7 @@ def test_single_turn_environment_with_a_model_reward(tokenizer, reward_server, p
 def test_evaluation_of_a_run_trained_on_a_model_reward_reports_the_verifiers_score(
     tokenizer, reward_server, policy_server
 ):
-    from marin_rl.api.rollouts import RolloutWorker
+    from marin_rl.rollouts.worker import RolloutWorker
 
     _, address, _ = reward_server
     env = AdditionEnvironment(tokenizer, max_operand=9, num_eval=6, reward_weights={"correct": 0.0, "rm": 1.0})

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from test_validation_paths import ENV, GROUP_SIZE, VOCAB, ScriptedWorkflow, make_group
 
-from marin_rl.api.controller import RolloutController, WorkerPool
-from marin_rl.api.local_pool import LocalWorkerPool
-from marin_rl.api.rollouts import RolloutWorker
-from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.envs.base import SamplingParams
 from marin_rl.envs.iteration import ProblemIterator
 from marin_rl.replay.batcher import Batcher, BatcherConfig
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
+from marin_rl.rollouts.controller import RolloutController, WorkerPool
+from marin_rl.rollouts.local_pool import LocalWorkerPool
+from marin_rl.rollouts.staleness import RolloutsPerBatch
+from marin_rl.rollouts.worker import RolloutWorker
 
 KINDS = ["valid", "logprob_count", "valid", "token_out_of_vocab", "valid", "missing_metadata", "valid", "valid"]
 

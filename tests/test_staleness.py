@@ -1,4 +1,4 @@
-"""The staleness gate (`marin_rl.api.staleness`): its arithmetic, its invariant, and the lag bounds the
+"""The staleness gate (`marin_rl.rollouts.staleness`): its arithmetic, its invariant, and the lag bounds the
 module docstring states, checked on simulated asynchronous runs with random timings."""
 
 import collections
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marin_rl.api.staleness import GateInputs, RolloutsPerBatch, StalenessGate
 from marin_rl.replay.batcher import Batcher, BatcherConfig, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
+from marin_rl.rollouts.staleness import GateInputs, RolloutsPerBatch, StalenessGate
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
 

@@ -376,8 +376,8 @@ def test_local_inference_engine_serves_through_vllm(vllm_env):
 def test_lora_versions_are_merged_by_the_front_end_and_vllm_samples_what_the_learner_scores(vllm_env):
     from random_adapters import perturbed_adapters
 
-    from marin_rl.api.servers import make_policy_server
     from marin_rl.model.lora import LoraConfig
+    from marin_rl.rollouts.servers import make_policy_server
 
     tok = build_char_tokenizer()
     env = AdditionEnvironment(tok, max_operand=49, num_eval=50)

@@ -1,7 +1,8 @@
 """The public Python API: write your own RL loop over the same parts the orchestrator uses.
 
-* `InferenceEngine` — sampling (`agenerate`), gated rollouts (`submit` / `wait`, `prepare_batch` under the staleness
-  bound), ungated rollouts (`rollout_batch`, `evaluate`), `pause` / `resume`, versions (`version`, `apply_update`).
+* `InferenceEngine` — sampling (`agenerate`), batches (`prepare_batch`: the run's rollout pipeline, under the
+  staleness bound, scored and packed by the replay buffer and batcher a run uses), ungated rollouts (`rollout_batch`,
+  `evaluate`), `pause` / `resume`, versions (`version`, `apply_update`).
 * `TrainEngine` — the Levanter learner: `train_batch(batch, loss_fn=..., loss_weight_fn=...)`, `forward`,
   `publish` / `update_weights`, `save` / `load`, `export_hf`, `warm_start`.
 * `RolloutWorker` — groups and held-out evaluations in the caller's event loop (what `InferenceEngine` and the
@@ -9,18 +10,19 @@
 * Losses — `register_loss(name)(fn)` for any pure JAX `fn(logprobs, entropy, batch) -> (loss, metrics)`; the
   built-in objectives ('decoupled', 'ppo') are registered the same way. `sequence_means`, `aggregate`, `num_sequences`
   and `proximal_logprobs` help write sequence-level objectives.
-* `make_batch` — groups to a packed, token-exact batch with advantages from any estimator.
+* `make_batch` — groups (e.g. from `rollout_batch`) to a packed, token-exact batch with advantages from any
+  function of the rewards.
+* Estimators — `register_estimator(name)(fn)` for any `fn(group, state) -> GroupScores`: one advantage per rollout
+  (or per token), or a rejection reason; `EngineConfig.replay.advantage_estimator` names it.
 * Workflows are environments (`marin_rl.envs`): a group is `env.run_group(policy, problem, group_size, sampling)`.
 
 The orchestrator runs on these parts: its learner processes are `TrainEngine`s, its env actors run `RolloutWorker`s,
-and `StalenessGate` decides when it starts groups.
+and its `RolloutController` (`marin_rl.rollouts`) is the one `prepare_batch` drives.
 
 The README's "Python API" section states each call's contract.
 """
 
-from marin_rl.api.inference import EngineConfig, GroupResult, InferenceEngine
-from marin_rl.api.rollouts import RolloutWorker
-from marin_rl.api.staleness import GateInputs, StalenessGate
+from marin_rl.api.inference import EngineConfig, FormedBatch, InferenceEngine
 from marin_rl.api.train import TrainEngine, make_batch
 from marin_rl.learner.losses import (
     LossSpec,
@@ -32,11 +34,15 @@ from marin_rl.learner.losses import (
     register_loss,
     sequence_means,
 )
+from marin_rl.replay.advantages import GroupScores, register_estimator
+from marin_rl.rollouts.staleness import GateInputs, StalenessGate
+from marin_rl.rollouts.worker import RolloutWorker
 
 __all__ = [
     "EngineConfig",
     "GateInputs",
-    "GroupResult",
+    "FormedBatch",
+    "GroupScores",
     "InferenceEngine",
     "LossSpec",
     "RolloutWorker",
@@ -48,6 +54,7 @@ __all__ = [
     "make_batch",
     "num_sequences",
     "proximal_logprobs",
+    "register_estimator",
     "register_loss",
     "sequence_means",
 ]

@@ -6,39 +6,46 @@ environments sample it in one request), exactly what the orchestrator's env acto
 
 Two kinds of work:
 
-* gated work — `submit` / `wait`, `prepare_batch`: groups start only as the staleness gate allows, at most η =
-  `max_staleness` versions ahead of the served policy, generation continuing in the background between calls; no
-  group `prepare_batch` returns lags more than η versions, and every group is validated when it finishes. The
-  contract in full, and the code, are `marin_rl.api.gated_rollouts`.
+* batches — `prepare_batch`: the run's own rollout pipeline (`marin_rl.rollouts.controller.RolloutController`)
+  over one in-process worker pool (`LocalWorkerPool`) and one replay buffer: groups start only as the staleness
+  gate allows, at most η = `max_staleness` versions ahead of the served policy, generation continuing in the
+  background between calls; every finished group is validated, scored by the configured estimator and admitted
+  (or rejected with its reason code) by the replay buffer; the batcher packs the batch and drops rollouts older
+  than `replay.max_age`. What a run trains on and what `prepare_batch` returns are decided by the same code.
 * ungated work — `agenerate`, `rollout_batch`, `evaluate` (evaluation, one-off sampling): runs at once, outside
   the gate.
 
-Groups and evaluations are run by a `RolloutWorker` (`marin_rl.api.rollouts`) on the engine's loop, the same code the
-orchestrator's env actors run. Weight updates, pause and resume reach the servers through a `ServerControl`
-(`marin_rl.api.server_control`).
+Groups and evaluations are run by a `RolloutWorker` (`marin_rl.rollouts.worker`) on the engine's loop, the same code
+the orchestrator's env actors run. Weight updates, pause and resume reach the servers through a `ServerControl`
+(`marin_rl.rollouts.server_control`).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+import threading
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from marin_rl.api.engine_config import EngineConfig
-from marin_rl.api.event_loop import BackgroundLoop
-from marin_rl.api.gated_rollouts import GatedRollouts, GroupResult
-from marin_rl.api.reward_models import RewardModels
-from marin_rl.api.rollouts import RolloutWorker
-from marin_rl.api.server_control import ServerControl
-from marin_rl.api.servers import start_local_servers
 from marin_rl.broadcast.base import WeightUpdate, make_transport
 from marin_rl.config import RunConfig
 from marin_rl.envs.base import Environment, Problem, SamplingParams
 from marin_rl.inference.client import PolicyClient, Sample
+from marin_rl.replay.batcher import Batcher, FormedBatch
+from marin_rl.replay.buffer import ReplayBuffer
+from marin_rl.rollouts.controller import RolloutController
+from marin_rl.rollouts.event_loop import BackgroundLoop
+from marin_rl.rollouts.local_pool import LocalWorkerPool
+from marin_rl.rollouts.reward_models import RewardModels
+from marin_rl.rollouts.server_control import ServerControl
+from marin_rl.rollouts.servers import start_local_servers
+from marin_rl.rollouts.worker import RolloutWorker
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import RolloutGroup
 
-__all__ = ["EngineConfig", "GroupResult", "InferenceEngine"]
+__all__ = ["EngineConfig", "FormedBatch", "InferenceEngine"]
 
 
 class InferenceEngine:
@@ -50,7 +57,7 @@ class InferenceEngine:
 
     Over running servers, pausing and weight updates use their control routes and need `control_secret` (the
     servers' `inference.control_secret`); `reward_addresses`: running reward servers by model name (for
-    `attach_reward_models`); `vocab_size` (e.g. `len(tokenizer)`): gated groups' token ids are checked against it
+    `attach_reward_models`); `vocab_size` (e.g. `len(tokenizer)`): the replay buffer checks token ids against it
     (None: only for being non-negative integers); `api_key`: the servers' `inference.api_key`, sent with every
     request. `servers`, `transport`, `reward_servers`, `env_reward_models` are what `local` passes.
     """
@@ -83,13 +90,22 @@ class InferenceEngine:
         self._loop = BackgroundLoop("inference-engine")
         self.worker = RolloutWorker(self.addresses, timeout_s=self.config.request_timeout_s, api_key=api_key)
         """Runs the groups and evaluations (on the engine's loop): the same code as the orchestrator's env actors."""
-        self.gated = GatedRollouts(self.worker, self._loop, self.config, vocab_size)
-        """The gated work (`submit`, `wait`, `prepare_batch`) under the staleness gate."""
+        self.vocab_size = vocab_size
+        self.rollouts: RolloutController | None = None
+        """The rollout pipeline of `prepare_batch` (built at its first call, for its workflow)."""
+        self._pool: LocalWorkerPool | None = None
+        self._lock = threading.RLock()  # the controller is driven from the caller's threads, one at a time
+        self._version = -1
+        self._base: int | None = None  # version served when the first batch was asked for
+        self._batches = 0
+        self._started = 0
+        self._paused = False
+        self._closed = False
         self.client: PolicyClient = self._loop.call(self._clients())
-        """The client of gated groups and `agenerate` (token ids in and out, per-token versions)."""
+        """The client of `prepare_batch`'s groups and `agenerate` (token ids in and out, per-token versions)."""
 
     async def _clients(self) -> PolicyClient:
-        self.worker.client("eval")  # made on the loop, like the gated groups' client
+        self.worker.client("eval")  # made on the loop, like the batches' client
         return self.worker.client("train")
 
     # ---- construction -------------------------------------------------------------------------------
@@ -154,12 +170,14 @@ class InferenceEngine:
     @property
     def version(self) -> int:
         """The policy version the servers serve, as this engine knows it (-1 before any update)."""
-        return self.gated.version
+        return self._version
 
     def set_version(self, version: int) -> None:
         """Record that the servers serve `version` (done by `apply_update`; call it when weights reach the servers
-        another way). Gated groups may start again as the gate allows. Non-blocking."""
-        self.gated.set_version(version)
+        another way). Groups of `prepare_batch` may start again as the gate allows."""
+        with self._lock:
+            self._version = int(version)
+            self._launch()
 
     def apply_update(self, update: WeightUpdate) -> dict[str, float]:
         """Serve a published weight update on every server and record its version; blocks until every server serves
@@ -171,19 +189,23 @@ class InferenceEngine:
         return timings
 
     def pause(self) -> None:
-        """Start no new gated group and pause sampling on every server (requests in progress wait). Blocking."""
-        self.gated.set_paused(True)
+        """Start no new group of `prepare_batch` and pause sampling on every server (requests in progress wait).
+        Blocking."""
+        with self._lock:
+            self._paused = True
         self.control.pause()
 
     def resume(self) -> None:
-        """Undo `pause`: servers sample again and gated groups start as the gate allows. Blocking."""
+        """Undo `pause`: servers sample again and groups start as the gate allows. Blocking."""
         self.control.resume()
-        self.gated.set_paused(False)
+        with self._lock:
+            self._paused = False
+            self._launch()
 
     @property
     def paused(self) -> bool:
         """Whether `pause` is in effect."""
-        return self.gated.paused
+        return self._paused
 
     # ---- ungated sampling ---------------------------------------------------------------------------
     async def agenerate(
@@ -251,42 +273,145 @@ class InferenceEngine:
         )
         return self._loop.call(coro)
 
-    # ---- gated work (`marin_rl.api.gated_rollouts`) -------------------------------------------------
-    def submit(self, problem: Problem, workflow: Environment) -> None:
-        """Queue one group of `problem` through `workflow`; it starts when the staleness gate allows. Non-blocking;
-        collect it with `wait` (`GatedRollouts.submit`)."""
-        self.gated.submit(problem, workflow)
-
-    def wait(self, count: int, timeout: float | None = None) -> list[GroupResult]:
-        """Block until `count` gated groups have finished and return them, first finished first; invalid groups are
-        counted, not returned; TimeoutError after `timeout` seconds (`GatedRollouts.wait`)."""
-        return self.gated.wait(count, timeout)
-
+    # ---- batches: the run's rollout pipeline (`marin_rl.rollouts.controller`) ----------------------------------
     def prepare_batch(
-        self,
-        dataloader: Iterable[Problem],
-        workflow: Environment,
-        should_accept: Callable[[RolloutGroup], bool] | None = None,
-        timeout: float | None = None,
-    ) -> list[RolloutGroup]:
-        """Block until `config.batch_size` groups have passed `should_accept` and return them, while groups of
-        problems from `dataloader` keep starting in the background as the staleness gate allows; each call is one
-        batch formed. Stale groups are discarded, invalid ones never get here; TimeoutError after `timeout`
-        seconds, StopIteration when the dataloader runs out (`GatedRollouts.prepare_batch` states the contract)."""
-        return self.gated.prepare_batch(dataloader, workflow, should_accept, timeout)
+        self, workflow: Environment, problems: Iterable[Problem] | None = None, *, timeout: float | None = None
+    ) -> FormedBatch:
+        """Block until the replay buffer can fill a batch, and return it packed (`FormedBatch`: `.batch` the rows
+        `TrainEngine.train_batch` takes, `.placed` the rollouts with their advantages, `.metrics`), while groups of
+        `workflow` keep starting in the background, between calls too, as the staleness gate allows. Problems come
+        from `problems` (any iterable; passing another one later replaces it) or, by default, from
+        `workflow.train_problems()` in a run's seeded order. Each call is one batch formed (b in the gate).
+
+        Everything between a finished group and the batch is a run's: validation (reason codes), the estimator,
+        `min_group_size`, the zero-variance filter and dynamic sampling, `max_age`, too-long rollouts, packing
+        (`config.replay`, `config.batcher`); rejections are logged and counted (`counters`). Raises RuntimeError
+        before any policy version is served, for a second workflow, or with the error of a group whose episode
+        raised (its problem is handed out again); TimeoutError after `timeout` seconds; StopIteration when
+        `problems` ran out before a batch could be formed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._check_can_start()
+            pool = self._pipeline_for(workflow, problems)
+            if self._base is None:
+                self._base = max(self._version, 0)
+        while True:
+            with self._lock:
+                self._check_can_start()
+                self._launch()
+                admitted = self.rollouts.admit_finished(self._version)
+                if admitted.failures:
+                    error = pool.last_error
+                    raise RuntimeError(f"a group of {workflow.name} failed: {error!r}") from error
+                formed = self.rollouts.try_make_batch(self._version)
+                if formed is not None:
+                    self._batches += 1
+                    self._launch()  # the next batches' groups run while the caller trains on this one
+                    return formed
+                if pool.exhausted and not pool.busy:
+                    raise StopIteration(
+                        f"the problems ran out with {len(self.rollouts.buffers[pool.name])} rollouts "
+                        "waiting, too few for a batch"
+                    )
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    buffered = len(self.rollouts.buffers[pool.name])
+                    raise TimeoutError(
+                        f"no batch within {timeout}s ({buffered} rollouts waiting, {pool.in_flight_rollouts} in flight)"
+                    )
+            pool.wait(0.5 if left is None else min(left, 0.5))
+
+    def _pipeline_for(self, workflow: Environment, problems: Iterable[Problem] | None) -> LocalWorkerPool:
+        """The worker pool of `workflow` (the controller, its buffer and batcher, built at the first call)."""
+        if self.rollouts is None:
+            cfg = self.config
+            self._pool = LocalWorkerPool(
+                workflow,
+                self.worker,
+                self._loop.loop,
+                group_size=cfg.group_size,
+                sampling=cfg.sampling,
+                tokens_per_batch=cfg.batcher.num_rows * cfg.batcher.max_seq_len,
+                concurrency=cfg.max_concurrent_groups,
+                greedy_baseline=cfg.replay.advantage_estimator == "remax",  # ReMax's baseline: the greedy reward
+                problems=problems,
+            )
+            buffer = ReplayBuffer(
+                workflow.name,
+                cfg.replay,
+                self.vocab_size,
+                rollout_dir=cfg.rollout_dir,
+                max_tokens=cfg.batcher.max_seq_len,
+                too_long=cfg.batcher.too_long,
+            )
+            buffers = {workflow.name: buffer}
+            self.rollouts = RolloutController(
+                {workflow.name: self._pool}, buffers, Batcher(cfg.batcher, buffers), cfg.max_staleness
+            )
+            return self._pool
+        pool = self._pool
+        if workflow.name != pool.name:
+            raise RuntimeError(
+                f"this InferenceEngine forms batches of workflow {pool.name!r}, not {workflow.name!r}: one engine per "
+                "workflow (a run config with several envs mixes them by their batch shares)"
+            )
+        pool.env = workflow
+        if problems is not None and getattr(pool.iterator, "origin", None) is not problems:
+            if not hasattr(pool.iterator, "replace_source"):
+                raise RuntimeError(
+                    f"the batches of {pool.name!r} draw from its training problems: pass problems= at the first call "
+                    "to draw from an iterable"
+                )
+            pool.iterator.replace_source(problems)
+        return pool
+
+    def _check_can_start(self) -> None:
+        if self._closed:
+            raise RuntimeError("the InferenceEngine is closed")
+        if self._version < 0:
+            raise RuntimeError(
+                "prepare_batch needs the servers to serve a policy version first: call "
+                "TrainEngine.update_weights(inference) (or apply_update / set_version) before it (tokens of the "
+                "initial weights, version -1, carry no policy version and would be rejected)"
+            )
+
+    def _launch(self) -> None:
+        """Start the groups the gate allows now (v: the served version; b: batches formed). Under the lock."""
+        if self.rollouts is None or self._paused or self._closed or self._version < 0:
+            return
+        base = self._base if self._base is not None else max(self._version, 0)
+        self._started += self.rollouts.launch(max(self._version, base), base + self._batches)
 
     @property
     def counters(self) -> collections.Counter:
-        """Gated groups: started, finished (came back from the workflow), `rejected/{reason}` (finished but invalid:
-        validation's reason code), accepted, rejected (by `should_accept`), discarded_stale, failed."""
-        return self.gated.counters
+        """The groups of `prepare_batch`: started, accepted (into the replay buffer), `rejected/{reason}` (with the
+        replay buffer's reason code: invalid, too small, zero variance, the estimator's own...), failed (the episode
+        raised; handed out again), and rollouts `discarded_stale` (older than `replay.max_age`)."""
+        out = collections.Counter()
+        with self._lock:
+            if self.rollouts is None:
+                return out
+            buffer = next(iter(self.rollouts.buffers.values()))
+            out["started"] = self._started
+            out["accepted"] = buffer.accepted_groups
+            out["failed"] = self._pool.failed_groups
+            out["discarded_stale"] = buffer.discarded_stale
+            out.update({f"rejected/{k}": v for k, v in buffer.rejected.items()})
+        return out
 
     # ---- status and lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Version, batches formed, rollouts in flight and finished, the counters (`groups/{counter}`, invalid groups
         under `groups/rejected/{reason}`), and each local server's stats (`reward_servers`: the local reward
         servers')."""
-        out = self.gated.stats()
+        with self._lock:
+            out: dict[str, Any] = {"version": self._version, "batches": self._batches}
+            if self.rollouts is not None:
+                pool = self._pool
+                out["in_flight_rollouts"] = pool.in_flight_rollouts
+                out["buffered_rollouts"] = len(self.rollouts.buffers[pool.name])
+                out["rollouts_per_batch"] = pool.batch_size.value
+        out.update({f"groups/{k}": v for k, v in self.counters.items()})
         out["servers"] = [s.stats() for s in self.servers]
         if self.rewards.servers:
             out["reward_servers"] = [s.stats() for s in self.rewards.servers]
@@ -294,8 +419,14 @@ class InferenceEngine:
 
     def close(self) -> None:
         """Stop starting groups, close the client, stop local servers and the loop. Idempotent."""
-        if not self.gated.close():
-            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._pool is not None:
+                self._pool.drop_in_flight()
+            if self.rollouts is not None:
+                self.rollouts.flush()
         try:
             self._loop.call(self.worker.aclose(), timeout=30)
             self._loop.call(self.rewards.aclose(), timeout=30)

@@ -17,6 +17,7 @@ from marin_rl.learner.distributed import is_primary
 from marin_rl.learner.learner import Learner
 from marin_rl.learner.losses import get_loss
 from marin_rl.replay.advantages import rloo
+from marin_rl.replay.batcher import FormedBatch
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.tokenizer import load_tokenizer
@@ -121,8 +122,9 @@ class TrainEngine:
         finally:
             self.learner.config.warm_start = cfg
 
-    def train_batch(self, batch: PackedBatch, loss_fn=None, loss_weight_fn=None) -> dict[str, float]:
-        """Train on `batch` (`learner.minibatches × epochs` optimizer steps) and increment the version by one.
+    def train_batch(self, batch: PackedBatch | FormedBatch, loss_fn=None, loss_weight_fn=None) -> dict[str, float]:
+        """Train on `batch` (a `PackedBatch`, or what `InferenceEngine.prepare_batch` formed) with
+        `learner.minibatches × epochs` optimizer steps, and increment the version by one.
 
         `loss_fn`: a registered loss's name, or any pure JAX function (logprobs, entropy, batch) -> (loss, metrics)
         (default: `learner.loss.objective`). `loss_weight_fn(chunk) -> scalar`: the weight of each microbatch chunk
@@ -130,6 +132,8 @@ class TrainEngine:
         the minibatch without one). Returns the `learner/...` metrics (the loss at the weights before the step).
         Raises ValueError for an unknown loss name or rows that do not split into minibatches × microbatches."""
         loss = None if loss_fn is None else get_loss(loss_fn)
+        if isinstance(batch, FormedBatch):
+            batch = batch.batch
         return self.learner.train_step(batch, loss=loss, loss_weight_fn=loss_weight_fn)
 
     def forward(self, batch: PackedBatch) -> np.ndarray:

@@ -159,3 +159,87 @@ class ProblemIterator:
         self._requeued = deque(ProblemTicket(int(i), int(e)) for i, e in state["redo"])
         self._outstanding = {}
         self._handed_out = 0
+
+
+class ProblemStream:
+    """A problem order drawn from any iterable of problems (the Python API's `InferenceEngine.prepare_batch`
+    `problems=`), with `ProblemIterator`'s ticket bookkeeping: a requeued ticket is handed out again before the next
+    problem is drawn, and `problem(ticket)` is the problem a ticket stands for until it is done.
+
+    Ticket indices number the problems in the order they were drawn (epoch 0). `source` may be replaced between
+    calls (outstanding and requeued tickets keep their problems); when it is exhausted, `next` raises StopIteration
+    and `exhausted` is True. The order is the caller's, so it is not checkpointed: `state_dict` raises."""
+
+    SAMPLER = "stream"
+
+    def __init__(self, source):
+        self.origin = source
+        """The iterable given (to tell whether a caller passes the same one again)."""
+        self.source = iter(source)
+        self.exhausted = False
+        self._problems: dict[int, Any] = {}
+        self._requeued: deque[ProblemTicket] = deque()
+        self._outstanding: dict[ProblemTicket, int] = {}
+        self._drawn = 0
+
+    def replace_source(self, source) -> None:
+        """Draw new problems from `source` from now on."""
+        self.origin = source
+        self.source = iter(source)
+        self.exhausted = False
+
+    def next(self) -> ProblemTicket:
+        """A requeued ticket if any, else the source's next problem; StopIteration when the source is exhausted."""
+        if self._requeued:
+            ticket = self._requeued.popleft()
+        else:
+            try:
+                problem = next(self.source)
+            except StopIteration:
+                self.exhausted = True
+                raise
+            ticket = ProblemTicket(self._drawn, 0)
+            self._problems[self._drawn] = problem
+            self._drawn += 1
+        self._outstanding[ticket] = ticket.index
+        return ticket
+
+    def problem(self, ticket: ProblemTicket):
+        """The problem `ticket` was handed out for."""
+        return self._problems[ticket.index]
+
+    def done(self, ticket: ProblemTicket, rewards: Sequence[float] = ()) -> None:
+        """The ticket's group was delivered (or rejected): its problem is forgotten."""
+        if self._outstanding.pop(ticket, None) is None:
+            raise KeyError(f"{ticket} is not outstanding")
+        del self._problems[ticket.index]
+
+    def requeue(self, ticket: ProblemTicket) -> None:
+        """The ticket's episode failed: hand it out again before any new problem."""
+        if self._outstanding.pop(ticket, None) is None:
+            raise KeyError(f"{ticket} is not outstanding")
+        self._requeued.append(ticket)
+
+    @property
+    def outstanding(self) -> list[ProblemTicket]:
+        """Tickets handed out and not yet done or requeued, oldest first."""
+        return sorted(self._outstanding, key=self._outstanding.__getitem__)
+
+    def refresh(self) -> None:
+        """A batch was formed: nothing to update."""
+
+    def metrics(self, env: str) -> dict[str, float]:
+        """No metrics of its own."""
+        return {}
+
+    def sample_seed(self, ticket: ProblemTicket) -> int:
+        """A sampling seed for the ticket, a pure function of its index, below 2**30."""
+        return derived_seed(stream_id("stream"), ticket.index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: the caller's iterable cannot be saved."""
+        raise ValueError("a problem order drawn from a caller's iterable cannot be checkpointed")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Refused, as `state_dict`."""
+        raise ValueError("a problem order drawn from a caller's iterable cannot be restored from a checkpoint")

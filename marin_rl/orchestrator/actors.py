@@ -11,9 +11,6 @@ import traceback
 
 import ray
 
-from marin_rl.api.reward_models import attach_run_reward_models
-from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
-from marin_rl.api.servers import make_policy_server
 from marin_rl.api.train import TrainEngine
 from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import RunConfig, make_environment
@@ -22,6 +19,9 @@ from marin_rl.inference.reward_server import RewardModelConfig, RewardServer
 from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.learner import distributed
 from marin_rl.logs import configure_logging
+from marin_rl.rollouts.reward_models import attach_run_reward_models
+from marin_rl.rollouts.servers import make_policy_server
+from marin_rl.rollouts.worker import CLIENT_COUNTERS, RolloutWorker
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import PackedBatch
 

@@ -20,7 +20,6 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from marin_rl.api.controller import RolloutController, run_rollout_controller
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import begin_checkpoint
 from marin_rl.logs import drop_log_messages, plain_ray_output
@@ -33,6 +32,7 @@ from marin_rl.orchestrator.teacher_pool import TeacherServerPool
 from marin_rl.orchestrator.teacher_recipe import ensure_teacher
 from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
+from marin_rl.rollouts.controller import RolloutController, run_rollout_controller
 from marin_rl.tokenizer import load_tokenizer
 
 logger = logging.getLogger("marin_rl")

@@ -15,8 +15,6 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 
-from marin_rl.api.controller import WorkerPool
-from marin_rl.api.staleness import RolloutsPerBatch
 from marin_rl.config import RunConfig
 from marin_rl.envs.difficulty import problem_order
 from marin_rl.envs.iteration import ProblemTicket
@@ -24,6 +22,8 @@ from marin_rl.orchestrator.actors import EnvActor
 from marin_rl.orchestrator.launcher import Launcher
 from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement
 from marin_rl.placement import wait_for_actors
+from marin_rl.rollouts.controller import WorkerPool
+from marin_rl.rollouts.staleness import RolloutsPerBatch
 
 logger = logging.getLogger("marin_rl")
 

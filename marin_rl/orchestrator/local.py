@@ -30,10 +30,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from marin_rl.api.controller import RolloutController, run_rollout_controller
-from marin_rl.api.local_pool import LocalWorkerPool
-from marin_rl.api.reward_models import attach_run_reward_models
-from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
 from marin_rl.inference.levanter_server import LevanterInferenceServer
@@ -42,6 +38,10 @@ from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.orchestrator.local_learner import ColocatedUpdate, LocalLearner, process_memory
 from marin_rl.orchestrator.spmd import CommandStream
 from marin_rl.orchestrator.teacher_recipe import ensure_teacher, teacher_run_config
+from marin_rl.rollouts.controller import RolloutController, run_rollout_controller
+from marin_rl.rollouts.local_pool import LocalWorkerPool
+from marin_rl.rollouts.reward_models import attach_run_reward_models
+from marin_rl.rollouts.worker import RolloutWorker
 
 logger = logging.getLogger("marin_rl")
 
@@ -188,7 +188,7 @@ class LocalComponents:
     def _start_teacher(self) -> TeacherScorer:
         """The teacher's engine (the embedded server built from `teacher.path`'s checkpoint, as a Ray run's teacher
         server is) and a scorer that every environment's groups go through."""
-        from marin_rl.api.servers import make_policy_server
+        from marin_rl.rollouts.servers import make_policy_server
 
         cfg = self.config
         t = time.time()
@@ -204,7 +204,7 @@ class LocalComponents:
     def _start_reward_servers(self) -> dict[str, list[str]]:
         """The reward models' servers, in this process on loopback (the env workers score through their HTTP route,
         as on Ray); their addresses by model name."""
-        from marin_rl.api.servers import start_reward_servers
+        from marin_rl.rollouts.servers import start_reward_servers
 
         t = time.time()
         self.reward_servers, addresses = start_reward_servers(self.config)

@@ -9,7 +9,7 @@ Loop (one driver thread, everything else in actors or worker threads), `Orchestr
   batch (token budget, packing) when the learner is idle → learner step (a new version) → step hooks: weights
   published every `broadcast.sync_every` steps, HF export, checkpoint; then the next learner step starts while the
   servers apply the weights and evaluation runs (`StepHooks.split`; on checkpoint steps, in order instead).
-New groups start as the staleness gate allows (`marin_rl.api.staleness`, which states the bound).
+New groups start as the staleness gate allows (`marin_rl.rollouts.staleness`, which states the bound).
 
 Problem order: the driver owns a `ProblemIterator` per environment (in its `EnvPool`) and hands problem indices to
 the env actors. Checkpoints (`checkpoint.*`): after a learner step, every `checkpoint.every` steps and when the run
@@ -39,7 +39,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from marin_rl.api.controller import RolloutController
 from marin_rl.config import RunConfig
 from marin_rl.logs import configure_logging
 from marin_rl.orchestrator.checkpoints import RunCheckpoints
@@ -54,6 +53,7 @@ from marin_rl.orchestrator.stop import StopRequest
 from marin_rl.orchestrator.warm_start import WarmStart
 from marin_rl.progress import StepProgress
 from marin_rl.replay.batcher import FormedBatch
+from marin_rl.rollouts.controller import RolloutController
 
 if TYPE_CHECKING:
     from marin_rl.orchestrator.components import RunComponents

@@ -150,6 +150,13 @@ ZERO_ADVANTAGE = "zero_advantage"
 """Rejection reason of a group whose advantages are all zero, under `dynamic_sampling`."""
 
 
+def too_old(oldest_version: int, learner_version: int | None, max_age: int) -> bool:
+    """The staleness rule of what may be trained, in one place: a rollout whose oldest sampled token lags more than
+    `max_age` versions behind `learner_version` (None: no version known yet, nothing is too old). When a group may
+    *start* is the staleness gate's (`marin_rl.rollouts.staleness`), which keeps such rollouts rare."""
+    return learner_version is not None and oldest_version < learner_version - max_age
+
+
 @dataclass(frozen=True)
 class BatchDraw:
     """What the rollouts of one batch cost: groups and tokens sampled since the previous batch, and trained in it."""
@@ -389,7 +396,9 @@ class ReplayBuffer:
                 read,
             )
         if self.config.drop_zero_variance_groups and np.all(rewards == rewards[0]):
-            return self._reject("zero_variance", f"all rewards {rewards[0]}", group_sampled_tokens(group), read)
+            return self._reject(
+                "zero_variance", f"all rewards {rewards[0]}", group_sampled_tokens(group), read, level=logging.DEBUG
+            )
         return group
 
     def score(self, group: RolloutGroup) -> GroupScores:
@@ -432,12 +441,11 @@ class ReplayBuffer:
         an environment marked untrainable (`DROP_REASON`: dropped, counted by reason) and those longer than
         `max_tokens` (`too_long`: dropped, or truncated when something sampled survives the cut); then
         evict the oldest arrivals past `capacity`. Counts and logs each, and returns the `Admission`."""
-        limit = None if self.learner_version is None else self.learner_version - self.config.max_age
         stale = too_long = truncated = queued = 0
         token_advantages = _token_advantages(group, scores)
         for r, a, ta in zip(group.rollouts, scores.advantages, token_advantages, strict=True):
             self._count_new(r)
-            if limit is not None and r.oldest_version < limit:
+            if too_old(r.oldest_version, self.learner_version, self.config.max_age):
                 stale += 1
                 continue
             marked = r.metadata.get(DROP_REASON)
@@ -523,8 +531,7 @@ class ReplayBuffer:
     def drop_stale(self, learner_version: int) -> int:
         """Discard rollouts older than `max_age` learner steps; returns how many were dropped."""
         self.learner_version = learner_version
-        limit = learner_version - self.config.max_age
-        keep = [it for it in self.items if it.oldest_version >= limit]
+        keep = [it for it in self.items if not too_old(it.oldest_version, learner_version, self.config.max_age)]
         dropped = len(self.items) - len(keep)
         if dropped:
             self.items = keep

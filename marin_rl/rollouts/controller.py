@@ -1,6 +1,6 @@
 """`RolloutController`: the rollout pipeline between the environments' workers and the learner.
 
-For every environment it owns the staleness gate (`marin_rl.api.staleness`), the groups in flight (a `WorkerPool`:
+For every environment it owns the staleness gate (`marin_rl.rollouts.staleness`), the groups in flight (a `WorkerPool`:
 Ray env actors in a run, `marin_rl.orchestrator.env_pool.EnvPool`), admission into the environment's replay buffer
 (validate → score → persist → enqueue, `ReplayBuffer.admit`) and the batcher over the buffers. A driver calls, in
 its loop:
@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from marin_rl.api.staleness import GateInputs, RolloutsPerBatch, StalenessGate
 from marin_rl.config import RunConfig
 from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
 from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer
+from marin_rl.rollouts.staleness import GateInputs, RolloutsPerBatch, StalenessGate
 from marin_rl.types import RolloutGroup
 
 

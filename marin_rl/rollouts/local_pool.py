@@ -11,15 +11,16 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Iterable
 
-from marin_rl.api.controller import WorkerPool
-from marin_rl.api.rollouts import CLIENT_COUNTERS, RolloutWorker
-from marin_rl.api.staleness import RolloutsPerBatch
-from marin_rl.envs.base import Environment, SamplingParams
+from marin_rl.envs.base import Environment, Problem, SamplingParams
 from marin_rl.envs.difficulty import PassRateConfig, problem_order
-from marin_rl.envs.iteration import ProblemTicket
+from marin_rl.envs.iteration import ProblemStream, ProblemTicket
 from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.inference.teacher import TeacherScorer
+from marin_rl.rollouts.controller import WorkerPool
+from marin_rl.rollouts.staleness import RolloutsPerBatch
+from marin_rl.rollouts.worker import CLIENT_COUNTERS, RolloutWorker
 from marin_rl.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ class LocalWorkerPool(WorkerPool):
     hand-out order; a failed group is sampled again, with the same seed, in its place. `overlong`: the environment's
     soft overlong penalty (`marin_rl.envs.rewards.add_overlong_penalty`). `pass_rate`: draw problems by their recent
     pass rate (`marin_rl.envs.difficulty`) instead of the seeded shuffle. `teacher` (on-policy distillation): scores
-    every group before it is handed over, as the Ray backend's env actors do (`marin_rl.inference.teacher`)."""
+    every group before it is handed over, as the Ray backend's env actors do (`marin_rl.inference.teacher`).
+    `problems`: draw problems from this iterable (a `ProblemStream`, not checkpointed) instead of the environment's
+    training problems in the run's order; when it runs out, no group starts any more (`exhausted`)."""
 
     def __init__(
         self,
@@ -50,6 +53,7 @@ class LocalWorkerPool(WorkerPool):
         overlong: OverlongPenalty | None = None,
         pass_rate: PassRateConfig | None = None,
         teacher: TeacherScorer | None = None,
+        problems: Iterable[Problem] | None = None,
     ):
         self.env = env
         self.teacher = teacher
@@ -61,16 +65,28 @@ class LocalWorkerPool(WorkerPool):
         self.concurrency = concurrency
         self.deterministic = deterministic
         self.greedy_baseline = greedy_baseline
-        self.problems = env.train_problems()
-        if not self.problems:
-            raise ValueError(f"environment {env.name} has no training problems")
-        self.iterator = problem_order(len(self.problems), seed, env.name, pass_rate)
+        if problems is not None:
+            self.iterator = ProblemStream(problems)
+            self._problem = self.iterator.problem
+        else:
+            train = env.train_problems()
+            if not train:
+                raise ValueError(f"environment {env.name} has no training problems")
+            self.iterator = problem_order(len(train), seed, env.name, pass_rate)
+            self._problem = lambda ticket: train[ticket.index]
         self.batch_size = RolloutsPerBatch(tokens_per_batch, sampling.max_tokens + 16)
         super().__init__()
         self._launched_at: dict[concurrent.futures.Future, float] = {}
         self.inflight: dict[concurrent.futures.Future, ProblemTicket] = {}
         """Groups running, in hand-out order."""
         self.to_resample: list[ProblemTicket] = []
+        self.last_error: BaseException | None = None
+        """The error of the latest group that failed (its problem was handed out again)."""
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the `problems` iterable ran out (always False for the environment's own problems)."""
+        return bool(getattr(self.iterator, "exhausted", False))
 
     @property
     def name(self) -> str:
@@ -86,7 +102,10 @@ class LocalWorkerPool(WorkerPool):
             self.to_resample = []
         tickets = []
         while len(tickets) < groups and len(self.inflight) + len(tickets) < self.concurrency:
-            tickets.append(self.iterator.next())
+            try:
+                tickets.append(self.iterator.next())
+            except StopIteration:  # a `problems` iterable ran out
+                break
         self.inflight.update(zip(self._start(tickets), tickets, strict=True))
         return len(tickets)
 
@@ -97,7 +116,7 @@ class LocalWorkerPool(WorkerPool):
         jobs = []
         for ticket in tickets:
             seed = self.iterator.sample_seed(ticket) if self.deterministic else None
-            jobs.append((self.problems[ticket.index], seed, concurrent.futures.Future()))
+            jobs.append((self._problem(ticket), seed, concurrent.futures.Future()))
         self.loop.call_soon_threadsafe(self._schedule, jobs)
         now = time.perf_counter()
         for _, _, future in jobs:
@@ -172,6 +191,7 @@ class LocalWorkerPool(WorkerPool):
             self.iterator.requeue(ticket)  # first in line
         self.failed_groups += 1
         self._new_failures += 1
+        self.last_error = error
         logger.warning(
             "%s: a group failed (%s: %s); its problem is handed out again", self.name, type(error).__name__, error
         )

@@ -92,7 +92,7 @@ class OrchestratorConfig:
     backend: str = "ray"
     """'ray': the learner, servers and env workers are Ray actors (one machine or a cluster). 'local': the whole
     run in this process without Ray: the learner, a colocated embedded engine sampling from the learner's own weights
-    (no copy per version) and the env workers in-process (`marin_rl.orchestrator.local`)."""
+    (no copy per version) and the env workers in-process (`marin_rl.orchestrator.local_backend.backend`)."""
     local_http: bool = False
     """Local backend: also serve the colocated engine's OpenAI endpoint (for tools and agents that need HTTP; the
     env workers never use it)."""

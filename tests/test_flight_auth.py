@@ -127,10 +127,10 @@ def test_a_learner_without_a_configured_secret_serves_only_its_own_process():
 
 
 def test_the_driver_makes_a_secret_per_run_and_redacts_it():
-    from marin_rl.orchestrator.components import RunComponents
+    from marin_rl.orchestrator.ray_backend.backend import RayBackend
 
     def components(config):
-        return RunComponents(config, section=None, count=None)
+        return RayBackend(config, section=None, count=None)
 
     a, b = components(RunConfig()), components(RunConfig())
     assert a.config.broadcast.secret and b.config.broadcast.secret

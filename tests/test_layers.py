@@ -178,6 +178,51 @@ def test_no_import_cycles():
     assert not problems, "\n".join(problems)
 
 
+BACKENDS = ("marin_rl.orchestrator.ray_backend", "marin_rl.orchestrator.local_backend")
+"""The orchestrator's two backends; the shared driver reaches them only through `SEAM`."""
+SEAM = "marin_rl.orchestrator.backends"
+
+
+def backend_of(module: str) -> str | None:
+    """The backend package a module belongs to, or None (shared code, or outside the orchestrator)."""
+    return next((b for b in BACKENDS if module == b or module.startswith(b + ".")), None)
+
+
+def seam_violations(modules: dict[str, Path]) -> list[str]:
+    """One message per import from one backend into the other, or from anything but the seam into a backend."""
+    problems = []
+    for name, path in modules.items():
+        own = backend_of(name)
+        for target, line in imports_of(name, path, modules):
+            other = backend_of(target)
+            if other is None or other == own:
+                continue
+            if own is not None:
+                problems.append(f"{_shown(path)}:{line}: imports {target} (one backend importing the other)")
+            elif name != SEAM:
+                problems.append(f"{_shown(path)}:{line}: imports {target} (only {SEAM} chooses a backend)")
+    return problems
+
+
+def test_the_two_backends_meet_only_at_the_seam():
+    problems = seam_violations(all_modules())
+    assert not problems, "imports across the backend seam:\n" + "\n".join(problems)
+
+
+def test_the_seam_check_fails_on_a_planted_crossing(tmp_path):
+    modules = _planted(
+        tmp_path,
+        {
+            "marin_rl.orchestrator.ray_backend.planted": "from marin_rl.orchestrator.local_backend import spmd\n",
+            "marin_rl.orchestrator.planted": "from marin_rl.orchestrator.ray_backend.backend import RayBackend\n",
+        },
+    )
+    problems = seam_violations(modules)
+    assert len(problems) == 2, problems
+    assert "one backend importing the other" in problems[0] + problems[1]
+    assert "only marin_rl.orchestrator.backends chooses a backend" in problems[0] + problems[1]
+
+
 def _planted(tmp_path: Path, sources: dict[str, str]) -> dict[str, Path]:
     """The package's modules plus the given ones (written under `tmp_path`), as the checks see them."""
     modules = all_modules()
@@ -191,11 +236,11 @@ def _planted(tmp_path: Path, sources: dict[str, str]) -> dict[str, Path]:
 def test_the_checks_fail_on_a_planted_upward_import_and_cycle(tmp_path):
     before = set(layering_violations(all_modules()))
     modules = _planted(
-        tmp_path, {"marin_rl.replay.planted": "def f():\n    from marin_rl.orchestrator import actors\n"}
+        tmp_path, {"marin_rl.replay.planted": "def f():\n    from marin_rl.orchestrator.ray_backend import actors\n"}
     )
     problems = sorted(set(layering_violations(modules)) - before)
     assert len(problems) == 1, problems
-    assert "marin_rl_replay_planted.py:2: imports marin_rl.orchestrator.actors (upward" in problems[0]
+    assert "marin_rl_replay_planted.py:2: imports marin_rl.orchestrator.ray_backend.actors (upward" in problems[0]
 
     modules = _planted(
         tmp_path,

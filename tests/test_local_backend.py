@@ -26,7 +26,7 @@ from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
 from marin_rl.model.build import ModelConfig, tiny_llama
-from marin_rl.orchestrator.local import policy_bytes
+from marin_rl.orchestrator.local_backend.backend import policy_bytes
 from marin_rl.run import parse_config
 from marin_rl.tokenizer import build_char_tokenizer
 from marin_rl.tracking import read_metrics
@@ -67,7 +67,9 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float, expect_rc: int = 
 def test_the_run_program_imports_where_ray_is_not_installed(tmp_path):
     """Every module `python -m marin_rl.run` imports loads without Ray (the local backend's promise); the end-to-end
     run below shows it too, this names the import that breaks it in seconds."""
-    code = "import marin_rl.run, marin_rl.orchestrator.local, marin_rl.orchestrator.local_learner"
+    code = (
+        "import marin_rl.run, marin_rl.orchestrator.local_backend.backend, marin_rl.orchestrator.local_backend.learner"
+    )
     done = subprocess.run([sys.executable, "-c", code], env=_without_ray(tmp_path), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
 

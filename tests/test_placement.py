@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from marin_rl.config import parse_config
-from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.ray_backend.launcher import Launcher
 from marin_rl.placement import (
     PlacementConfig,
     PlacementError,

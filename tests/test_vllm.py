@@ -33,7 +33,7 @@ from marin_rl.inference.vllm_server import _in_use, _shm_entries
 from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
 from marin_rl.model.build import ModelConfig, build_model, tiny_llama, with_seq_len
 from marin_rl.model.logprobs import token_logprobs
-from marin_rl.orchestrator.actors import ServerActor
+from marin_rl.orchestrator.ray_backend.actors import ServerActor
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import TokenizerConfig, build_char_tokenizer
 

@@ -13,8 +13,8 @@ import pytest
 from marked_processes import dead_weight_slot_dirs, describe, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
-from marin_rl.orchestrator import watchdog
-from marin_rl.orchestrator.watchdog import (
+from marin_rl.orchestrator.ray_backend import watchdog
+from marin_rl.orchestrator.ray_backend.watchdog import (
     RUN_TOKEN_VARIABLE,
     driver_alive,
     live_pids,
@@ -32,7 +32,7 @@ from marin_rl.processes import process_token
 DRIVER = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from marin_rl.orchestrator.watchdog import RUN_TOKEN_VARIABLE, Watchdog
+    from marin_rl.orchestrator.ray_backend.watchdog import RUN_TOKEN_VARIABLE, Watchdog
     Watchdog(poll_s=0.2).start()
     sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
     child = subprocess.Popen(sleep)

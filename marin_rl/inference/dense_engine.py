@@ -222,7 +222,7 @@ class DenseEngine:
         """The policy version of `model` (its owner sets both)."""
         self.call_guard: Callable[[int, tuple], contextlib.AbstractContextManager] | None = None
         """Entered around every decode call with (`model_version`, the call's input arrays): a multi-process run
-        orders its processes' device work with it (`marin_rl.orchestrator.spmd`)."""
+        orders its processes' device work with it (`marin_rl.orchestrator.local_backend.spmd`)."""
 
     def generate(self, requests: Sequence[Request]) -> GenerationResult:
         """Sample each request's generation (`n_generations` must be 1): tokens after its prompt up to

@@ -11,6 +11,7 @@ from typing import Any
 
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import RUN_STATE_FILE, latest_checkpoint, prune_checkpoints, write_json
+from marin_rl.orchestrator.backends import Backend
 from marin_rl.orchestrator.preflight import RunRefused
 from marin_rl.orchestrator.run_state import read_run_state
 
@@ -21,7 +22,7 @@ class RunCheckpoints:
     """The checkpoints of the run of `config` under `config.checkpoint_dir`, written and read through its
     components `parts` (the learner, the rollout controller, `begin_checkpoint`)."""
 
-    def __init__(self, config: RunConfig, parts):
+    def __init__(self, config: RunConfig, parts: Backend):
         self.config = config
         self.parts = parts
         self.last_saved_step: int | None = None

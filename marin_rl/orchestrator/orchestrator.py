@@ -1,8 +1,9 @@
 """The driver: starts every component from one config, runs the asynchronous loop, and shuts it all down.
 
-The parts are Ray actors (`orchestrator.backend: ray`, `RunComponents`) or live in this process, the embedded engine
-sampling from the learner's own weights (`orchestrator.backend: local`, `marin_rl.orchestrator.local`); the loop,
-checkpoints, resume, metrics and reports are the same code for both.
+The parts are Ray actors (`orchestrator.backend: ray`, `RayBackend`) or live in this process, the embedded engine
+sampling from the learner's own weights (`orchestrator.backend: local`, `LocalBackend`); the driver uses either only
+through `marin_rl.orchestrator.backends.Backend`, and the loop, checkpoints, resume, metrics and reports are the
+same code for both.
 
 Loop (one driver thread, everything else in actors or worker threads), `Orchestrator._loop`:
   env actors generate groups → replay buffers admit them (validation, advantages, staleness) → the batcher forms a
@@ -37,10 +38,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from marin_rl.config import RunConfig
 from marin_rl.logs import configure_logging
+from marin_rl.orchestrator.backends import Backend, make_backend, run_as_follower
 from marin_rl.orchestrator.checkpoints import RunCheckpoints
 from marin_rl.orchestrator.hooks import StepHook, StepHooks
 from marin_rl.orchestrator.preflight import preflight
@@ -55,23 +57,7 @@ from marin_rl.progress import StepProgress
 from marin_rl.replay.batcher import FormedBatch
 from marin_rl.rollouts.controller import RolloutController
 
-if TYPE_CHECKING:
-    from marin_rl.orchestrator.components import RunComponents
-    from marin_rl.orchestrator.local import LocalComponents
-
 logger = logging.getLogger("marin_rl")
-
-
-def make_components(config: RunConfig, section, count) -> RunComponents | LocalComponents:
-    """The run's parts for `orchestrator.backend`: Ray actors (`RunComponents`), or everything in this process, the
-    engine sampling from the learner's own weights (`LocalComponents`: Ray is never imported)."""
-    if config.orchestrator.backend == "local":
-        from marin_rl.orchestrator.local import LocalComponents
-
-        return LocalComponents(config, section=section, count=count)
-    from marin_rl.orchestrator.components import RunComponents
-
-    return RunComponents(config, section=section, count=count)
 
 
 class Orchestrator:
@@ -83,7 +69,7 @@ class Orchestrator:
         self.config = config
         self.stop = stop or StopRequest()
         self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
-        self.parts = make_components(
+        self.parts: Backend = make_backend(
             config, section=lambda name: self.profile.section(name), count=lambda **c: self.profile.count(**c)
         )
         """The learner, the servers, the env workers and the rollout controller (Ray actors, or in this process)."""
@@ -397,12 +383,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     configure_logging()
     config.validate()
     config = config.resolved()
-    if config.orchestrator.backend == "local" and config.learner.hosts > 1:  # one process per host (SPMD)
-        import jax
-
-        from marin_rl.orchestrator import spmd
-
-        spmd.join(config)
-        if jax.process_index() != 0:
-            return spmd.follow(config)
+    followed = run_as_follower(config)  # a multi-host local run: processes other than 0 follow the driver
+    if followed is not None:
+        return followed
     return Orchestrator(config).run()

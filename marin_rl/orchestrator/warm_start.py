@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from marin_rl.config import RunConfig
+from marin_rl.orchestrator.backends import Backend
 
 logger = logging.getLogger("marin_rl")
 
@@ -14,7 +15,7 @@ logger = logging.getLogger("marin_rl")
 class WarmStart:
     """`learner.warm_start` of the run of `config`, on the demonstrations its components `parts` draw."""
 
-    def __init__(self, config: RunConfig, parts):
+    def __init__(self, config: RunConfig, parts: Backend):
         self.config = config
         self.parts = parts
         self._examples: list | None = None  # kept until the first checkpoint: an environment may draw them at random

@@ -1,9 +1,9 @@
 """`RolloutController`: the rollout pipeline between the environments' workers and the learner.
 
 For every environment it owns the staleness gate (`marin_rl.rollouts.staleness`), the groups in flight (a `WorkerPool`:
-Ray env actors in a run, `marin_rl.orchestrator.env_pool.EnvPool`), admission into the environment's replay buffer
-(validate → score → persist → enqueue, `ReplayBuffer.admit`) and the batcher over the buffers. A driver calls, in
-its loop:
+Ray env actors in a run, `marin_rl.orchestrator.ray_backend.env_pool.EnvPool`), admission into the environment's
+replay buffer (validate → score → persist → enqueue, `ReplayBuffer.admit`) and the batcher over the buffers. A
+driver calls, in its loop:
 
     controller.launch(served_version, batches_formed)   # start the groups the gate allows
     controller.admit_finished(learner_version)          # finished groups into the buffers

@@ -18,8 +18,8 @@ from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 from marin_rl.config import RunConfig
 from marin_rl.envs.difficulty import problem_order
 from marin_rl.envs.iteration import ProblemTicket
-from marin_rl.orchestrator.actors import EnvActor
-from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.ray_backend.actors import EnvActor
+from marin_rl.orchestrator.ray_backend.launcher import Launcher
 from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement
 from marin_rl.placement import wait_for_actors
 from marin_rl.rollouts.controller import WorkerPool

@@ -1,8 +1,8 @@
 """`LocalLearner`: the learner of the local backend in this process (a `TrainEngine` whose calls run in order on a
 worker thread), with the surface of the Ray `LearnerGroup`; and the process's memory figures.
 
-On several hosts (`marin_rl.orchestrator.spmd`) process 0's learner publishes each call to the followers, whose
-`LocalLearner`s run the same calls.
+On several hosts (`marin_rl.orchestrator.local_backend.spmd`) process 0's learner publishes each call to the
+followers, whose `LocalLearner`s run the same calls.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class LocalLearner:
     def __init__(self, config: RunConfig, tokenizer):
         self.engine = TrainEngine(config, tokenizer=tokenizer, transport=False)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner")
-        self.stream: Any = None  # a `marin_rl.orchestrator.spmd.CommandStream` (spmd imports this module)
+        self.stream: Any = None  # a `marin_rl.orchestrator.local_backend.spmd.CommandStream` (spmd imports this module)
         """Several hosts (process 0): every call is published to the followers and runs while holding the stream."""
 
     @property

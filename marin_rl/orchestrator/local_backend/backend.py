@@ -1,7 +1,7 @@
 """The local backend (`orchestrator.backend: local`): a whole run in this process, without Ray.
 
-The learner (`marin_rl.orchestrator.local_learner.LocalLearner`: a `TrainEngine` whose steps run on a worker thread), a
-colocated policy server (the embedded Levanter engine sampling from the learner's own parameters:
+The learner (`marin_rl.orchestrator.local_backend.learner.LocalLearner`: a `TrainEngine` whose steps run on a
+worker thread), a colocated policy server (the embedded Levanter engine sampling from the learner's own parameters:
 `LevanterInferenceServer(share_weights=True)`), and every environment's workers (`LocalWorkerPool`s on one event-loop
 thread, sampling through `InProcessPolicyClient`: no HTTP, no JSON) live in one process and time-share its devices;
 so do an on-policy distillation run's teacher (a second embedded engine serving the teacher's checkpoint, which
@@ -11,7 +11,7 @@ new version is handed over by reference: the engine reads the learner's arrays (
 agree; the learner's step never donates the policy), so the process holds one copy of the policy, not a learner's and a
 server's.
 
-`LocalComponents` has the surface of the Ray `RunComponents`, so `Orchestrator` drives both with one loop: the same
+`LocalBackend` has the surface of the Ray `RayBackend`, so `Orchestrator` drives both with one loop: the same
 staleness gate, replay buffers, batcher, checkpoints, resume, metrics, reward plot and deterministic mode. Nothing
 here imports Ray.
 """
@@ -35,8 +35,8 @@ from marin_rl.envs.base import reference_examples
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.inference.teacher import TeacherScorer
-from marin_rl.orchestrator.local_learner import ColocatedUpdate, LocalLearner, process_memory
-from marin_rl.orchestrator.spmd import CommandStream
+from marin_rl.orchestrator.local_backend.learner import ColocatedUpdate, LocalLearner, process_memory
+from marin_rl.orchestrator.local_backend.spmd import CommandStream
 from marin_rl.orchestrator.teacher_recipe import ensure_teacher, teacher_run_config
 from marin_rl.rollouts.controller import RolloutController, run_rollout_controller
 from marin_rl.rollouts.local_pool import LocalWorkerPool
@@ -85,7 +85,7 @@ class ColocatedServers:
         self.server.stop()
 
 
-class LocalComponents:
+class LocalBackend:
     """The learner, the colocated policy server, the env workers and the rollout controller of one run, in this
     process (`orchestrator.backend: local`). `section(name)` and `count(**counters)` receive the rollout
     controller's profile timings and counters."""
@@ -121,7 +121,8 @@ class LocalComponents:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self.stream: CommandStream | None = None
-        """Several hosts: the device work published to the follower processes (`marin_rl.orchestrator.spmd`)."""
+        """Several hosts: the device work published to the follower processes
+        (`marin_rl.orchestrator.local_backend.spmd`)."""
 
     # ---- starting and stopping ----------------------------------------------------------------------------------
     def start_backend(self) -> None:

@@ -23,14 +23,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from marin_rl.config import RunConfig
 from marin_rl.learner.checkpoint import begin_checkpoint
 from marin_rl.logs import drop_log_messages, plain_ray_output
-from marin_rl.orchestrator.env_pool import EnvPool
-from marin_rl.orchestrator.launcher import Launcher
-from marin_rl.orchestrator.learner_group import LearnerGroup
-from marin_rl.orchestrator.reward_pool import RewardServerPool
-from marin_rl.orchestrator.server_pool import ServerPool
-from marin_rl.orchestrator.teacher_pool import TeacherServerPool
+from marin_rl.orchestrator.ray_backend.env_pool import EnvPool
+from marin_rl.orchestrator.ray_backend.launcher import Launcher
+from marin_rl.orchestrator.ray_backend.learner_group import LearnerGroup
+from marin_rl.orchestrator.ray_backend.reward_pool import RewardServerPool
+from marin_rl.orchestrator.ray_backend.server_pool import ServerPool
+from marin_rl.orchestrator.ray_backend.teacher_pool import TeacherServerPool
+from marin_rl.orchestrator.ray_backend.watchdog import Watchdog, sweep_orphans
 from marin_rl.orchestrator.teacher_recipe import ensure_teacher
-from marin_rl.orchestrator.watchdog import Watchdog, sweep_orphans
 from marin_rl.placement import wait_for_actors
 from marin_rl.rollouts.controller import RolloutController, run_rollout_controller
 from marin_rl.tokenizer import load_tokenizer
@@ -41,7 +41,7 @@ RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 """The Ray logger that announces token authentication at every local start."""
 
 
-class RunComponents:
+class RayBackend:
     """Ray, the learner group, the servers, the env pools and the `RolloutController` of one run.
 
     `section(name)` and `count(**counters)` receive the rollout controller's profile timings and counters."""

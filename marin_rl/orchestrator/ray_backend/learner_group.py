@@ -10,8 +10,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from marin_rl.config import RunConfig
-from marin_rl.orchestrator.actors import LearnerActor
-from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.ray_backend.actors import LearnerActor
+from marin_rl.orchestrator.ray_backend.launcher import Launcher
 from marin_rl.placement import wait_for_actors
 
 

@@ -17,8 +17,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from marin_rl.broadcast.base import UpdateUnavailable, WeightUpdate
 from marin_rl.config import RunConfig
 from marin_rl.model.lora import MissingBaseError
-from marin_rl.orchestrator.actors import ServerActor
-from marin_rl.orchestrator.launcher import Launcher
+from marin_rl.orchestrator.ray_backend.actors import ServerActor
+from marin_rl.orchestrator.ray_backend.launcher import Launcher
 from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_replacement, stop_actors
 
 logger = logging.getLogger("marin_rl")

@@ -12,7 +12,7 @@ import time
 
 from marin_rl.config import RunConfig
 from marin_rl.gguf import hf_directory
-from marin_rl.orchestrator.actors import ServerActor
+from marin_rl.orchestrator.ray_backend.actors import ServerActor
 from marin_rl.orchestrator.restarts import stop_actors
 from marin_rl.orchestrator.teacher_recipe import teacher_run_config
 from marin_rl.placement import wait_for_actors

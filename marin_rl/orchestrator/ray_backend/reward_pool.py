@@ -10,7 +10,7 @@ import time
 
 from marin_rl.config import RunConfig
 from marin_rl.model.reward import read_reward_model_spec
-from marin_rl.orchestrator.actors import RewardServerActor
+from marin_rl.orchestrator.ray_backend.actors import RewardServerActor
 from marin_rl.orchestrator.restarts import stop_actors
 from marin_rl.placement import wait_for_actors
 

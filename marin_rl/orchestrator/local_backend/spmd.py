@@ -111,7 +111,7 @@ def follow(config: RunConfig) -> dict[str, Any]:
     """Run a follower process (process index > 0) of a multi-host local run: build the same learner and engine as
     process 0, then run its commands in order until it says stop. Returns `{"process": index, "commands": n}`."""
     from marin_rl.inference.levanter_server import LevanterInferenceServer
-    from marin_rl.orchestrator.local_learner import LocalLearner
+    from marin_rl.orchestrator.local_backend.learner import LocalLearner
     from marin_rl.tokenizer import load_tokenizer
 
     config.configure_jax()

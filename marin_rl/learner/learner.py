@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from marin_rl.bounds import bounded, check_fields
 from marin_rl.learner import warm_start_cache
 from marin_rl.learner.algorithm import get_algorithm
+from marin_rl.learner.batch import TEACHER_TOP_K, RlExample
 from marin_rl.learner.critic import Critic, CriticConfig
 from marin_rl.learner.distributed import host_arrays, is_primary
 from marin_rl.learner.losses import (
@@ -44,7 +45,7 @@ from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs, token_logprobs_at
 from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack
-from marin_rl.types import TEACHER_TOP_K, PackedBatch, RlExample
+from marin_rl.types import PackedBatch
 
 logger = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marin_rl.bounds import bounded, check_fields
-from marin_rl.types import RlExample
+from marin_rl.learner.batch import RlExample
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "fixed_budget")
 OBJECTIVES = ("decoupled", "ppo", "gspo")

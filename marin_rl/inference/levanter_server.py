@@ -43,7 +43,7 @@ from levanter.layers.sampler import Sampler
 from levanter.models.lm_model import LmHeadModel
 from levanter.trainer import TrainerConfig
 
-from marin_rl.broadcast.base import cast_on_host
+from marin_rl.broadcast.arrays import cast_on_host
 from marin_rl.inference.completion_request import GREEDY_BELOW, InvalidRequest, RequestLimits, seed_key
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams, DenseEngine

@@ -265,7 +265,7 @@ def measure(name: str, work: Workload, steps: int) -> dict:
     from device_local import matmul_peak
 
     from marin_rl.learner.learner import Learner, LearnerConfig
-    from marin_rl.model.build import ModelConfig
+    from marin_rl.model.config import ModelConfig
 
     shape = PRESETS[name]
     platform = jax.devices()[0].platform

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.learner_steps > 0:
         from marin_rl.learner.learner import Learner, LearnerConfig
-        from marin_rl.model.build import ModelConfig, tiny_llama
+        from marin_rl.model.config import ModelConfig, tiny_llama
 
         arch = dataclasses.replace(tiny_llama(), max_seq_len=args.seq_len)
         learner = Learner(ModelConfig(architecture=arch), LearnerConfig(), vocab_size=128)

@@ -16,7 +16,7 @@ from marin_rl.learner.algorithm import (
     register_algorithm,
 )
 from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 

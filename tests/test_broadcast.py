@@ -20,7 +20,8 @@ from marin_rl.broadcast.base import UpdateUnavailable
 from marin_rl.broadcast.fsspec_checkpoint import FsspecTransport
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer

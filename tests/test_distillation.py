@@ -19,7 +19,8 @@ from marin_rl.inference.teacher import TeacherConfig, TeacherScorer, teacher_che
 from marin_rl.learner.algorithm import get_algorithm
 from marin_rl.learner.batch import RlExample
 from marin_rl.learner.losses import LossConfig, opd_reverse_kl
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.replay.store import rollout_to_row, row_to_stored

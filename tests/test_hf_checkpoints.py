@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import packed_attention_mask, token_logprobs
 from marin_rl.replay.packing import Sequence, pack

@@ -28,7 +28,8 @@ from levanter.models.llama import LlamaConfig
 from reference_python import built_vllm_python, reference_python
 from seeded_checkpoints import DATA, materialise
 
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.hf_config import architecture_from_hf, normalised_hf_config, unhonoured_setting
 
 TOLERANCE = 1e-4

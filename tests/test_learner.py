@@ -18,7 +18,7 @@ from marin_rl.learner.learner import (
     WarmStartConfig,
 )
 from marin_rl.learner.losses import LossConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.logprobs import packed_attention_mask
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer

@@ -25,7 +25,8 @@ from marin_rl.inference.config import InferenceConfig, LevanterServerConfig, Rew
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.reward_server import RewardClient, RewardRequestError, RewardServer
 from marin_rl.learner.algorithm import get_algorithm, with_reward_models
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.reward import (
     RewardModelSpec,
     load_reward_model,

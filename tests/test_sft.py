@@ -16,7 +16,8 @@ from subprocess_env import subprocess_env
 from marin_rl.config import RunConfig
 from marin_rl.envs.data import DataFormatError
 from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig, SftConfig
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.logprobs import packed_attention_mask
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.packing import Sequence, pack
@@ -203,7 +204,7 @@ import json, sys
 import jax
 from marin_rl.config import RunConfig
 from marin_rl.learner.learner import LearnerConfig, MeshConfig, OptimizerConfig, SftConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.sft import SftTrainer
 from marin_rl.replay.batcher import BatcherConfig
 

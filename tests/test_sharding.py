@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, OptimizerConfig
 from marin_rl.learner.losses import LossConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.model.config import ModelConfig, tiny_llama
 from random_packed_batch import random_packed_batch
 
 out_dir, cases = sys.argv[1], json.loads(sys.argv[2])

@@ -22,7 +22,8 @@ from marin_rl.inference.teacher import TeacherConfig, TeacherScorer
 from marin_rl.learner.batch import TEACHER_TOP_K, RlExample
 from marin_rl.learner.learner import _chunked, _from_raw
 from marin_rl.learner.losses import LossConfig, get_loss, opd_forward_kl_topk
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import packed_attention_mask, token_logprobs_at
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.replay.store import ROLLOUT_SCHEMA, rollout_to_row, row_to_stored

@@ -58,8 +58,9 @@ from marin_rl.inference.openai_api import (
     warn_if_unprotected,
 )
 from marin_rl.inference.prompt_scores import PromptScores
+from marin_rl.model.config import LoraConfig
 from marin_rl.model.logprobs import token_logprobs, top_k_logprobs
-from marin_rl.model.lora import AdapterMerger, LoraConfig
+from marin_rl.model.lora import AdapterMerger
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from marin_rl.learner.gae import gae_packed_device, masked_mean, masked_variance
 from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.learner.step import apply_gradients
 from marin_rl.learner.train_state import train_state_field
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.value import ValueModel, head_on, token_values, value_model_from, zero_value_head
 from marin_rl.types import PackedBatch
 

@@ -40,7 +40,8 @@ from marin_rl.learner.optimizer import LR_SCHEDULES, OptimizerConfig  # noqa: F4
 from marin_rl.learner.step import apply_gradients, loss_step, microbatched
 from marin_rl.learner.train_state import TrainState, train_state_field
 from marin_rl.model import lora
-from marin_rl.model.build import ModelConfig, build_model, parameter_count
+from marin_rl.model.build import build_model, parameter_count
+from marin_rl.model.config import LoraConfig, ModelConfig
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs, token_logprobs_at
 from marin_rl.progress import StepProgress
@@ -276,7 +277,7 @@ class LearnerConfig:
     """The accelerator the experiment is sized for: 'gpu', 'tpu' or 'cpu'. A learner whose JAX devices are another
     platform refuses to start, in one line naming what it found (a ~100M-parameter experiment would take hours on a
     laptop's CPU); the local backend checks it before anything starts. null: whatever JAX finds."""
-    lora: lora.LoraConfig = field(default_factory=lora.LoraConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA (`rank > 0`): after the warm start (which, like `model.init_from_hf`, makes the base) the learner trains
     low-rank adapters on the linear layers and nothing else; versions carry only the adapters, the servers merge them
     into the base; the KL reference is the base itself (no second copy). `learner.mode: sft` trains adapters too."""

@@ -89,7 +89,8 @@ def measure(steps: int, variants: list[str]) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
     from marin_rl.model.config import ModelConfig
 
     a = jax.random.normal(jax.random.PRNGKey(0), (DOT_N, DOT_N), jnp.float32)

@@ -42,7 +42,8 @@ from random_packed_batch import random_packed_batch  # noqa: E402
 from marin_rl.broadcast import BroadcastConfig, make_transport  # noqa: E402
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig  # noqa: E402
 from marin_rl.inference.levanter_server import LevanterInferenceServer  # noqa: E402
-from marin_rl.learner.learner import Learner, LearnerConfig  # noqa: E402
+from marin_rl.learner.config import LearnerConfig
+from marin_rl.learner.learner import Learner  # noqa: E402
 from marin_rl.model import lora  # noqa: E402
 from marin_rl.model.build import build_model  # noqa: E402
 from marin_rl.model.config import LoraConfig, ModelConfig

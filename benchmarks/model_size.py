@@ -264,7 +264,8 @@ def measure(name: str, work: Workload, steps: int) -> dict:
     import jax
     from device_local import matmul_peak
 
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
     from marin_rl.model.config import ModelConfig
 
     shape = PRESETS[name]

@@ -28,7 +28,7 @@ from marin_rl.inference.config import InferenceConfig, RewardModelConfig
 from marin_rl.inference.engine_support import engine_refusal
 from marin_rl.inference.teacher import TeacherConfig
 from marin_rl.learner.algorithm import Algorithm, get_algorithm, with_reward_models
-from marin_rl.learner.learner import LearnerConfig
+from marin_rl.learner.config import LearnerConfig
 from marin_rl.model.config import ModelConfig
 from marin_rl.placement import PlacementConfig, tpu_slice_shape
 from marin_rl.replay.batcher import BatcherConfig

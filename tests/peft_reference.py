@@ -68,7 +68,8 @@ def ship(reference_python: str) -> None:
     import numpy as np
     from seeded_checkpoints import DATA, seed_directory, strip
 
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
     from marin_rl.model.config import LoraConfig, ModelConfig, tiny_llama
     from marin_rl.tokenizer import build_char_tokenizer
 

@@ -18,7 +18,8 @@ from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.teacher import TeacherConfig, TeacherScorer, teacher_checkpoint
 from marin_rl.learner.algorithm import get_algorithm
 from marin_rl.learner.batch import RlExample
-from marin_rl.learner.losses import LossConfig, opd_reverse_kl
+from marin_rl.learner.config import LossConfig
+from marin_rl.learner.losses import opd_reverse_kl
 from marin_rl.model.build import build_model
 from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import token_logprobs

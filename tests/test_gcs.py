@@ -123,7 +123,8 @@ def test_checkpoints_save_and_resume_on_gs(gcs):
         save_learner_state,
         write_json,
     )
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
     from marin_rl.model.config import ModelConfig, tiny_llama
 
     root = f"{gcs()}/checkpoints"
@@ -210,7 +211,8 @@ def test_metrics_summary_and_plot_on_gs(gcs):
 
 @pytest.mark.gate_run  # a run whose data and outputs are on gs:// (seconds)
 def test_sft_run_reads_and_writes_gs(gcs):
-    from marin_rl.learner.learner import LearnerConfig, OptimizerConfig, SftConfig
+    from marin_rl.learner.config import LearnerConfig, SftConfig
+    from marin_rl.learner.optimizer import OptimizerConfig
     from marin_rl.model.build import build_model
     from marin_rl.model.config import ModelConfig, tiny_llama
     from marin_rl.replay.batcher import BatcherConfig

@@ -146,7 +146,8 @@ def test_export_every_must_be_non_negative():
 
 
 def test_learner_starts_from_and_exports_hf(tmp_path, tokenizer, trained):
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
 
     export_hf_checkpoint(trained, tokenizer, str(tmp_path / "init"))
     learner = Learner(ModelConfig(init_from_hf=str(tmp_path / "init")), LearnerConfig(), len(tokenizer))

@@ -298,7 +298,8 @@ def test_each_engine_samples_what_the_learner_scores_or_refuses_the_family_by_na
 def test_the_learner_scores_and_trains_mixture_of_experts_checkpoints_on_one_device(reference, name):
     """Levanter routes experts in a shard_map, which needs a device mesh: on one device the learner builds a
     one-device mesh for such a model (others run without one). Its logprobs equal transformers' and a step trains."""
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
     from marin_rl.types import PackedBatch
 
     root, ref = reference

@@ -24,7 +24,8 @@ from marin_rl.inference.client import PolicyClient
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
+from marin_rl.learner.config import LearnerConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
 from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.orchestrator.local import policy_bytes
 from marin_rl.run import parse_config
@@ -296,7 +297,8 @@ from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
-from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.learner.config import LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
 from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
@@ -399,7 +401,8 @@ from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.learner.config import LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
 from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 

@@ -22,8 +22,8 @@ from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.learner.losses import LossConfig
+from marin_rl.learner.config import LearnerConfig, LossConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
 from marin_rl.model import lora
 from marin_rl.model.build import build_model
 from marin_rl.model.config import LoraConfig, ModelConfig, tiny_llama

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from marin_rl.learner.batch import RlExample
+from marin_rl.learner.config import LossConfig
 from marin_rl.learner.losses import (
-    LossConfig,
     aggregate,
     clipped_objective,
     combine_metrics,

@@ -30,7 +30,8 @@ from marin_rl.inference.client import PolicyClient
 from marin_rl.inference.config import InferenceConfig, VllmConfig
 from marin_rl.inference.vllm_env import ENV_VAR, ensure_vllm_env, vllm_python
 from marin_rl.inference.vllm_server import _in_use, _shm_entries
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
+from marin_rl.learner.config import LearnerConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
 from marin_rl.model.build import build_model
 from marin_rl.model.config import ModelConfig, tiny_llama, with_seq_len
 from marin_rl.model.logprobs import token_logprobs

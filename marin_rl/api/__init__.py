@@ -22,16 +22,8 @@ from marin_rl.api.inference import EngineConfig, GroupResult, InferenceEngine
 from marin_rl.api.rollouts import RolloutWorker
 from marin_rl.api.staleness import GateInputs, StalenessGate
 from marin_rl.api.train import TrainEngine, make_batch
-from marin_rl.learner.losses import (
-    LossSpec,
-    aggregate,
-    get_loss,
-    known_losses,
-    num_sequences,
-    proximal_logprobs,
-    register_loss,
-    sequence_means,
-)
+from marin_rl.learner.loss_registry import LossSpec, get_loss, known_losses, register_loss
+from marin_rl.learner.losses import aggregate, num_sequences, proximal_logprobs, sequence_means
 
 __all__ = [
     "EngineConfig",

@@ -32,7 +32,8 @@ from levanter.models.llama import LlamaConfig
 from marin_rl.inference.chat import ChatMessage, end_of_turn_ids, render_prompt, template_messages
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.model.build import ModelConfig, build_model, parameter_count, tiny_llama
+from marin_rl.model.build import build_model, parameter_count
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
 MAX_SEQ_LEN = 512

@@ -89,8 +89,9 @@ def measure(steps: int, variants: list[str]) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from marin_rl.learner.learner import Learner, LearnerConfig
-    from marin_rl.model.build import ModelConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
+    from marin_rl.model.config import ModelConfig
 
     a = jax.random.normal(jax.random.PRNGKey(0), (DOT_N, DOT_N), jnp.float32)
     b = jax.random.normal(jax.random.PRNGKey(1), (DOT_N, DOT_N), jnp.float32)

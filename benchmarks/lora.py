@@ -42,9 +42,11 @@ from random_packed_batch import random_packed_batch  # noqa: E402
 from marin_rl.broadcast import BroadcastConfig, make_transport  # noqa: E402
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig  # noqa: E402
 from marin_rl.inference.levanter_server import LevanterInferenceServer  # noqa: E402
-from marin_rl.learner.learner import Learner, LearnerConfig  # noqa: E402
+from marin_rl.learner.config import LearnerConfig
+from marin_rl.learner.learner import Learner  # noqa: E402
 from marin_rl.model import lora  # noqa: E402
-from marin_rl.model.build import ModelConfig, build_model  # noqa: E402
+from marin_rl.model.build import build_model  # noqa: E402
+from marin_rl.model.config import LoraConfig, ModelConfig
 from marin_rl.model.logprobs import token_logprobs  # noqa: E402
 from marin_rl.tokenizer import build_char_tokenizer  # noqa: E402
 
@@ -73,7 +75,7 @@ MODELS = {
 def measure(arch: LlamaConfig, vocab: int, rank: int, args, tok) -> dict[str, float]:
     """Update bytes and seconds, optimizer bytes and step time of one learner (rank 0: full fine-tuning)."""
     model_config = ModelConfig(architecture=arch)
-    config = LearnerConfig(lora=lora.LoraConfig(rank=rank, alpha=2.0 * max(rank, 1)))
+    config = LearnerConfig(lora=LoraConfig(rank=rank, alpha=2.0 * max(rank, 1)))
     learner = Learner(model_config, config, vocab)
     learner.add_adapters()
     server = LevanterInferenceServer(

@@ -264,8 +264,9 @@ def measure(name: str, work: Workload, steps: int) -> dict:
     import jax
     from device_local import matmul_peak
 
-    from marin_rl.learner.learner import Learner, LearnerConfig
-    from marin_rl.model.build import ModelConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
+    from marin_rl.model.config import ModelConfig
 
     shape = PRESETS[name]
     platform = jax.devices()[0].platform

@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"batcher time per batch:       {batcher_s * 1e3:.1f} ms (median; max {max(times) * 1e3:.1f} ms)")
 
     if args.learner_steps > 0:
-        from marin_rl.learner.learner import Learner, LearnerConfig
-        from marin_rl.model.build import ModelConfig, tiny_llama
+        from marin_rl.learner.config import LearnerConfig
+        from marin_rl.learner.learner import Learner
+        from marin_rl.model.config import ModelConfig, tiny_llama
 
         arch = dataclasses.replace(tiny_llama(), max_seq_len=args.seq_len)
         learner = Learner(ModelConfig(architecture=arch), LearnerConfig(), vocab_size=128)

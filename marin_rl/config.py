@@ -24,13 +24,12 @@ from marin_rl.cli_help import preflight
 from marin_rl.envs.base import Environment, SamplingParams, SingleTurnEnvironment, load_environment_class
 from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
-from marin_rl.inference.config import InferenceConfig
+from marin_rl.inference.config import InferenceConfig, RewardModelConfig
 from marin_rl.inference.engine_support import engine_refusal
-from marin_rl.inference.reward_server import RewardModelConfig
 from marin_rl.inference.teacher import TeacherConfig
 from marin_rl.learner.algorithm import Algorithm, get_algorithm, with_reward_models
-from marin_rl.learner.learner import LearnerConfig
-from marin_rl.model.build import ModelConfig
+from marin_rl.learner.config import LearnerConfig
+from marin_rl.model.config import ModelConfig
 from marin_rl.placement import PlacementConfig, tpu_slice_shape
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.buffer import ReplayConfig

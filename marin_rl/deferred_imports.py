@@ -7,7 +7,7 @@ deferred module is a placeholder in `sys.modules` with the real module's spec an
 placeholder, and the first use of any of its attributes (`wandb.init`, `isinstance(x, datasets.Dataset)`, an import
 of a submodule) imports the real module, which replaces the placeholder in `sys.modules`; the placeholder forwards every
 later attribute read and write to it. Nothing is deferred that is already imported, and `MARIN_RL_EAGER_IMPORTS=1`
-turns the deferral off.
+turns the deferral off. `lazy_module` gives the same placeholder for one caller's use only (not in `sys.modules`).
 
 Levanter's progress bars (`tqdm_loggable.auto`) also import IPython (~0.4 s) to ask whether they run in a notebook. A
 process that has not imported IPython is not in one; when its stdout is not a terminal either (a Ray actor, a
@@ -84,6 +84,14 @@ def defer(name: str) -> bool:
         module.__package__ = name
         sys.modules[name] = module
         return True
+
+
+def lazy_module(name: str) -> DeferredModule:
+    """A reference to module `name` (a submodule too) that imports it on the first use of one of its attributes.
+    Unlike `defer`, nothing is put in `sys.modules`: `import name` elsewhere is unaffected. For a module whose names
+    a caller needs only sometimes, e.g. in annotations that are resolved when a config is parsed (`lm_model.LmConfig`
+    in `marin_rl.model.config`), not when the annotating module is imported."""
+    return DeferredModule(name)
 
 
 def is_deferred(name: str) -> bool:

@@ -47,7 +47,8 @@ from marin_rl.envs.rewards import combine_rewards
 from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.learner.step import apply_gradients
 from marin_rl.logs import configure_logging
-from marin_rl.model.build import ModelConfig, build_model, parameter_count, with_seq_len
+from marin_rl.model.build import build_model, parameter_count
+from marin_rl.model.config import ModelConfig, with_seq_len
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.model.reward import (
     RewardModelSpec,

@@ -27,9 +27,10 @@ from transformers import PreTrainedTokenizerBase
 
 from marin_rl.config import RunConfig
 from marin_rl.envs.data import DataFormatError, read_rows, text_field
-from marin_rl.learner.learner import Learner, SftConfig
+from marin_rl.learner.config import SftConfig
+from marin_rl.learner.learner import Learner
 from marin_rl.logs import configure_logging
-from marin_rl.model.build import with_seq_len
+from marin_rl.model.config import with_seq_len
 from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack, pack_rows
 from marin_rl.report import write_summary

@@ -2,7 +2,8 @@
 
 Rollouts cross process boundaries (env actor -> replay buffer) and go to disk as plain JSON-compatible
 dicts (`to_dict` / `from_dict`), never as pickles: `from_dict` validates what it reads and names what is
-wrong. The training batch, `RlExample`, is an equinox module of haliax named arrays.
+wrong. The packed training batch is a host-side `PackedBatch` of NumPy arrays; the learner puts it on its devices as
+an `RlExample` (`marin_rl.learner.batch`). Nothing here imports JAX.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import equinox as eqx
-import haliax as hax
-import jax
 import numpy as np
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -23,8 +21,6 @@ DROP_REASON = "drop_reason"
 """The `Rollout.metadata` key by which an environment marks a rollout not to train on (its tokens cannot be trusted,
 e.g. a token capture whose turns do not extend each other): the value is a short reason code. The rollout still
 counts in its group's advantages; the replay buffer drops it unused, counted under `replays/{env}/dropped/{reason}`."""
-TEACHER_TOP_K = "teacher_top_k"
-"""Name of the axis of the teacher's top-k tokens in `RlExample.teacher_top_ids` / `teacher_top_logprobs`."""
 
 
 class RolloutFormatError(ValueError):
@@ -428,7 +424,7 @@ class RolloutGroup:
 
 @dataclass
 class PackedBatch:
-    """Host-side (NumPy) packed training batch; `RlExample.from_packed` puts it on devices.
+    """Host-side (NumPy) packed training batch; `marin_rl.learner.batch.RlExample.from_packed` puts it on devices.
 
     Every array has shape `(rows, max_seq_len)`. Token t of a row is predicted from tokens `< t` of the same
     segment. `segment_ids` is -1 on padding.
@@ -465,64 +461,3 @@ class PackedBatch:
     @property
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
-
-
-class RlExample(eqx.Module):
-    """A packed training batch of named arrays over `(batch, position)`.
-
-    `sampler_logprobs[b, t]` is the sampler's log-probability of `input_ids[b, t]`; `loss_mask` is true only on
-    tokens that the policy sampled. Several rollouts share a row, separated by `segment_ids`.
-    """
-
-    input_ids: hax.NamedArray
-    position_ids: hax.NamedArray
-    segment_ids: hax.NamedArray
-    loss_mask: hax.NamedArray
-    advantages: hax.NamedArray
-    sampler_logprobs: hax.NamedArray
-    token_versions: hax.NamedArray
-    reference_logprobs: hax.NamedArray | None = None
-    proximal_logprobs: hax.NamedArray | None = None
-    rewards: hax.NamedArray | None = None
-    """Per-token rewards (`PackedBatch.rewards`), for a critic's GAE on the device; None without them."""
-    truncated: hax.NamedArray | None = None
-    """With `rewards`: true on every token of an episode cut off by a length limit."""
-    teacher_logprobs: hax.NamedArray | None = None
-    """A teacher's logprob of each sampled token (`PackedBatch.teacher_logprobs`); None without a teacher."""
-    teacher_top_ids: hax.NamedArray | None = None
-    """Top-k distillation: the teacher's top-k token ids over `(batch, position, TEACHER_TOP_K)`; None without."""
-    teacher_top_logprobs: hax.NamedArray | None = None
-    """The teacher's logprobs of `teacher_top_ids`, over the same axes; None without."""
-
-    @staticmethod
-    def from_packed(batch: PackedBatch, Batch: hax.Axis, Pos: hax.Axis) -> RlExample:
-        """A host batch as named arrays on the default device (one explicit copy each; the caller shards)."""
-
-        def named(x, dtype):
-            return hax.NamedArray(jax.device_put(np.asarray(x, dtype=dtype)), (Batch, Pos))
-
-        def named_top(x, dtype):
-            if x is None:
-                return None
-            TopK = hax.Axis(TEACHER_TOP_K, x.shape[-1])
-            return hax.NamedArray(jax.device_put(np.asarray(x, dtype=dtype)), (Batch, Pos, TopK))
-
-        return RlExample(
-            input_ids=named(batch.input_ids, np.int32),
-            position_ids=named(batch.position_ids, np.int32),
-            segment_ids=named(batch.segment_ids, np.int32),
-            loss_mask=named(batch.loss_mask, np.bool_),
-            advantages=named(batch.advantages, np.float32),
-            sampler_logprobs=named(batch.sampler_logprobs, np.float32),
-            token_versions=named(batch.token_versions, np.int32),
-            rewards=None if batch.rewards is None else named(batch.rewards, np.float32),
-            truncated=None if batch.rewards is None else named(_truncated(batch), np.bool_),
-            teacher_logprobs=None if batch.teacher_logprobs is None else named(batch.teacher_logprobs, np.float32),
-            teacher_top_ids=named_top(batch.teacher_top_ids, np.int32),
-            teacher_top_logprobs=named_top(batch.teacher_top_logprobs, np.float32),
-        )
-
-
-def _truncated(batch: PackedBatch) -> np.ndarray:
-    """`batch.truncated`, or all false when the batch does not say."""
-    return np.zeros(batch.input_ids.shape, bool) if batch.truncated is None else batch.truncated

@@ -68,13 +68,13 @@ def ship(reference_python: str) -> None:
     import numpy as np
     from seeded_checkpoints import DATA, seed_directory, strip
 
-    from marin_rl.learner.learner import Learner, LearnerConfig
-    from marin_rl.model import lora
-    from marin_rl.model.build import ModelConfig, tiny_llama
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
+    from marin_rl.model.config import LoraConfig, ModelConfig, tiny_llama
     from marin_rl.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    config = LearnerConfig(lora=lora.LoraConfig(rank=RANK, alpha=ALPHA, init="zero_b"))
+    config = LearnerConfig(lora=LoraConfig(rank=RANK, alpha=ALPHA, init="zero_b"))
     learner = Learner(ModelConfig(architecture=tiny_llama()), config, len(tok))
     assert learner.add_adapters()
     shipped = DATA / "peft_reference"

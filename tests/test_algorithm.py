@@ -15,8 +15,10 @@ from marin_rl.learner.algorithm import (
     known_algorithms,
     register_algorithm,
 )
-from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 

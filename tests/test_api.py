@@ -20,7 +20,7 @@ from marin_rl.broadcast.base import BroadcastConfig, WeightSubscriber, make_tran
 from marin_rl.config import make_environment, parse_config
 from marin_rl.envs.base import SamplingParams
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.losses import LossConfig
+from marin_rl.learner.config import LossConfig
 from marin_rl.model.build import build_model
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.buffer import ReplayConfig

@@ -27,7 +27,8 @@ from marin_rl.envs.multi_turn import EnvResponse, MultiTurnEnvironment
 from marin_rl.inference.client import PolicyClient, Sample
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.replay.store import read_rollouts
 from marin_rl.run import parse_config
 from marin_rl.tokenizer import TokenizerConfig, load_tokenizer

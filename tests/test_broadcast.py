@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from marin_rl.broadcast import BroadcastConfig, WeightSubscriber, make_transport
+from marin_rl.broadcast.arrays import _cast_on_device
 from marin_rl.broadcast.arrow_flight import ArrowFlightTransport, _WeightFlightServer, plan_tickets
-from marin_rl.broadcast.base import UpdateUnavailable, _cast_on_device
+from marin_rl.broadcast.base import UpdateUnavailable
 from marin_rl.broadcast.fsspec_checkpoint import FsspecTransport
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer

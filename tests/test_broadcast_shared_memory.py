@@ -26,7 +26,8 @@ from marin_rl.broadcast.shared_memory import (
 )
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.tokenizer import build_char_tokenizer
 
 

@@ -18,8 +18,9 @@ from marin_rl.inference.chat import end_of_turn_ids
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.sessions import CapturedCompletion, SessionRecords, SessionStore
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.tokenizer import build_char_tokenizer
 from marin_rl.tool_calls import format_tool_call

@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.learner.critic import CriticConfig, value_loss
-from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig, _to_example
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import CriticConfig, LearnerConfig
+from marin_rl.learner.critic import value_loss
+from marin_rl.learner.learner import Learner, _to_example
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.value import token_values
 from marin_rl.replay.gae import gae_packed, whiten
 from marin_rl.replay.packing import Sequence, pack

@@ -18,8 +18,9 @@ from marin_rl.inference.client import PolicyClient
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.dense_engine import DenseEngine, check_supported
 from marin_rl.inference.levanter_server import LevanterInferenceServer, _FullDistributionSampler
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 

@@ -17,14 +17,17 @@ from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.teacher import TeacherConfig, TeacherScorer, teacher_checkpoint
 from marin_rl.learner.algorithm import get_algorithm
-from marin_rl.learner.losses import LossConfig, opd_reverse_kl
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.learner.batch import RlExample
+from marin_rl.learner.config import LossConfig
+from marin_rl.learner.losses import opd_reverse_kl
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.replay.store import rollout_to_row, row_to_stored
 from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.tokenizer import build_char_tokenizer
-from marin_rl.types import InferenceMetadata, PackedBatch, RlExample, Rollout, RolloutGroup, Turn
+from marin_rl.types import InferenceMetadata, PackedBatch, Rollout, RolloutGroup, Turn
 
 MAX_SEQ_LEN = 64
 

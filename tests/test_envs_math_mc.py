@@ -18,7 +18,8 @@ from marin_rl.envs.math import MathEnvironment, answers_match, extract_answer, v
 from marin_rl.envs.multiple_choice import MultipleChoiceEnvironment, extract_choice
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
 GSM8K_ROWS = [

@@ -33,7 +33,8 @@ from marin_rl.envs.tools import (
 from marin_rl.inference.client import Sample
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
 

@@ -123,8 +123,9 @@ def test_checkpoints_save_and_resume_on_gs(gcs):
         save_learner_state,
         write_json,
     )
-    from marin_rl.learner.learner import Learner, LearnerConfig
-    from marin_rl.model.build import ModelConfig, tiny_llama
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
+    from marin_rl.model.config import ModelConfig, tiny_llama
 
     root = f"{gcs()}/checkpoints"
     learner = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(), 128)
@@ -150,7 +151,8 @@ def test_checkpoints_save_and_resume_on_gs(gcs):
 def test_hf_export_and_init_from_hf_on_gs(gcs):
     import haliax as hax
 
-    from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+    from marin_rl.model.build import build_model
+    from marin_rl.model.config import ModelConfig, tiny_llama
     from marin_rl.model.hf import export_hf_checkpoint
     from marin_rl.tokenizer import build_char_tokenizer
 
@@ -209,8 +211,10 @@ def test_metrics_summary_and_plot_on_gs(gcs):
 
 @pytest.mark.gate_run  # a run whose data and outputs are on gs:// (seconds)
 def test_sft_run_reads_and_writes_gs(gcs):
-    from marin_rl.learner.learner import LearnerConfig, OptimizerConfig, SftConfig
-    from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+    from marin_rl.learner.config import LearnerConfig, SftConfig
+    from marin_rl.learner.optimizer import OptimizerConfig
+    from marin_rl.model.build import build_model
+    from marin_rl.model.config import ModelConfig, tiny_llama
     from marin_rl.replay.batcher import BatcherConfig
     from marin_rl.run import RunConfig, run
 

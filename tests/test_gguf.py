@@ -48,7 +48,8 @@ def test_a_gguf_path_converts_once_and_is_reused(converted, cache_dir):
 
 
 def test_a_missing_gguf_file_is_named_in_one_line(tmp_path):
-    from marin_rl.model.build import ModelConfig, build_model
+    from marin_rl.model.build import build_model
+    from marin_rl.model.config import ModelConfig
 
     with pytest.raises(ValueError, match=r"^tokenizer\.path='.*nowhere\.gguf': .*nowhere\.gguf: no such GGUF file$"):
         load_tokenizer(TokenizerConfig(path=str(tmp_path / "nowhere.gguf")))

@@ -14,7 +14,8 @@ import pytest
 
 from marin_rl.bpe import build_bpe_tokenizer
 from marin_rl.envs.math import MathEnvironment, verify
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.hf_config import architecture_from_hf
 from marin_rl.replay.store import read_rollouts

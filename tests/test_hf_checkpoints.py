@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import packed_attention_mask, token_logprobs
 from marin_rl.replay.packing import Sequence, pack
@@ -145,7 +146,8 @@ def test_export_every_must_be_non_negative():
 
 
 def test_learner_starts_from_and_exports_hf(tmp_path, tokenizer, trained):
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
 
     export_hf_checkpoint(trained, tokenizer, str(tmp_path / "init"))
     learner = Learner(ModelConfig(init_from_hf=str(tmp_path / "init")), LearnerConfig(), len(tokenizer))

@@ -28,7 +28,8 @@ from levanter.models.llama import LlamaConfig
 from reference_python import built_vllm_python, reference_python
 from seeded_checkpoints import DATA, materialise
 
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.hf_config import architecture_from_hf, normalised_hf_config, unhonoured_setting
 
 TOLERANCE = 1e-4
@@ -297,7 +298,8 @@ def test_each_engine_samples_what_the_learner_scores_or_refuses_the_family_by_na
 def test_the_learner_scores_and_trains_mixture_of_experts_checkpoints_on_one_device(reference, name):
     """Levanter routes experts in a shard_map, which needs a device mesh: on one device the learner builds a
     one-device mesh for such a model (others run without one). Its logprobs equal transformers' and a step trains."""
-    from marin_rl.learner.learner import Learner, LearnerConfig
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
     from marin_rl.types import PackedBatch
 
     root, ref = reference

@@ -18,8 +18,9 @@ from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.inference.client import PolicyClient, versions_from_spans
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.replay.batcher import Batcher, BatcherConfig
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig

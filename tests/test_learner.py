@@ -10,15 +10,10 @@ import optax
 import pytest
 
 from marin_rl.bounds import deferred_checks
-from marin_rl.learner.learner import (
-    Learner,
-    LearnerConfig,
-    NonFiniteTrainingError,
-    OptimizerConfig,
-    WarmStartConfig,
-)
-from marin_rl.learner.losses import LossConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, LossConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner, NonFiniteTrainingError
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.logprobs import packed_attention_mask
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer

@@ -24,7 +24,8 @@ from levanter.trainer import TrainerConfig
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer, _FullDistributionSampler, _replace_leaves
 from marin_rl.inference.openai_api import CompletionRequest
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.tokenizer import build_char_tokenizer
 

@@ -24,8 +24,9 @@ from marin_rl.inference.client import PolicyClient
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.orchestrator.local_backend.backend import policy_bytes
 from marin_rl.run import parse_config
 from marin_rl.tokenizer import build_char_tokenizer
@@ -298,8 +299,9 @@ from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.local_client import InProcessPolicyClient
-from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, WarmStartConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
 tok = build_char_tokenizer()
@@ -401,8 +403,9 @@ from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, WarmStartConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, MeshConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.tokenizer import build_char_tokenizer
 
 tok = build_char_tokenizer()

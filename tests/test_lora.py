@@ -22,10 +22,11 @@ from marin_rl.envs.base import SamplingParams, run_groups
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.learner.losses import LossConfig
+from marin_rl.learner.config import LearnerConfig, LossConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
 from marin_rl.model import lora
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import LoraConfig, ModelConfig, tiny_llama
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 
@@ -33,7 +34,7 @@ RANK = 2
 
 
 def _lora_learner(vocab: int, kl_coef: float = 0.0, seed: int = 0) -> Learner:
-    config = LearnerConfig(lora=lora.LoraConfig(rank=RANK, alpha=4.0, init="zero_b", seed=seed))
+    config = LearnerConfig(lora=LoraConfig(rank=RANK, alpha=4.0, init="zero_b", seed=seed))
     config.loss = LossConfig(kl_coef=kl_coef)
     learner = Learner(ModelConfig(architecture=tiny_llama()), config, vocab)
     assert learner.add_adapters()
@@ -134,7 +135,7 @@ def test_servers_merge_adapter_only_versions_and_sample_what_the_learner_scores(
     tok = build_char_tokenizer()
     env = AdditionEnvironment(tok, max_operand=49, num_eval=50)
     config = LearnerConfig(
-        warm_start=WarmStartConfig(steps=30, cache_dir=None), lora=lora.LoraConfig(rank=RANK, init="zero_b")
+        warm_start=WarmStartConfig(steps=30, cache_dir=None), lora=LoraConfig(rank=RANK, init="zero_b")
     )
     learner = Learner(ModelConfig(architecture=tiny_llama()), config, len(tok))
     examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
@@ -179,15 +180,15 @@ def test_servers_merge_adapter_only_versions_and_sample_what_the_learner_scores(
 
 def test_lora_configuration_refusals():
     with pytest.raises(ValueError, match="learner.lora.init"):
-        lora.LoraConfig(rank=2, init="gaussian")
+        LoraConfig(rank=2, init="gaussian")
     with pytest.raises(ValueError, match="learner.lora.rank"):
-        lora.LoraConfig(rank=-1)
+        LoraConfig(rank=-1)
     with pytest.raises(ValueError, match="matches none"):
         lora.add_adapters(
-            build_model(ModelConfig(architecture=tiny_llama()), 40), lora.LoraConfig(rank=2, target_modules=["nope"])
+            build_model(ModelConfig(architecture=tiny_llama()), 40), LoraConfig(rank=2, target_modules=["nope"])
         )
     with pytest.raises(ValueError, match="learner.lora.init_from_peft"):
-        lora.LoraConfig(rank=2, init_from_peft=" ")
+        LoraConfig(rank=2, init_from_peft=" ")
 
 
 @pytest.mark.gate_run  # a LoRA version carrying only adapters, and an in-run server replacement
@@ -261,7 +262,7 @@ def test_peft_adapters_give_peft_logprobs_and_export_as_they_were_read(tmp_path)
     adapters = materialise(PEFT_REFERENCE / "adapters", tmp_path / "adapters", "peft_reference/adapters")
     reference = json.loads((PEFT_REFERENCE / "reference.json").read_text())
     sequences = reference["sequences"]
-    config = LearnerConfig(lora=lora.LoraConfig(rank=RANK, alpha=4.0, init_from_peft=str(adapters)))
+    config = LearnerConfig(lora=LoraConfig(rank=RANK, alpha=4.0, init_from_peft=str(adapters)))
     learner = Learner(ModelConfig(architecture=tiny_llama(), init_from_hf=str(base)), config, len(tok))
     assert learner.add_adapters()
     rows = list(range(len(sequences)))

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from marin_rl.learner.batch import RlExample
+from marin_rl.learner.config import LossConfig
 from marin_rl.learner.losses import (
-    LossConfig,
     aggregate,
     clipped_objective,
     combine_metrics,
@@ -19,7 +20,6 @@ from marin_rl.learner.losses import (
     sft_loss,
 )
 from marin_rl.model.logprobs import token_logprobs
-from marin_rl.types import RlExample
 
 B, P = hax.Axis("batch", 2), hax.Axis("position", 8)
 

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.learner.losses import LossConfig, combine_metrics, loss_normalizers, policy_loss
-from marin_rl.types import RlExample
+from marin_rl.learner.batch import RlExample
+from marin_rl.learner.config import LossConfig
+from marin_rl.learner.losses import combine_metrics, loss_normalizers, policy_loss
 
 ROWS, POS = 3, 26
 B, P = hax.Axis("batch", ROWS), hax.Axis("position", POS)

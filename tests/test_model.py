@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.model.build import ModelConfig, build_model, resolved_architecture, tiny_llama
+from marin_rl.model.build import build_model, resolved_architecture
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.linear_gradients import LayoutAwareDotGeneral, _contract
 from marin_rl.model.logprobs import packed_attention_mask, token_logprobs
 

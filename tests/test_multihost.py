@@ -27,9 +27,10 @@ initialize(coordinator, nproc, pid)
 import jax
 import numpy as np
 from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, save_learner_state
-from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, OptimizerConfig
-from marin_rl.learner.losses import LossConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, LossConfig, MeshConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from random_packed_batch import random_packed_batch
 
 assert jax.device_count() == 4, jax.devices()

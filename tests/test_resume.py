@@ -28,9 +28,10 @@ from marin_rl.learner.checkpoint import (
     step_path,
     write_json,
 )
-from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig
-from marin_rl.learner.losses import LossConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, LossConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.replay.batcher import Batcher, BatcherConfig, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.replay.packing import Sequence, pack

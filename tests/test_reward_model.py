@@ -21,11 +21,12 @@ from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import Problem, SamplingParams, run_groups
 from marin_rl.envs.model_rewards import attach_reward_models, model_reward_function
 from marin_rl.envs.multi_turn import EnvResponse, MultiTurnEnvironment
-from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
+from marin_rl.inference.config import InferenceConfig, LevanterServerConfig, RewardModelConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
-from marin_rl.inference.reward_server import RewardClient, RewardModelConfig, RewardRequestError, RewardServer
+from marin_rl.inference.reward_server import RewardClient, RewardRequestError, RewardServer
 from marin_rl.learner.algorithm import get_algorithm, with_reward_models
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.reward import (
     RewardModelSpec,
     load_reward_model,

@@ -15,8 +15,11 @@ from subprocess_env import subprocess_env
 
 from marin_rl.config import RunConfig
 from marin_rl.envs.data import DataFormatError
-from marin_rl.learner.learner import Learner, LearnerConfig, OptimizerConfig, SftConfig
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama
+from marin_rl.learner.config import LearnerConfig, SftConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.logprobs import packed_attention_mask
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.packing import Sequence, pack
@@ -202,8 +205,9 @@ WORKER = r"""
 import json, sys
 import jax
 from marin_rl.config import RunConfig
-from marin_rl.learner.learner import LearnerConfig, MeshConfig, OptimizerConfig, SftConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, MeshConfig, SftConfig
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.sft import SftTrainer
 from marin_rl.replay.batcher import BatcherConfig
 

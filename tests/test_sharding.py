@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from subprocess_env import TESTS, subprocess_env
 
-from marin_rl.learner.learner import LearnerConfig, MeshConfig
+from marin_rl.learner.config import LearnerConfig, MeshConfig
 
 # (name, mesh sizes, learner options). "one" is the single-device reference of the "tp" cases, "one_acc" of "acc".
 CASES = [
@@ -28,9 +28,10 @@ WORKER = r"""
 import json, sys
 import jax
 import numpy as np
-from marin_rl.learner.learner import Learner, LearnerConfig, MeshConfig, OptimizerConfig
-from marin_rl.learner.losses import LossConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, LossConfig, MeshConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from random_packed_batch import random_packed_batch
 
 out_dir, cases = sys.argv[1], json.loads(sys.argv[2])

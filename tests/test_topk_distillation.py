@@ -19,15 +19,19 @@ from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.prompt_scores import top_logprobs_arrays
 from marin_rl.inference.teacher import TeacherConfig, TeacherScorer
+from marin_rl.learner.batch import TEACHER_TOP_K, RlExample
+from marin_rl.learner.config import LossConfig
 from marin_rl.learner.learner import _chunked, _from_raw
-from marin_rl.learner.losses import LossConfig, get_loss, opd_forward_kl_topk
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.learner.loss_registry import get_loss
+from marin_rl.learner.losses import opd_forward_kl_topk
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import packed_attention_mask, token_logprobs_at
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.replay.store import ROLLOUT_SCHEMA, rollout_to_row, row_to_stored
 from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.tokenizer import build_char_tokenizer
-from marin_rl.types import TEACHER_TOP_K, InferenceMetadata, RlExample, Rollout, RolloutGroup, Turn
+from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
 MAX_SEQ_LEN = 64
 

@@ -30,8 +30,10 @@ from marin_rl.inference.client import PolicyClient
 from marin_rl.inference.config import InferenceConfig, VllmConfig
 from marin_rl.inference.vllm_env import ENV_VAR, ensure_vllm_env, vllm_python
 from marin_rl.inference.vllm_server import _in_use, _shm_entries
-from marin_rl.learner.learner import Learner, LearnerConfig, WarmStartConfig
-from marin_rl.model.build import ModelConfig, build_model, tiny_llama, with_seq_len
+from marin_rl.learner.config import LearnerConfig, WarmStartConfig
+from marin_rl.learner.learner import Learner
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig, tiny_llama, with_seq_len
 from marin_rl.model.logprobs import token_logprobs
 from marin_rl.orchestrator.ray_backend.actors import ServerActor
 from marin_rl.replay.packing import Sequence, pack
@@ -376,7 +378,7 @@ def test_local_inference_engine_serves_through_vllm(vllm_env):
 def test_lora_versions_are_merged_by_the_front_end_and_vllm_samples_what_the_learner_scores(vllm_env):
     from random_adapters import perturbed_adapters
 
-    from marin_rl.model.lora import LoraConfig
+    from marin_rl.model.config import LoraConfig
     from marin_rl.rollouts.servers import make_policy_server
 
     tok = build_char_tokenizer()

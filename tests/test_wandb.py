@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from marin_rl.learner.learner import LearnerConfig, OptimizerConfig, SftConfig
-from marin_rl.model.build import ModelConfig, tiny_llama
+from marin_rl.learner.config import LearnerConfig, SftConfig
+from marin_rl.learner.optimizer import OptimizerConfig
+from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.run import RunConfig, run
 from marin_rl.tracking import WANDB_ID_FILE, make_tracker

@@ -24,16 +24,8 @@ The README's "Python API" section states each call's contract.
 
 from marin_rl.api.inference import EngineConfig, FormedBatch, InferenceEngine
 from marin_rl.api.train import TrainEngine, make_batch
-from marin_rl.learner.losses import (
-    LossSpec,
-    aggregate,
-    get_loss,
-    known_losses,
-    num_sequences,
-    proximal_logprobs,
-    register_loss,
-    sequence_means,
-)
+from marin_rl.learner.loss_registry import LossSpec, get_loss, known_losses, register_loss
+from marin_rl.learner.losses import aggregate, num_sequences, proximal_logprobs, sequence_means
 from marin_rl.replay.advantages import GroupScores, register_estimator
 from marin_rl.rollouts.staleness import GateInputs, StalenessGate
 from marin_rl.rollouts.worker import RolloutWorker

@@ -15,7 +15,7 @@ from marin_rl.envs.base import Environment, reference_examples
 from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, save_learner_state
 from marin_rl.learner.distributed import is_primary
 from marin_rl.learner.learner import Learner
-from marin_rl.learner.losses import get_loss
+from marin_rl.learner.loss_registry import get_loss
 from marin_rl.replay.advantages import rloo
 from marin_rl.replay.batcher import FormedBatch
 from marin_rl.replay.packing import Sequence, pack

@@ -30,16 +30,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from marin_rl.broadcast.arrays import aligned_empty, byte_view, dtype_from_name, dtype_name, host_leaves
 from marin_rl.broadcast.base import (
     BroadcastConfig,
     UpdateUnavailable,
     WeightTransport,
     WeightUpdate,
-    aligned_empty,
-    byte_view,
-    dtype_from_name,
-    dtype_name,
-    host_leaves,
     register_transport,
 )
 

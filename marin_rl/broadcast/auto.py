@@ -11,15 +11,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from marin_rl.broadcast.base import (
-    BroadcastConfig,
-    WeightTransport,
-    WeightUpdate,
-    flatten_params,
-    leaf_dtype,
-    make_transport,
-    register_transport,
-)
+from marin_rl.broadcast.arrays import flatten_params, leaf_dtype
+from marin_rl.broadcast.base import BroadcastConfig, WeightTransport, WeightUpdate, make_transport, register_transport
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, slot_count
 
 logger = logging.getLogger(__name__)

@@ -26,17 +26,8 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from marin_rl.broadcast.base import (
-    BroadcastConfig,
-    WeightTransport,
-    WeightUpdate,
-    aligned_empty,
-    byte_view,
-    dtype_from_name,
-    dtype_name,
-    host_leaves,
-    register_transport,
-)
+from marin_rl.broadcast.arrays import aligned_empty, byte_view, dtype_from_name, dtype_name, host_leaves
+from marin_rl.broadcast.base import BroadcastConfig, WeightTransport, WeightUpdate, register_transport
 
 POINTER = "latest.json"
 MANIFEST = "manifest.json"

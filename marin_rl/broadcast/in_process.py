@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from marin_rl.broadcast.base import WeightTransport, WeightUpdate, host_leaves, register_transport
+from marin_rl.broadcast.arrays import host_leaves
+from marin_rl.broadcast.base import WeightTransport, WeightUpdate, register_transport
 
 
 @register_transport

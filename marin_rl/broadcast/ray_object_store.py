@@ -7,13 +7,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from marin_rl.broadcast.base import (
-    UpdateUnavailable,
-    WeightTransport,
-    WeightUpdate,
-    host_leaves,
-    register_transport,
-)
+from marin_rl.broadcast.arrays import host_leaves
+from marin_rl.broadcast.base import UpdateUnavailable, WeightTransport, WeightUpdate, register_transport
 
 
 @register_transport

@@ -42,15 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from marin_rl.broadcast.arrays import dtype_from_name, dtype_name, host_leaves, leaf_dtype
 from marin_rl.broadcast.base import (
     BroadcastConfig,
     UpdateUnavailable,
     WeightTransport,
     WeightUpdate,
-    dtype_from_name,
-    dtype_name,
-    host_leaves,
-    leaf_dtype,
     register_transport,
 )
 from marin_rl.processes import remove_directories_of_dead_processes

@@ -1,10 +1,12 @@
-"""Configuration of the inference servers."""
+"""Configuration of the inference servers: the policy's (`InferenceConfig`, with its vLLM and embedded Levanter
+backends) and the reward models' (`RewardModelConfig`). Nothing here imports JAX."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from marin_rl.bounds import bounded, check_fields
+from marin_rl.placement import RoleResources
 
 BACKENDS = ("levanter", "vllm")
 PAUSE_MODES = ("keep", "wait", "abort")
@@ -159,3 +161,46 @@ class InferenceConfig:
                 "inference.levanter.segment_tokens is set (a continued sequence is prefilled with its prompt and the "
                 f"tokens sampled so far), got {self.levanter.prefill_tokens}"
             )
+
+
+@dataclass
+class RewardModelConfig:
+    """A reward model served to the environments (`reward_models` of a run config): a checkpoint written by
+    `python -m marin_rl.reward_model`, served by `num_servers` reward servers (`marin_rl.inference.reward_server`).
+    An environment uses it by naming it in its `reward_models`; its score is then a named reward under `name`,
+    weighted by the environment's `reward_weights` like any other."""
+
+    name: str = "reward_model"
+    """The named reward it gives (in `rewards`, `reward_weights` and metrics such as `eval/ENV/rewards/NAME`)."""
+    path: str = ""
+    """The checkpoint directory (local path or fsspec URL such as gs://)."""
+    num_servers: int = bounded(1, ge=1)
+    """Reward servers of this model; clients send each request to the one with the fewest outstanding."""
+    max_batch_rows: int = bounded(64, ge=1)
+    """Most sequences scored in one device call; concurrent requests are batched up to this."""
+    batch_timeout_s: float = bounded(0.002, ge=0)
+    """How long a server waits for more requests before scoring (a batch grows while requests keep arriving less than
+    this apart, up to 10 times this after its first; 0: it scores the requests already there)."""
+    length_buckets: list[int] | None = None
+    """Row lengths (tokens) a batch is padded to, so that the jitted call compiles once per (rows, length) bucket;
+    the model's max_seq_len is always the last. null: powers of two from 16 up to max_seq_len."""
+    row_buckets: list[int] | None = None
+    """Row counts a batch is padded to (max_batch_rows is always the last); null: powers of 4 below max_batch_rows."""
+    host: str = "auto"
+    """Interface the server binds to and the address it advertises (as `inference.host`)."""
+    request_timeout_s: float = bounded(600.0, gt=0)
+    """Client-side timeout of one scoring request."""
+    placement: RoleResources = field(default_factory=RoleResources)
+    """What each of its server processes asks Ray for and how its JAX runtime is set up (e.g. `num_gpus: 1`, or
+    `env: {JAX_PLATFORMS: cpu}` to keep it off an accelerator)."""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.strip() or "/" in self.name:
+            raise ValueError(f"reward_models[*].name must be a non-empty name without '/', got {self.name!r}")
+        check_fields(self, f"reward_models[{self.name}]")
+        for field_name in ("length_buckets", "row_buckets"):
+            buckets = getattr(self, field_name)
+            if buckets is not None and (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)):
+                raise ValueError(
+                    f"reward_models[{self.name}].{field_name} must be null or positive integers, got {buckets!r}"
+                )

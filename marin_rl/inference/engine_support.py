@@ -3,7 +3,10 @@ architecture alone (shapes only, nothing allocated), so that a run is refused be
 
 from __future__ import annotations
 
-from levanter.models.lm_model import LmConfig, LmHeadModel
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the check builds models, so it imports JAX when it runs, not when this module is imported
+    from levanter.models.lm_model import LmConfig, LmHeadModel
 
 
 def check_paged_supported(model: LmHeadModel) -> None:

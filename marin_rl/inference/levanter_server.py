@@ -43,7 +43,7 @@ from levanter.layers.sampler import Sampler
 from levanter.models.lm_model import LmHeadModel
 from levanter.trainer import TrainerConfig
 
-from marin_rl.broadcast.base import cast_on_host
+from marin_rl.broadcast.arrays import cast_on_host
 from marin_rl.inference.completion_request import GREEDY_BELOW, InvalidRequest, RequestLimits, seed_key
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams, DenseEngine
@@ -58,8 +58,9 @@ from marin_rl.inference.openai_api import (
     warn_if_unprotected,
 )
 from marin_rl.inference.prompt_scores import PromptScores
+from marin_rl.model.config import LoraConfig
 from marin_rl.model.logprobs import token_logprobs, top_k_logprobs
-from marin_rl.model.lora import AdapterMerger, LoraConfig
+from marin_rl.model.lora import AdapterMerger
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,8 @@ from marin_rl.inference.openai_api import (
 from marin_rl.inference.prompt_scores import PromptScores, top_logprobs_arrays
 from marin_rl.inference.reaper import reap_with_parent
 from marin_rl.inference.vllm_env import vllm_python
-from marin_rl.model.lora import AdapterMerger, LoraConfig, array_leaves
+from marin_rl.model.config import LoraConfig
+from marin_rl.model.lora import AdapterMerger, array_leaves
 
 logger = logging.getLogger(__name__)
 

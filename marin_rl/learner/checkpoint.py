@@ -29,8 +29,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from levanter.checkpoint import discover_latest_checkpoint, load_checkpoint, save_checkpoint
 
+from marin_rl.learner.config import MESH_AXES
 from marin_rl.learner.distributed import is_primary
-from marin_rl.learner.learner import MESH_AXES, Learner
+from marin_rl.learner.learner import Learner
 
 logger = logging.getLogger(__name__)
 

@@ -15,65 +15,21 @@ clipped value loss
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 
-from marin_rl.bounds import bounded, check_fields
+from marin_rl.learner.config import CriticConfig
 from marin_rl.learner.distributed import host_arrays
 from marin_rl.learner.gae import gae_packed_device, masked_mean, masked_variance, whiten_device
-from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.learner.step import apply_gradients
 from marin_rl.learner.train_state import train_state_field
-from marin_rl.model.build import ModelConfig, build_model
+from marin_rl.model.build import build_model
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.value import ValueModel, head_on, token_values, value_model_from, zero_value_head
 from marin_rl.types import PackedBatch
-
-CRITIC_TRUNKS = ("separate", "policy")
-
-
-@dataclass
-class CriticConfig:
-    """PPO's value model and generalized advantage estimation (off by default: group baselines need no critic)."""
-
-    enabled: bool = False
-    """Train a critic and compute advantages by GAE. Needs `replay.advantage_estimator: gae`."""
-    trunk: str = "separate"
-    """'separate': the critic is a language model of its own with a value head (a copy of the policy's trunk taken at
-    the start of RL, after the warm start, or `init_from_hf`), all of it trained by the value loss. 'policy': a value
-    head on the policy's own trunk, which it reads as it is at each call without training it (the value loss's
-    gradients stop at the trunk); only the head is the critic's, so the critic costs no second model."""
-    init_from_hf: str | None = None
-    """'separate' trunk only: the critic's trunk from this Hugging Face checkpoint (local or fsspec URL; the
-    policy's architecture). None: a copy of the policy's trunk."""
-    gamma: float = bounded(1.0, ge=0, le=1)
-    """Discount γ per sampled token, in [0, 1] (0: each token's own reward only)."""
-    lam: float = bounded(0.95, ge=0, le=1)
-    """GAE's λ: 1 gives Monte Carlo returns minus V, 0 one-step TD errors."""
-    lam_between_turns: float | None = bounded(None, ge=0, le=1)
-    """λ across a turn boundary (environment tokens between two sampled tokens of an episode); None: `lam`. With
-    `lam: 1` and `lam_between_turns: 0` each turn's tokens get that turn's reward plus γ·V(next turn) − V: credit per
-    turn, with no later turn's reward in it (GAE over turns as steps)."""
-    value_clip: float | None = bounded(0.2, gt=0)
-    """ε_V of the clipped value loss (None: unclipped squared error)."""
-    whiten_advantages: bool = True
-    """Shift and scale each batch's advantages to mean 0 and standard deviation 1 over its sampled tokens."""
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(learning_rate=1e-3))
-    """The critic's AdamW and learning-rate schedule (its own optimizer state; schedules count critic steps, one per
-    train step)."""
-
-    def __post_init__(self):
-        check_fields(self, "learner.critic")
-        if self.trunk not in CRITIC_TRUNKS:
-            raise ValueError(f"learner.critic.trunk must be one of {CRITIC_TRUNKS}, got {self.trunk!r}")
-        if self.trunk == "policy" and self.init_from_hf is not None:
-            raise ValueError(
-                "learner.critic.init_from_hf is for a separate trunk; with trunk: policy the critic reads "
-                "the policy's own trunk"
-            )
 
 
 def value_loss(

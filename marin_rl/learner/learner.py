@@ -10,7 +10,6 @@ import math
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 
 import equinox as eqx
 import fsspec
@@ -19,293 +18,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from marin_rl.bounds import bounded, check_fields
 from marin_rl.learner import warm_start_cache
 from marin_rl.learner.algorithm import get_algorithm
-from marin_rl.learner.critic import Critic, CriticConfig
+from marin_rl.learner.batch import TEACHER_TOP_K, RlExample
+from marin_rl.learner.config import OBJECTIVES, LearnerConfig, LossConfig, check_platform, routes_experts
+from marin_rl.learner.critic import Critic
 from marin_rl.learner.distributed import host_arrays, is_primary
-from marin_rl.learner.losses import (
-    OBJECTIVES,
-    LossConfig,
-    LossSpec,
-    combine_metrics,
-    get_loss,
-    loss_normalizers,
-    sft_loss,
-)
-from marin_rl.learner.optimizer import LR_SCHEDULES, OptimizerConfig  # noqa: F401 - re-exported
+from marin_rl.learner.loss_registry import LossSpec, get_loss
+from marin_rl.learner.losses import combine_metrics, loss_normalizers, sft_loss
 from marin_rl.learner.step import apply_gradients, loss_step, microbatched
 from marin_rl.learner.train_state import TrainState, train_state_field
 from marin_rl.model import lora
-from marin_rl.model.build import ModelConfig, build_model, parameter_count
+from marin_rl.model.build import build_model, parameter_count
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.hf import export_hf_checkpoint
 from marin_rl.model.logprobs import token_logprobs, token_logprobs_at
 from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack
-from marin_rl.types import TEACHER_TOP_K, PackedBatch, RlExample
+from marin_rl.types import PackedBatch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WarmStartConfig:
-    """Optional supervised warm start on the environments' reference solutions, before RL begins."""
-
-    steps: int = bounded(0, ge=0)
-    """Supervised optimizer steps (0: none). The RL phase starts from the result, at policy version 0."""
-    learning_rate: float = bounded(3e-3, gt=0)
-    """Learning rate of the warm start (AdamW, constant)."""
-    batch_rows: int = bounded(32, ge=1)
-    """Rows of `max_seq_len` tokens per supervised batch."""
-    cache_dir: str | None = "~/.cache/marin_rl/warm_start"
-    """Where warm-started weights are kept for reuse (local path or fsspec URL): a later warm start with the same
-    initial weights, demonstrations, settings, device layout and code (library versions and marin_rl's source) loads
-    them instead of training again, bit-identical (`marin_rl.learner.warm_start_cache`). null: always train."""
-    cache_max_mb: int = bounded(1024, ge=0)
-    """Largest policy (MB of weights) whose warm start is cached; larger ones always train (0: none is cached)."""
-
-    def __post_init__(self):
-        check_fields(self, "learner.warm_start")
-
-
-LEARNER_MODES = ("rl", "sft")
-PLATFORMS = ("cpu", "gpu", "tpu")
-"""The values of `learner.platform`."""
-
-
-def check_platform(platform: str | None) -> None:
-    """Raise ValueError, naming the devices JAX finds, when they are not of `platform` ('gpu' also matches JAX's
-    'cuda' and 'rocm'); None accepts any."""
-    if platform is None:
-        return
-    devices = jax.devices()
-    found = devices[0].platform
-    if found == platform or (platform == "gpu" and found in ("cuda", "rocm")):
-        return
-    raise ValueError(
-        f"learner.platform: this experiment is sized for {platform}, but JAX finds only {found} devices "
-        f"({len(devices)} {devices[0].device_kind}); run it where JAX sees a {platform} (check the jax install's "
-        f"{platform} support), or set learner.platform: null to run it here anyway"
-    )
-
-
-@dataclass
-class SftConfig:
-    """Supervised fine-tuning (`learner.mode: sft`, see `marin_rl.sft`): prompt/completion records, packed
-    into rows of `batcher.max_seq_len` tokens like RL batches, trained with the loss on completion tokens only."""
-
-    train_files: list[str] = field(default_factory=list)
-    """JSONL or Parquet files of training records: local paths, fsspec URLs (`gs://...`) or globs."""
-    eval_files: list[str] = field(default_factory=list)
-    """Held-out records in the same format; empty: hold out `eval_fraction` of the training records."""
-    eval_fraction: float = bounded(0.05, gt=0, lt=1)
-    """Share of the training records held out (seeded shuffle) when `eval_files` is empty; in (0, 1)."""
-    prompt_field: str = "prompt"
-    """Record field holding the prompt text."""
-    completion_field: str = "completion"
-    """Record field holding the completion text (the only tokens the loss is computed on)."""
-    chat_template: bool = False
-    """Render each record with the tokenizer's chat template as a user turn (the prompt) and an assistant turn (the
-    completion, ending with the template's end of turn). False: plain prompt text followed by the completion text."""
-    append_eos: bool = True
-    """Plain records (chat_template false): end every completion with the tokenizer's EOS token, so the policy
-    learns to stop."""
-    steps: int = bounded(0, ge=0)
-    """Optimizer steps; 0: `epochs` passes over the training records."""
-    epochs: int = bounded(1, ge=1)
-    """Passes over the training records (shuffled each pass) when `steps` is 0."""
-    batch_rows: int = bounded(32, ge=1)
-    """Rows of `batcher.max_seq_len` tokens per batch (several records per row, as the batcher packs rollouts)."""
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(learning_rate=1e-3))
-    """AdamW, warmup and gradient clipping of the supervised steps."""
-    eval_every: int = bounded(0, ge=0)
-    """Evaluate the held-out loss every this many steps (0: only before the first and after the last step)."""
-    max_eval_records: int | None = bounded(None, ge=1)
-    """Evaluate on at most this many held-out records (None: all)."""
-    log_every: int = bounded(10, ge=1)
-    """Print a console line every this many steps (every step is logged to the tracker)."""
-    seed: int = bounded(0, ge=0)
-    """Seed of the held-out split and of the shuffling (an integer >= 0)."""
-
-    def __post_init__(self):
-        check_fields(self, "learner.sft")
-        for name in ("train_files", "eval_files"):
-            files = getattr(self, name)
-            if isinstance(files, str) or any(not isinstance(f, str) or not f.strip() for f in files):
-                raise ValueError(f"learner.sft.{name} must be a list of file paths or URLs, got {files!r}")
-        for name in ("prompt_field", "completion_field"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"learner.sft.{name} must be a non-empty field name, got {getattr(self, name)!r}")
-
-
-MESH_AXES = ("data", "fsdp", "tensor")
-"""Physical axes of the learner's device mesh, in order."""
-
-
-def routes_experts(architecture) -> bool:
-    """Whether a Levanter architecture has mixture-of-experts layers (Mixtral, Qwen3-MoE)."""
-    return hasattr(architecture, "num_experts_per_tok")
-
-
-@dataclass
-class MeshConfig:
-    """The learner's device mesh and how named axes map onto it.
-
-    The mesh has three physical axes, `data × fsdp × tensor`: batch rows are split over `data` and `fsdp`, parameters
-    and optimizer state are split over `fsdp` (their `embed` axis by default) and `tensor` (`mlp`, `heads`,
-    `kv_head`). The same config runs on CPU, GPU and TPU devices. On a single device the learner uses no mesh at all.
-    """
-
-    data: int = bounded(-1, ge=1, also=(-1,))
-    """Size of the data-parallel axis; -1: all devices that `fsdp × tensor` leaves."""
-    fsdp: int = bounded(1, ge=1)
-    """Size of the fully-sharded data-parallel axis: batch rows and parameters (see `param_mapping`) split over it."""
-    tensor: int = bounded(1, ge=1)
-    """Size of the tensor-parallel axis: the named axes that `compute_mapping` maps to "tensor" split over it."""
-    compute_mapping: dict[str, str | list[str]] = field(
-        default_factory=lambda: {"batch": ["data", "fsdp"], "mlp": "tensor", "heads": "tensor", "kv_head": "tensor"}
-    )
-    """Named (logical) axis → mesh axis or axes, for activations and the batch; also the base of `param_mapping`.
-    Axes not named here are replicated."""
-    param_mapping: dict[str, str | list[str]] = field(default_factory=lambda: {"embed": "fsdp"})
-    """Overrides of `compute_mapping` for parameters and optimizer state (FSDP: the `embed` axis over "fsdp")."""
-
-    def __post_init__(self):
-        check_fields(self, "learner.mesh")
-        for which in ("compute_mapping", "param_mapping"):
-            for axis, target in getattr(self, which).items():
-                targets = [target] if isinstance(target, str) else list(target)
-                unknown = [t for t in targets if t not in MESH_AXES]
-                if unknown or not targets:
-                    raise ValueError(
-                        f"learner.mesh.{which}[{axis!r}] = {target!r} must name mesh axes among {MESH_AXES}"
-                    )
-
-    def shape(self, num_devices: int) -> dict[str, int]:
-        """The mesh's axis sizes on `num_devices` devices; raises ValueError when the mesh does not fit them."""
-        rest = self.fsdp * self.tensor
-        if self.data == -1:
-            if num_devices % rest != 0:
-                raise ValueError(
-                    f"learner.mesh: fsdp={self.fsdp} × tensor={self.tensor} = {rest} does not divide the "
-                    f"{num_devices} available devices; choose sizes whose product divides the device count"
-                )
-            data = num_devices // rest
-        else:
-            data = self.data
-        size = data * rest
-        if size > num_devices:
-            raise ValueError(
-                f"learner.mesh: data={data} × fsdp={self.fsdp} × tensor={self.tensor} = {size} devices, but only "
-                f"{num_devices} are available (jax.devices())"
-            )
-        return {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
-
-    def build(self, devices: list | None = None, *, single: bool = False) -> Mesh | None:
-        """A `jax.sharding.Mesh` over the first `data × fsdp × tensor` of `devices` (default: `jax.devices()`), or
-        None when that is a single device (then the learner runs unsharded, exactly as without a mesh) unless
-        `single` (a model whose layers need a mesh even on one device)."""
-        devices = list(jax.devices() if devices is None else devices)
-        shape = self.shape(len(devices))
-        size = math.prod(shape.values())
-        if size == 1 and not single:
-            return None
-        if size < len(devices):
-            logger.warning("learner.mesh uses %d of the %d devices", size, len(devices))
-        grid = np.asarray(devices[:size], dtype=object).reshape(tuple(shape.values()))
-        return Mesh(grid, MESH_AXES)
-
-    def _resolved(self, mapping: dict) -> dict[str, str | tuple[str, ...]]:
-        return {k: v if isinstance(v, str) else tuple(v) for k, v in mapping.items()}
-
-    @property
-    def compute_axis_mapping(self) -> dict[str, str | tuple[str, ...]]:
-        """haliax resource mapping for activations and batches."""
-        return self._resolved(self.compute_mapping)
-
-    @property
-    def param_axis_mapping(self) -> dict[str, str | tuple[str, ...]]:
-        """haliax resource mapping for parameters and optimizer state."""
-        return {**self.compute_axis_mapping, **self._resolved(self.param_mapping)}
-
-
-@dataclass
-class LearnerConfig:
-    """The learner: RL or supervised mode, optimizer, loss, supervised warm start and fine-tuning, device mesh."""
-
-    mode: str = "rl"
-    """'rl': the asynchronous RL loop (environments, inference servers, replay). 'sft': supervised fine-tuning on
-    the prompt/completion records of `sft` with the same model, tokenizer, packing (`batcher.max_seq_len`) and mesh,
-    then an HF export that an RL run can start from (`model.init_from_hf`); no Ray, servers or environments."""
-    sft: SftConfig = field(default_factory=SftConfig)
-    """Supervised fine-tuning (used when `mode` is 'sft')."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Optimizer of the RL phase."""
-    loss: LossConfig = field(default_factory=LossConfig)
-    """Policy-gradient loss."""
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    """Supervised warm start before RL."""
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh and axis mappings (data / fsdp / tensor parallelism), over the devices of every host."""
-    hosts: int = bounded(1, ge=1)
-    """Learner processes, one per host: with more than one, they join one JAX distributed runtime
-    (`jax.distributed`) and the mesh spans every host's devices (placement: `placement.learner`)."""
-    minibatches: int = bounded(1, ge=1)
-    """Split each batch's rows into this many minibatches, one optimizer step each. The batch's rows must divide
-    evenly into `minibatches × microbatches`."""
-    epochs: int = bounded(1, ge=1)
-    """Passes over each batch's minibatches. With minibatches × epochs > 1 the proximal logprobs (and the reference
-    model's) are computed once per batch, before its first optimizer step; a batch is still one policy version."""
-    microbatches: int = bounded(1, ge=1)
-    """Gradient accumulation: split each minibatch's rows into this many chunks, run forward and backward one chunk
-    at a time and sum the gradients, normalised by the whole minibatch (the same step as without splitting)."""
-    offload_optimizer: bool = False
-    """Keep the optimizer state in host memory between train steps (pinned host memory where the devices have it,
-    else this process's RAM), and bring it back for each step: while a colocated engine generates, the devices hold
-    the policy and the KV cache but not the optimizer's moments (peers' sleep/wake). Costs a host round trip of the
-    optimizer state per step."""
-    algorithm: str | None = None
-    """The algorithm, a declared graph of model calls (`marin_rl.learner.algorithm`): 'rloo', 'grpo', 'dr_grpo',
-    'reinforce', 'remax', 'ppo' (critic and GAE), a name registered with `register_algorithm`, or
-    'package.module:NAME'. It also sets `replay.advantage_estimator` and `critic.enabled`. None: chosen by those two
-    fields ('ppo' with a critic, else the replay's estimator)."""
-    platform: str | None = None
-    """The accelerator the experiment is sized for: 'gpu', 'tpu' or 'cpu'. A learner whose JAX devices are another
-    platform refuses to start, in one line naming what it found (a ~100M-parameter experiment would take hours on a
-    laptop's CPU); the local backend checks it before anything starts. null: whatever JAX finds."""
-    lora: lora.LoraConfig = field(default_factory=lora.LoraConfig)
-    """LoRA (`rank > 0`): after the warm start (which, like `model.init_from_hf`, makes the base) the learner trains
-    low-rank adapters on the linear layers and nothing else; versions carry only the adapters, the servers merge them
-    into the base; the KL reference is the base itself (no second copy). `learner.mode: sft` trains adapters too."""
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    """PPO's value model and GAE (`enabled: true`, with `replay.advantage_estimator: gae`): each train step computes
-    the critic's values of the batch, GAE advantages and returns, the policy's steps, then one critic step on the
-    whole batch (`marin_rl.learner.critic`)."""
-
-    def __post_init__(self):
-        check_fields(self, "learner")
-        if self.mode not in LEARNER_MODES:
-            raise ValueError(f"learner.mode must be one of {LEARNER_MODES}, got {self.mode!r}")
-        if self.platform is not None and self.platform not in PLATFORMS:
-            raise ValueError(f"learner.platform must be one of {PLATFORMS} or null, got {self.platform!r}")
-        if self.algorithm is not None:
-            try:
-                algorithm = get_algorithm(self.algorithm)
-            except ValueError as e:
-                raise ValueError(f"learner.algorithm: {e}") from None
-            self.critic.enabled = "critic" in algorithm.roles
-        if self.mode == "sft" and not self.sft.train_files:
-            raise ValueError("learner.sft.train_files must name at least one file when learner.mode is 'sft'")
-
-    @property
-    def algorithm_name(self) -> str:
-        """`algorithm`, or the learner side of the default: 'ppo' with a critic, else a group algorithm (their
-        learner sides are all the same: the policy's steps)."""
-        if self.algorithm is not None:
-            return self.algorithm
-        return "ppo" if self.critic.enabled else "rloo"
 
 
 class NonFiniteTrainingError(FloatingPointError):

@@ -56,20 +56,17 @@ and segments (`LossNormalizers`); passing the normalisers of a whole minibatch t
 makes the per-slice losses, gradients and metrics add up to the whole minibatch's (gradient accumulation;
 see `combine_metrics`).
 
-Losses are looked up by name in a registry (`register_loss`, `get_loss`): a loss is any pure JAX function of
-(logprobs, entropy, batch) returning (loss, metrics). The built-in objectives ('decoupled', 'ppo') are registered
-through the same door, with two optional keyword arguments that a user loss may declare too: `config` (the run's
-`LossConfig`) and `normalizers` (the whole minibatch's `LossNormalizers` when gradients are accumulated).
+Losses are looked up by name in a registry (`register_loss`, `get_loss`: `marin_rl.learner.loss_registry`): a loss
+is any pure JAX function of (logprobs, entropy, batch) returning (loss, metrics). The built-in objectives
+('decoupled', 'ppo', 'gspo') and the distillation losses are registered here through the same door, with two optional
+keyword arguments that a user loss may declare too: `config` (the run's `LossConfig`, `marin_rl.learner.config`) and
+`normalizers` (the whole minibatch's `LossNormalizers` when gradients are accumulated).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import haliax as hax
@@ -77,13 +74,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marin_rl.bounds import bounded, check_fields
-from marin_rl.types import RlExample
+from marin_rl.learner.batch import RlExample
+from marin_rl.learner.config import KL_ESTIMATORS, OBJECTIVES, LossConfig
+from marin_rl.learner.loss_registry import LossFn, register_loss
 
-AGGREGATIONS = ("token_mean", "sequence_mean", "fixed_budget")
-OBJECTIVES = ("decoupled", "ppo", "gspo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-SEQUENCE_CORRECTIONS = ("none", "seq_tis", "mis")
 METRIC_LOG_RATIO_BOUND = 20.0
 """A sequence's log importance ratio is clamped to ±this for the diagnostics."""
 
@@ -106,128 +100,6 @@ def _safe_exp(log_ratio: jnp.ndarray) -> jnp.ndarray:
     """exp of `log_ratio` clamped to ±`LOG_RATIO_BOUND`, computed in float32 at least (a bfloat16 log-ratio too)."""
     x = log_ratio.astype(jnp.promote_types(log_ratio.dtype, jnp.float32))
     return jnp.exp(jnp.clip(x, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-
-
-@dataclass
-class LossConfig:
-    """The clipped policy-gradient objective."""
-
-    objective: str = "decoupled"
-    """'decoupled' (ratio to the proximal policy, times a capped sampler weight), 'ppo' (ratio to the sampler), 'gspo'
-    (GSPO: one ratio per sequence, the exp of its tokens' mean log-ratio, see the module docstring), or
-    the name of any loss in the registry (`register_loss`), or 'package.module:function' (imported, then looked
-    up: a function registered there, or any loss function, which is then registered under that path)."""
-    clip_low: float = bounded(0.2, ge=0)
-    """ε_low: the ratio is clipped below at 1 - clip_low (0: at 1)."""
-    clip_high: float = bounded(0.28, ge=0)
-    """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when larger than clip_low; 0: at 1)."""
-    sampler_weight_cap: float = bounded(5.0, gt=0)
-    """Decoupled objective without TIS: tokens whose weight exp(logp_prox - logp_sampler) exceeds this are masked."""
-    tis_cap: float | None = bounded(None, gt=0)
-    """Truncated importance sampling (None: off). Each token's objective is multiplied by
-    stop_gradient(min(exp(logp_prox - logp_sampler), tis_cap)), logp_prox being the learner's logprob at the proximal
-    weights and logp_sampler the sampler's; the ratio is then taken to logp_prox for either objective."""
-    sequence_correction: str = "none"
-    """Sequence-level correction of the sampler/learner mismatch, ρ = exp(Σ over a rollout's sampled tokens of
-    (logp_prox - logp_sampler)): 'none'; 'seq_tis' (each token of the rollout weighted by stop_gradient(min(ρ,
-    sequence_cap)), no token dropped); 'mis' (masked IS: weight ρ, and a rollout whose ρ lies outside
-    `sequence_band` is dropped whole, leaving the normaliser). Replaces the per-token weight and
-    `sampler_weight_cap`; the ratio is then taken to logp_prox. Excludes `tis_cap`."""
-    sequence_cap: float = bounded(2.0, gt=0)
-    """'seq_tis': C, the cap of a rollout's importance weight ρ."""
-    sequence_band: tuple[float, float] = (0.5, 2.0)
-    """'mis': [low, high], the rollouts whose ρ lies outside are masked (0 <= low <= 1 <= high, low < high)."""
-    token_mask_band: tuple[float, float] | None = None
-    """IcePop token masks (None: off): [low, high]; a sampled token whose exp(logp_prox - logp_sampler) lies outside
-    is masked (it leaves the loss and its normaliser), with any objective and correction (0 <= low <= 1 <= high)."""
-    kl_coef: float = bounded(0.0, ge=0)
-    """β of the KL penalty to a frozen reference model (the initial policy). 0: no penalty, and no reference model
-    is kept or evaluated."""
-    entropy_coef: float = bounded(0.0, ge=0)
-    """c of the entropy bonus: the loss subtracts c × the policy's entropy over the vocabulary, aggregated over all
-    sampled tokens like the KL term (0: off). Keeps exploration up; typical values are 1e-3 to 1e-2."""
-    kl_estimator: str = "k3"
-    """Estimator of KL(π || π_ref) per sampled token, x = logp_ref - logp: 'k1' (-x), 'k2' (x²/2) or
-    'k3' (exp(x) - 1 - x, unbiased and non-negative)."""
-    aggregation: str = "token_mean"
-    """'token_mean' over all trained tokens of the batch, 'sequence_mean' of per-rollout token means, or
-    'fixed_budget' (Dr.GRPO: token sum divided by `num_sequences × max_response_tokens`)."""
-    max_response_tokens: int = bounded(128, ge=1)
-    """Normaliser per rollout for aggregation='fixed_budget'."""
-    opd_coef: float = bounded(1.0, ge=0)
-    """On-policy distillation (objective 'opd_reverse_kl'): weight of the per-token advantage
-    -(logp_sampler - logp_teacher), the teacher's logprob of each sampled token against the sampler's (0: no
-    distillation, the task's advantage alone)."""
-    opd_task_coef: float = bounded(0.0, ge=0)
-    """On-policy distillation: weight of the task's own advantage (the replay buffers' group estimate from the
-    environment's reward) added to the distillation advantage (0: distillation alone)."""
-    opd_baseline: bool = False
-    """On-policy distillation: subtract the mean of (logp_sampler - logp_teacher) over the sampled tokens the loss
-    sees (the minibatch, or one slice of it under gradient accumulation) before weighting by `opd_coef`: a constant
-    baseline, which leaves the expected gradient as it is and lowers its variance (false: the plain advantage)."""
-
-    def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            try:
-                get_loss(self.objective)
-            except ValueError as e:
-                raise ValueError(f"learner.loss.objective: {e}") from None
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        check_fields(self, "learner.loss")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
-        if self.sequence_correction not in SEQUENCE_CORRECTIONS:
-            raise ValueError(
-                f"learner.loss.sequence_correction must be one of {SEQUENCE_CORRECTIONS}, got "
-                f"{self.sequence_correction!r}"
-            )
-        _check_band("learner.loss.sequence_band", self.sequence_band)
-        if self.token_mask_band is not None:
-            _check_band("learner.loss.token_mask_band", self.token_mask_band)
-        if self.sequence_correction != "none" and self.tis_cap is not None:
-            raise ValueError(
-                f"learner.loss.tis_cap ({self.tis_cap}) and learner.loss.sequence_correction "
-                f"({self.sequence_correction!r}) both weigh the sampler/learner mismatch: set one of them"
-            )
-        if self.objective not in OBJECTIVES and (self.sequence_correction != "none" or self.token_mask_band):
-            raise ValueError(
-                "learner.loss.sequence_correction and token_mask_band apply to the built-in objectives "
-                f"{OBJECTIVES}, not to the registered loss {self.objective!r}"
-            )
-
-    @property
-    def ratio_to_proximal(self) -> bool:
-        """Whether a built-in objective takes its ratio to logp_prox (decoupled, TIS or a sequence correction) rather
-        than to logp_sampler."""
-        return self.objective == "decoupled" or self.tis_cap is not None or self.sequence_correction != "none"
-
-    @property
-    def uses_proximal(self) -> bool:
-        """Whether the loss reads logp_prox (the decoupled objective, or any objective with TIS, a sequence correction
-        or token masks; for a registered loss, what it declared)."""
-        if self.objective not in OBJECTIVES:
-            return get_loss(self.objective).uses_proximal
-        return self.ratio_to_proximal or self.token_mask_band is not None
-
-    @property
-    def kept_depends_on_proximal(self) -> bool:
-        """Whether the set of trained tokens depends on logp_prox (decoupled masking by `sampler_weight_cap`, MIS or
-        token masks)."""
-        if self.objective not in OBJECTIVES:
-            return False
-        decoupled_mask = self.objective == "decoupled" and self.tis_cap is None and self.sequence_correction == "none"
-        return decoupled_mask or self.sequence_correction == "mis" or self.token_mask_band is not None
-
-
-def _check_band(name: str, band) -> None:
-    """Refuse a band that is not two finite numbers with 0 <= low <= 1 <= high and low < high."""
-    try:
-        low, high = (float(x) for x in band)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be [low, high], got {band!r}") from None
-    if not (math.isfinite(low) and math.isfinite(high) and 0 <= low <= 1 <= high and low < high):
-        raise ValueError(f"{name} must be [low, high] with 0 <= low <= 1 <= high and low < high, got {list(band)}")
 
 
 class LossNormalizers(NamedTuple):
@@ -529,124 +401,6 @@ def sft_loss(logp: hax.NamedArray, loss_mask: hax.NamedArray) -> jnp.ndarray:
     """Mean negative log-likelihood of the masked tokens (supervised warm start)."""
     m = loss_mask.array.astype(jnp.float32)
     return -jnp.sum(logp.array * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
-# ---- the loss registry ------------------------------------------------------------------------------------------
-LossFn = Callable[..., tuple[jnp.ndarray, dict[str, jnp.ndarray]]]
-"""fn(logprobs, entropy, batch[, config=..., normalizers=...]) -> (scalar loss to minimise, metrics)."""
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """A registered loss: its name, the function and what it declared about its inputs."""
-
-    name: str
-    """Name it is looked up by (`LossConfig.objective`, `train_batch(loss_fn=...)`)."""
-    fn: LossFn
-    """The pure JAX function: (logprobs, entropy, batch) -> (loss, metrics), `haliax` named arrays in."""
-    uses_proximal: bool = False
-    """The loss reads `batch.proximal_logprobs`: when a batch takes several optimizer steps (minibatches × epochs),
-    the learner fills them in (the weights before the batch's first step) before the first one. It is None in a
-    batch's first step, where the current weights are the proximal policy (`proximal_logprobs` helps)."""
-    takes_config: bool = False
-    """The function accepts a `config` keyword (the run's `LossConfig`); detected from its signature."""
-    takes_normalizers: bool = False
-    """The function accepts a `normalizers` keyword (`LossNormalizers` of the whole minibatch under gradient
-    accumulation, None otherwise); detected from its signature."""
-    takes_student_top_logprobs: bool = False
-    """The function accepts a `student_top_logprobs` keyword: the learner's logprobs (differentiable, from the same
-    forward pass as `logprobs`) of the teacher's top-k tokens at each position, over the axes of
-    `batch.teacher_top_ids`; detected from its signature."""
-
-    def __call__(
-        self,
-        logprobs,
-        entropy,
-        batch,
-        *,
-        config: LossConfig | None = None,
-        normalizers=None,
-        student_top_logprobs=None,
-    ):
-        """Evaluate the loss, passing `config`, `normalizers` and `student_top_logprobs` only to a function that
-        declared them."""
-        kwargs = {}
-        if self.takes_config:
-            kwargs["config"] = config
-        if self.takes_normalizers:
-            kwargs["normalizers"] = normalizers
-        if self.takes_student_top_logprobs:
-            kwargs["student_top_logprobs"] = student_top_logprobs
-        return self.fn(logprobs, entropy, batch, **kwargs)
-
-
-_LOSSES: dict[str, LossSpec] = {}
-
-
-def register_loss(name: str, *, uses_proximal: bool = False) -> Callable[[LossFn], LossFn]:
-    """Decorator: register `fn(logprobs, entropy, batch) -> (loss, metrics)` under `name` and return `fn` unchanged.
-
-    `logprobs` and `entropy` are `(batch, position)` named arrays of the learner's per-token log-probabilities (at the
-    sampling temperature, differentiable) and entropies; `batch` is the `RlExample` (loss_mask, advantages,
-    sampler_logprobs, segment_ids, token_versions, optional proximal/reference logprobs). The loss must ignore
-    positions where `loss_mask` is false. Registering a taken name replaces the loss (with a new function) or does
-    nothing (the same function again), so a module may be imported twice.
-    """
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"a loss name must be a non-empty string without ':', got {name!r}")
-
-    def decorator(fn: LossFn) -> LossFn:
-        if not callable(fn):
-            raise TypeError(f"register_loss({name!r}) needs a function, got {fn!r}")
-        _LOSSES[name] = _spec(name, fn, uses_proximal)
-        return fn
-
-    return decorator
-
-
-def _spec(name: str, fn: LossFn, uses_proximal: bool) -> LossSpec:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    return LossSpec(
-        name, fn, uses_proximal, "config" in params, "normalizers" in params, "student_top_logprobs" in params
-    )
-
-
-def known_losses() -> list[str]:
-    """Names of the registered losses."""
-    return sorted(_LOSSES)
-
-
-def get_loss(name_or_fn: str | LossFn | LossSpec) -> LossSpec:
-    """The registered loss called `name`; 'package.module:function' imports the module first (registering what it
-    registers) and takes that function (registered under the path when it was not); a function or a `LossSpec` is
-    returned as a spec as it is (not registered). Raises ValueError naming the known losses when there is none."""
-    if isinstance(name_or_fn, LossSpec):
-        return name_or_fn
-    if callable(name_or_fn):
-        for spec in _LOSSES.values():
-            if spec.fn is name_or_fn:
-                return spec
-        return _spec(getattr(name_or_fn, "__name__", "custom"), name_or_fn, False)
-    name = name_or_fn
-    if name in _LOSSES:
-        return _LOSSES[name]
-    if isinstance(name, str) and ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"loss {name!r} cannot be imported: {e}") from e
-        for spec in _LOSSES.values():
-            if spec.fn is fn:
-                return spec
-        if not callable(fn):
-            raise ValueError(f"loss {name!r} is not a function")
-        _LOSSES[name] = _spec(name, fn, False)
-        return _LOSSES[name]
-    raise ValueError(f"unknown loss {name!r}; registered: {known_losses()} (or give 'package.module:function')")
 
 
 def proximal_logprobs(logprobs: hax.NamedArray, batch: RlExample) -> jnp.ndarray:

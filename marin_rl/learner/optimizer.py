@@ -1,15 +1,18 @@
 """The optimizer config shared by the policy, the critic and supervised fine-tuning: AdamW with gradient clipping
-and a learning-rate schedule."""
+and a learning-rate schedule. optax is imported where the optimizer is built, not with the config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import optax
+from typing import TYPE_CHECKING
 
 from marin_rl.bounds import bounded, check_fields
 
+if TYPE_CHECKING:
+    import optax
+
 LR_SCHEDULES = ("constant", "linear", "cosine")
+"""The values of `optimizer.schedule`."""
 
 
 @dataclass
@@ -52,6 +55,8 @@ class OptimizerConfig:
 
     def learning_rate_schedule(self) -> optax.Schedule:
         """The learning rate as a function of the optimizer step count (optax schedule)."""
+        import optax
+
         peak, final = self.learning_rate, self.learning_rate * self.min_lr_ratio
         if self.schedule == "linear":
             decay = optax.linear_schedule(peak, final, self.decay_steps)
@@ -64,6 +69,9 @@ class OptimizerConfig:
         return optax.join_schedules([optax.linear_schedule(0.0, peak, self.warmup_steps), decay], [self.warmup_steps])
 
     def build(self) -> optax.GradientTransformation:
+        """The optax optimizer: global-norm clipping (when `max_grad_norm` is set), then AdamW at the scheduled rate."""
+        import optax
+
         scheduled = self.warmup_steps > 0 or self.schedule != "constant"
         lr = self.learning_rate_schedule() if scheduled else self.learning_rate  # a constant keeps a stateless scale
         chain = []

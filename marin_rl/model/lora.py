@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
@@ -29,7 +28,7 @@ import safetensors.numpy
 from haliax.state_dict import from_torch_compatible_state_dict, to_torch_compatible_state_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
-from marin_rl.bounds import bounded, check_fields
+from marin_rl.model.config import LoraConfig
 
 
 def _levanter_lora():
@@ -38,63 +37,6 @@ def _levanter_lora():
     import levanter.adaptor.lora as lora
 
     return lora
-
-
-LORA_INITS = ("zero_a", "zero_b")
-
-
-@dataclass
-class LoraConfig:
-    """LoRA: train low-rank adapters on the linear layers instead of the whole policy (`learner.lora`)."""
-
-    rank: int = bounded(0, ge=0)
-    """r, the adapters' rank; 0: no LoRA (every parameter is trained). RL's updates are low-rank: rank 1 to 8 trains
-    as well as full fine-tuning there (Schulman et al. 2025, "LoRA Without Regret")."""
-    alpha: float = bounded(8.0, gt=0)
-    """α: each adapter's product B·A is scaled by α / rank."""
-    target_modules: list[str] | str | None = None
-    """Which linear layers get adapters, as Levanter's spec: null (every linear layer but the output head), a list of
-    module-name suffixes (e.g. [q_proj, v_proj]) or a regular expression over module paths."""
-    init: str = "zero_b"
-    """How the adapters start (both make B·A = 0, so the adapted policy starts as the base): 'zero_b' (B zero, A
-    random: the LoRA paper's and PEFT's) or 'zero_a' (A zero, B random: Levanter's default). On the quickstart,
-    zero_b learned as fast per step as full fine-tuning (+0.26 held-out in 100 steps) and zero_a slower (+0.20;
-    benchmarks/RESULTS.md)."""
-    seed: int = bounded(0, ge=0)
-    """PRNG seed of the adapters' random factor (an integer >= 0)."""
-    init_from_peft: str | None = None
-    """Local or fsspec directory of PEFT-format adapters (`adapter_config.json`, `adapter_model.safetensors`: what a
-    run exports under `hf/step-N/peft`, or `peft`'s `save_pretrained`) to start the adapters from instead of
-    `init`; its rank and α must match. Pair it with `model.init_from_hf` pointing at the adapters' base."""
-
-    def __post_init__(self):
-        check_fields(self, "learner.lora")
-        if self.init not in LORA_INITS:
-            raise ValueError(f"learner.lora.init must be one of {LORA_INITS}, got {self.init!r}")
-        if self.init_from_peft is not None and not str(self.init_from_peft).strip():
-            raise ValueError("learner.lora.init_from_peft must be a directory path or URL, or null")
-        targets = self.target_modules
-        names = isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets)
-        if targets is not None and not isinstance(targets, str) and not names:
-            raise ValueError(
-                f"learner.lora.target_modules must be null, a list of module names or a regex, got {targets!r}"
-            )
-
-    @property
-    def enabled(self) -> bool:
-        """Whether adapters are trained (rank > 0)."""
-        return self.rank > 0
-
-    def levanter(self):
-        """The equivalent `levanter.adaptor.lora.LoraConfig` (no dropout: the policy's forward takes no keys)."""
-        return _levanter_lora().LoraConfig(
-            target_modules=self.target_modules,
-            r=self.rank,
-            alpha=float(self.alpha),
-            dropout=0.0,
-            zero_init_b=self.init == "zero_b",
-            a_init_mode="zero" if self.init == "zero_a" else "random",
-        )
 
 
 def _is_lora_linear(x) -> bool:

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from levanter.models.lm_model import LmHeadModel
 
-from marin_rl.model.build import ModelConfig, build_model, resolved_architecture
+from marin_rl.model.build import build_model, resolved_architecture
+from marin_rl.model.config import ModelConfig
 from marin_rl.model.logprobs import packed_attention_mask
 from marin_rl.model.value import ValueModel, value_model_from
 from marin_rl.tokenizer import TokenizerConfig

@@ -14,7 +14,7 @@ from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import load_environment_class
 from marin_rl.envs.data import DataFormatError
 from marin_rl.envs.sandbox import SandboxUnavailable, check_sandbox_available
-from marin_rl.learner.learner import check_platform
+from marin_rl.learner.config import check_platform
 from marin_rl.orchestrator.run_dir import RunDirConflict, check_resume_config, remember_config
 
 logger = logging.getLogger("marin_rl")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from marin_rl.config import RunConfig
 from marin_rl.inference.reward_server import RewardServer
-from marin_rl.model.build import build_model, with_seq_len
+from marin_rl.model.build import build_model
+from marin_rl.model.config import with_seq_len
 from marin_rl.model.hf import export_hf_checkpoint
 
 

@@ -15,7 +15,8 @@ from marin_rl.api.train import TrainEngine
 from marin_rl.broadcast.base import WeightSubscriber, WeightUpdate, make_transport
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
-from marin_rl.inference.reward_server import RewardModelConfig, RewardServer
+from marin_rl.inference.config import RewardModelConfig
+from marin_rl.inference.reward_server import RewardServer
 from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.learner import distributed
 from marin_rl.logs import configure_logging

@@ -31,6 +31,7 @@ import sys
 import tempfile
 
 from marin_rl.config import RunConfig, parse_config
+from marin_rl.frozen import thaw
 from marin_rl.run import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -182,7 +183,7 @@ def main() -> None:
     if args.smoke:
         args.output = os.path.join(scratch, "distillation.png")
         overrides = [*SMOKE, "--output_dir", os.path.join(scratch, "run"), *overrides]
-    config = parse_config(["--config", args.config, *overrides])
+    config = thaw(parse_config(["--config", args.config, *overrides]))  # the smoke run and --group_size change it
     if args.smoke:
         config.envs[0].args["num_eval"] = 8
         config.envs[0].eval_samples_per_problem = 1

@@ -24,6 +24,7 @@ from marin_rl.cli_help import preflight
 from marin_rl.envs.base import Environment, SamplingParams, SingleTurnEnvironment, load_environment_class
 from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
+from marin_rl.frozen import freeze, is_frozen
 from marin_rl.inference.config import InferenceConfig, RewardModelConfig
 from marin_rl.inference.engine_support import engine_refusal
 from marin_rl.inference.teacher import TeacherConfig
@@ -203,6 +204,39 @@ class CurriculumConfig:
                 raise ValueError(f"curriculum.pass_rate.pass_reward[{env}]: must be finite, got {reward}")
 
 
+DEFAULT_ESTIMATOR = ReplayConfig().advantage_estimator
+"""`replay.advantage_estimator` when a config does not set it (then `learner.algorithm` decides it alone)."""
+
+
+def _algorithm_for_estimator(estimator: str) -> str:
+    """The registered algorithm whose replay side computes `estimator` (for the message that says what to set)."""
+    from marin_rl.learner.algorithm import known_algorithms
+
+    for name in known_algorithms():
+        if get_algorithm(name).advantage_estimator == estimator:
+            return name
+    return f"<an algorithm whose estimator is {estimator!r}>"
+
+
+def _missing_local_source(path: str | None) -> str | None:
+    """Why `path`, a checkpoint or tokenizer source, cannot be read, when that is clear before loading it: a local
+    path that does not exist and is no Hugging Face repo id either. None when it exists, is a URL or a repo id."""
+    if path is None or ("://" in path and not path.startswith("file://")):
+        return None
+    local = os.path.expanduser(path.removeprefix("file://"))
+    if os.path.exists(local):
+        return None
+    if not local.startswith(("/", ".")) and local.count("/") <= 1:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(local)
+            return None  # 'org/name' on the Hugging Face Hub, fetched where it is loaded
+        except HFValidationError:
+            pass
+    return "does not exist (a local path), and is not a Hugging Face repo id either"
+
+
 @dataclass
 class RunConfig:
     """A whole RL experiment."""
@@ -247,15 +281,25 @@ class RunConfig:
         to agree): the learner computes logprobs at it."""
         return self.envs[0].sampling.temperature
 
-    def resolved(self) -> RunConfig:
-        """The config as the run uses it: a copy with the settings other fields decide filled in, the one place they
-        are derived. `replay.advantage_estimator` is the algorithm's when `learner.algorithm` is set (the algorithm
-        decides what the replay buffers compute); `inference.levanter.batch_invariant` is on for
-        `orchestrator.deterministic` runs (which groups share an engine batch depends on timing; results must not).
-        This config is left as it is."""
+    def resolve(self) -> RunConfig:
+        """The config as the run uses it: validated (`validate`), the settings other fields decide filled in
+        (`derived`), and frozen (`marin_rl.frozen`: setting a field raises; derive a changed config with
+        `dataclasses.replace` and resolve that). Every entry point resolves its config once, here; resolving a
+        resolved config returns it as it is. Raises ValueError naming the field. This config is left as it is."""
+        if is_frozen(self):
+            return self
+        self.validate()
+        return freeze(self.derived())
+
+    def derived(self) -> RunConfig:
+        """A copy with the settings other fields decide filled in, the one place they are derived:
+        `replay.advantage_estimator` is `learner.algorithm`'s (the algorithm decides what the replay buffers
+        compute; `learner.critic.enabled` it decides as the learner config is built);
+        `inference.levanter.batch_invariant` is on for `orchestrator.deterministic` runs (which groups share an
+        engine batch depends on timing; results must not)."""
         out = copy.deepcopy(self)
-        if out.learner.algorithm is not None:
-            out.replay.advantage_estimator = get_algorithm(out.learner.algorithm).advantage_estimator
+        algorithm = get_algorithm(out.learner.algorithm)
+        out.replay.advantage_estimator = algorithm.advantage_estimator
         if out.orchestrator.deterministic:
             out.inference.levanter.batch_invariant = True
         return out
@@ -266,15 +310,9 @@ class RunConfig:
         return self.checkpoint.path or os.path.join(self.output_dir, "checkpoints")
 
     def algorithm(self) -> Algorithm:
-        """The run's algorithm: `learner.algorithm`, or 'ppo' with a critic, or the group algorithm of
-        `replay.advantage_estimator`; with a `reward_inf` call when environments use reward models."""
-        if self.learner.algorithm is not None:
-            base = get_algorithm(self.learner.algorithm)
-        elif self.learner.critic.enabled:
-            base = get_algorithm("ppo")
-        else:
-            base = get_algorithm(self.replay.advantage_estimator)
-        return with_reward_models(base, self.used_reward_models())
+        """The run's algorithm, `learner.algorithm` (the one field that chooses it), with a `reward_inf` call when
+        environments use reward models."""
+        return with_reward_models(get_algorithm(self.learner.algorithm), self.used_reward_models())
 
     def used_reward_models(self) -> list[str]:
         """Names of the reward models some environment uses, in `reward_models` order."""
@@ -326,6 +364,27 @@ class RunConfig:
                 f"reward_models {unused} are used by no environment: name them in an environment's "
                 "reward_models, or remove them"
             )
+
+    def _validate_algorithm_choice(self) -> None:
+        """`learner.algorithm` chooses the algorithm, and with it the replay buffers' estimator: a config that sets
+        that to something else is refused, naming the field to set instead (`critic.enabled` is checked as the
+        learner config is built)."""
+        algorithm = get_algorithm(self.learner.algorithm)
+        estimator = self.replay.advantage_estimator
+        if estimator not in (DEFAULT_ESTIMATOR, algorithm.advantage_estimator):
+            raise ValueError(
+                f"replay.advantage_estimator: {estimator!r}, but learner.algorithm chooses it (here "
+                f"{algorithm.name!r}, whose estimator is {algorithm.advantage_estimator!r}): set learner.algorithm: "
+                f"{_algorithm_for_estimator(estimator)} instead"
+            )
+
+    def _validate_sources(self) -> None:
+        """A checkpoint or tokenizer named by a local path exists (checked before anything starts, instead of a
+        traceback from the loader seconds later); a URL or a Hugging Face repo id is looked up where it is loaded."""
+        for name, path in (("tokenizer.path", self.tokenizer.path), ("model.init_from_hf", self.model.init_from_hf)):
+            problem = _missing_local_source(path)
+            if problem:
+                raise ValueError(f"{name}: {path!r} {problem}")
 
     def _validate_teacher(self) -> None:
         """A teacher exactly where the algorithm scores with one, and the loss the algorithm trains with."""
@@ -406,7 +465,7 @@ class RunConfig:
     def validate(self) -> None:
         """Check the whole config without changing it; raises ValueError naming the field. Every numeric field's
         type, finiteness and declared range (`marin_rl.bounds`), every environment class (imported here, before
-        anything starts), then the cross-field checks that a single dataclass cannot do (on `resolved()`)."""
+        anything starts), then the cross-field checks that a single dataclass cannot do. `resolve` runs it once."""
         problems = field_errors(self)
         if problems:
             raise ValueError(problems[0])
@@ -420,6 +479,7 @@ class RunConfig:
                 raise ValueError(f"envs[{i}].env_class: {err}") from None
             _check_env_args(e, cls)
         self._validate_reward_models()
+        self._validate_sources()
         if len(set(names)) != len(names):
             raise ValueError(f"envs: names must be unique, got {names}")
         temps = {e.sampling.temperature for e in self.envs}
@@ -450,16 +510,9 @@ class RunConfig:
             raise ValueError(f"orchestrator.backend must be 'ray' or 'local', got {self.orchestrator.backend!r}")
         if self.orchestrator.backend == "local":
             self._validate_local()
-        estimator = self.resolved().replay.advantage_estimator
-        algorithm = get_algorithm(self.learner.algorithm_name)
-        token_rewards = any("token_rewards" in c.reads for c in algorithm.learner_calls())
-        if (estimator == "gae") != token_rewards:
-            raise ValueError(
-                f"replay.advantage_estimator={estimator!r} with algorithm {algorithm.name!r} "
-                f"(learner.algorithm={self.learner.algorithm!r}, learner.critic.enabled={self.learner.critic.enabled}):"
-                " per-token rewards ('gae') are for an algorithm whose learner estimates advantages, such as 'ppo' "
-                "(or critic.enabled: true); choose learner.algorithm: ppo, or a group estimator without a critic"
-            )
+        self._validate_algorithm_choice()
+        algorithm = get_algorithm(self.learner.algorithm)
+        estimator = algorithm.advantage_estimator
         if self.replay.dynamic_sampling and estimator == "gae":
             raise ValueError(
                 f"replay.dynamic_sampling drops groups whose advantages are all zero, but algorithm {algorithm.name!r} "
@@ -647,8 +700,8 @@ def _value_error(e: draccus.utils.DecodingError) -> str:
 
 
 def parse_config(args: list[str] | None = None) -> RunConfig:
-    """Parse `--config FILE` plus dotted overrides (default: the command line); exits with a message naming the bad
-    key or value."""
+    """Parse `--config FILE` plus dotted overrides (default: the command line) into the resolved, frozen config
+    (`RunConfig.resolve`); exits with a message naming the bad key or value."""
     args = list(sys.argv[1:] if args is None else args)
     preflight(RunConfig, args)  # --help, --help-all, unknown keys
     config_path = None
@@ -671,7 +724,6 @@ def parse_config(args: list[str] | None = None) -> RunConfig:
     except draccus.utils.ParsingError as e:  # a config's own check (__post_init__) failed: its message names the field
         raise SystemExit(f"marin_rl: invalid configuration: {e.__cause__ or e}") from None
     try:
-        config.validate()
+        return config.resolve()
     except ValueError as e:
         raise SystemExit(f"marin_rl: invalid configuration: {e}") from None
-    return config.resolved()

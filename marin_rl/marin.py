@@ -110,8 +110,7 @@ def resolve(config: RunStepConfig) -> RunConfig:
         raise ValueError(f"RunStepConfig.experiment must be a RunConfig or a YAML path, got {type(experiment)}")
     experiment = apply_overrides(experiment, dict(config.overrides))
     experiment = dataclasses.replace(experiment, output_dir=config.output_path)
-    experiment.validate()
-    return experiment.resolved()
+    return experiment.resolve()
 
 
 def run_experiment(config: RunStepConfig) -> dict[str, Any]:

@@ -26,8 +26,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     first (`teacher.recipe`)."""
     if config.learner.mode == "sft":
         return run_sft(config)
+    config = config.resolve()  # a bad config is refused before minutes of making its teacher
     if config.teacher is not None:
-        config.validate()  # refuse a bad config before minutes of making its teacher
         ensure_teacher(config)
     return run_rl(config)
 

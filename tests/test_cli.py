@@ -17,6 +17,7 @@ from test_resume import _reap_session
 
 from marin_rl.cli_help import placeholder_fields, preflight, split_command_line
 from marin_rl.config import RunConfig, parse_config
+from marin_rl.frozen import thaw
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "experiments" / "quickstart.yaml")
@@ -209,7 +210,7 @@ def test_placeholder_path_is_refused_at_start_naming_the_field():
         "marin_rl: invalid configuration: output_dir: 'gs://YOUR_BUCKET/marin_rl/quickstart-v4-32' holds the "
         "placeholder YOUR_BUCKET; replace it in the config file or with --output_dir VALUE"
     ]
-    config = parse_config(["--config", QUICKSTART])
+    config = thaw(parse_config(["--config", QUICKSTART]))
     assert placeholder_fields(config) == []
     config.envs[0].args["data"] = "gs://YOUR_BUCKET/x.jsonl"
     config.checkpoint.path = "/mnt/YOUR_DISK/ckpt"

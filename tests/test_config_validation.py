@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 import re
 import resource
 import subprocess
@@ -27,6 +28,7 @@ from draccus.wrappers.docstring import get_attribute_docstring
 
 from marin_rl.bounds import Bounds, bounded, check_fields, deferred_checks, field_errors, numeric_kind
 from marin_rl.config import RunConfig, parse_config
+from marin_rl.frozen import FrozenConfigError, thaw
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
@@ -252,11 +254,15 @@ def test_validation_does_not_change_the_config_and_resolved_derives_the_rest(tmp
     before = repr(raw)
     raw.validate()
     assert repr(raw) == before  # validate is pure
-    resolved = raw.resolved()
-    assert repr(raw) == before  # and so is resolved: it returns a new config
+    resolved = raw.resolve()
+    assert repr(raw) == before  # and so is resolve: it returns a new config
     assert resolved.replay.advantage_estimator == "gae" and resolved.inference.levanter.batch_invariant
     assert raw.replay.advantage_estimator == "rloo" and not raw.inference.levanter.batch_invariant
-    assert resolved.resolved() == resolved
+    assert resolved.resolve() is resolved  # resolved once: a resolved config is returned as it is
+    with pytest.raises(FrozenConfigError, match=r"ReplayConfig.max_age: this config is resolved and frozen"):
+        resolved.replay.max_age = 3
+    changed = dataclasses.replace(resolved, replay=dataclasses.replace(resolved.replay, max_age=3))
+    assert changed.resolve().replay.max_age == 3 and resolved.replay.max_age == 0
     assert resolved.sampling_temperature == raw.envs[0].sampling.temperature
 
 
@@ -267,7 +273,7 @@ def test_the_run_entry_points_use_the_resolved_config():
     from marin_rl.orchestrator import orchestrator
 
     for fn in (orchestrator.run, orchestrator.Orchestrator.__init__, marin.resolve):
-        assert ".resolved()" in inspect.getsource(fn), fn
+        assert ".resolve()" in inspect.getsource(fn), fn
 
 
 @dataclasses.dataclass
@@ -303,3 +309,75 @@ def test_bounds_name_the_field_and_the_range():
     with pytest.raises(ValueError, match=r"^planted.count: must be >= 1, got 0$"):  # built in code: refused at once
         _Planted(count=0)
     assert Bounds(ge=0, lt=1).describe() == "in [0, 1)" and Bounds(gt=0).describe() == "> 0"
+
+
+# ---- one field chooses the algorithm; sources checked before anything starts -----------------------------------
+def _refusal(*args: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--config", str(QUICKSTART), *args])
+    message = str(e.value)
+    assert message.startswith(PREFIX) and "\n" not in message, message
+    return message.removeprefix(PREFIX)
+
+
+def test_learner_algorithm_is_the_one_field_that_chooses_the_algorithm():
+    for name, estimator, critic in (("rloo", "rloo", False), ("grpo", "grpo", False), ("ppo", "gae", True)):
+        config = parse_config(["--config", str(QUICKSTART), "--learner.algorithm", name])
+        assert (config.algorithm().name, config.replay.advantage_estimator) == (name, estimator)
+        assert config.learner.critic.enabled is critic
+    # the estimator or the critic set on their own no longer choose: one line names the field to set instead
+    assert _refusal("--replay.advantage_estimator", "grpo") == (
+        "replay.advantage_estimator: 'grpo', but learner.algorithm chooses it (here 'rloo', whose estimator is "
+        "'rloo'): set learner.algorithm: grpo instead"
+    )
+    assert "set learner.algorithm: ppo instead" in _refusal("--replay.advantage_estimator", "gae")
+    assert "learner.critic.enabled: true, but learner.algorithm chooses whether a critic trains" in _refusal(
+        "--learner.critic.enabled", "true"
+    )
+    # agreeing with the algorithm is not an error (configs written before keep working)
+    assert (
+        parse_config(["--config", str(QUICKSTART), "--replay.advantage_estimator", "rloo"]).algorithm().name == "rloo"
+    )
+
+
+def test_a_parsed_config_is_resolved_once_and_frozen():
+    config = parse_config(["--config", str(QUICKSTART)])
+    assert config.resolve() is config
+    for change in (
+        lambda: setattr(config, "output_dir", "elsewhere"),
+        lambda: setattr(config.learner.optimizer, "learning_rate", 1.0),
+        lambda: setattr(config.envs[0].sampling, "temperature", 0.5),
+    ):
+        with pytest.raises(FrozenConfigError, match="resolved and frozen"):
+            change()
+    variant = thaw(config)
+    variant.learner.optimizer.learning_rate = 1.0
+    assert variant.resolve().learner.optimizer.learning_rate == 1.0 and config.learner.optimizer.learning_rate != 1.0
+    assert pickle.loads(pickle.dumps(config)) == config  # what Ray actors receive: equal, and frozen
+    with pytest.raises(FrozenConfigError):
+        pickle.loads(pickle.dumps(config)).output_dir = "elsewhere"
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("tokenizer.path", "/nonexistent/tokenizer"), ("model.init_from_hf", "./no/such/checkpoint")],
+)
+def test_a_missing_local_source_is_one_line_before_anything_starts(field, value):
+    """A tokenizer or checkpoint path that does not exist used to end in a loader's traceback after ~10 s (Ray or the
+    engine already started); a Hugging Face repo id or a URL is still looked up where it is loaded."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(
+        [sys.executable, "-m", "marin_rl.run", "--config", str(QUICKSTART), f"--{field}", value],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"{PREFIX}{field}: {value!r} does not exist (a local path), and is not a Hugging Face repo id either"
+    ), proc.stderr
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 15
+    hub = parse_config(["--config", str(QUICKSTART), f"--{field}", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+    assert "SmolLM2" in (hub.tokenizer.path if field == "tokenizer.path" else hub.model.init_from_hf)

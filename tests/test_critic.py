@@ -58,6 +58,7 @@ def test_value_loss_and_its_gradient_match_numpy(clip):
 def _critic_learner(**critic):
     tok = build_char_tokenizer()
     cfg = LearnerConfig(
+        algorithm="ppo",
         optimizer=OptimizerConfig(learning_rate=1e-3),
         critic=CriticConfig(enabled=True, **{"optimizer": OptimizerConfig(learning_rate=3e-3), **critic}),
     )

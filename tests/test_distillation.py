@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from marin_rl.config import RunConfig, parse_config
+from marin_rl.frozen import thaw
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.teacher import TeacherConfig, TeacherScorer, teacher_checkpoint
@@ -322,7 +323,7 @@ def test_the_opd_graph_scores_on_the_rollout_side_and_delivers_teacher_logprobs_
 
 def _opd_config(**teacher) -> RunConfig:
     """experiments/distill_addition.yaml as reverse-KL distillation (it ships the top-k objective)."""
-    cfg = parse_config(["--config", "experiments/distill_addition.yaml"])
+    cfg = thaw(parse_config(["--config", "experiments/distill_addition.yaml"]))  # variants follow
     cfg.learner.loss.objective = "opd_reverse_kl"
     cfg.teacher = TeacherConfig(**teacher) if teacher else None
     return cfg
@@ -426,32 +427,34 @@ def test_a_short_distillation_run_scores_every_token_and_moves_the_student_towar
 
     from marin_rl.run import run
 
-    cfg = parse_config(
-        [
-            "--config",
-            "experiments/distill_addition.yaml",
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--learner.loss.objective",
-            "opd_reverse_kl",
-            "--teacher.top_k",
-            "0",
-            "--learner.warm_start.steps",
-            "0",
-            "--learner.optimizer.learning_rate",
-            "3e-3",
-            "--orchestrator.num_steps",
-            "12",
-            "--orchestrator.eval_every",
-            "0",
-            "--orchestrator.num_cpus",
-            "2",
-            "--checkpoint.every",
-            "0",
-            "--orchestrator.backend",
-            backend,
-        ]
-    )
+    cfg = thaw(
+        parse_config(
+            [
+                "--config",
+                "experiments/distill_addition.yaml",
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--learner.loss.objective",
+                "opd_reverse_kl",
+                "--teacher.top_k",
+                "0",
+                "--learner.warm_start.steps",
+                "0",
+                "--learner.optimizer.learning_rate",
+                "3e-3",
+                "--orchestrator.num_steps",
+                "12",
+                "--orchestrator.eval_every",
+                "0",
+                "--orchestrator.num_cpus",
+                "2",
+                "--checkpoint.every",
+                "0",
+                "--orchestrator.backend",
+                backend,
+            ]
+        )
+    )  # its teacher is made below
     cfg.teacher.path = _sharp_teacher(tmp_path, build_char_tokenizer(), cfg.model)
     cfg.teacher.recipe = None
     summary = run(cfg)

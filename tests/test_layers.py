@@ -15,7 +15,7 @@ PACKAGE = ROOT / "marin_rl"
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("start", ["deferred_imports"]),
-    ("fields", ["bounds"]),
+    ("fields", ["bounds", "frozen"]),
     ("logging", ["logs"]),
     ("text", ["bpe"]),
     ("formats", ["gguf"]),

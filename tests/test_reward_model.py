@@ -21,6 +21,7 @@ from marin_rl.envs.arithmetic import AdditionEnvironment
 from marin_rl.envs.base import Problem, SamplingParams, run_groups
 from marin_rl.envs.model_rewards import attach_reward_models, model_reward_function
 from marin_rl.envs.multi_turn import EnvResponse, MultiTurnEnvironment
+from marin_rl.frozen import thaw
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig, RewardModelConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.reward_server import RewardClient, RewardRequestError, RewardServer
@@ -327,15 +328,17 @@ def test_inference_engine_local_serves_the_runs_reward_models_in_process(tmp_pat
     from marin_rl.config import make_environment
 
     path, model = checkpoint
-    config = parse_config(
-        [
-            "--config",
-            "experiments/quickstart_reward_model.yaml",
-            "--inference.max_seqs",
-            "16",
-            "--inference.levanter.prefill_tokens",
-            "256",
-        ]
+    config = thaw(
+        parse_config(
+            [
+                "--config",
+                "experiments/quickstart_reward_model.yaml",
+                "--inference.max_seqs",
+                "16",
+                "--inference.levanter.prefill_tokens",
+                "256",
+            ]
+        )
     )
     config.reward_models[0].path = path
     config.envs[0].args = {"max_operand": 9, "num_eval": 5, "reward_weights": {"correct": 1.0, "rm": 0.5}}
@@ -440,7 +443,9 @@ def test_a_local_backend_run_scores_every_rollout_with_its_reward_model_in_proce
 
 
 def test_the_local_backend_serves_reward_models_on_one_host_and_refuses_them_on_several():
-    config = parse_config(["--config", "experiments/quickstart_reward_model.yaml", "--orchestrator.backend", "local"])
+    config = thaw(
+        parse_config(["--config", "experiments/quickstart_reward_model.yaml", "--orchestrator.backend", "local"])
+    )
     config.validate()
     config.learner.hosts = 2
     with pytest.raises(ValueError, match="does not serve reward models yet") as e:

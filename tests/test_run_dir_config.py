@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from marin_rl.config import CheckpointConfig, parse_config
+from marin_rl.frozen import thaw
 from marin_rl.learner.checkpoint import latest_checkpoint
 from marin_rl.orchestrator.run_dir import (
     CONFIG_FILE,
@@ -27,7 +28,7 @@ QUICKSTART = str(ROOT / "experiments" / "quickstart.yaml")
 
 
 def quickstart(out: Path, *overrides: str):
-    return parse_config(["--config", QUICKSTART, "--output_dir", str(out), *overrides])
+    return thaw(parse_config(["--config", QUICKSTART, "--output_dir", str(out), *overrides]))  # tests change it
 
 
 def fake_checkpoint(out: Path, step: int = 50) -> str:

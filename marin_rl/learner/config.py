@@ -10,6 +10,7 @@ JAX code (`marin_rl.learner.loss_registry`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -428,11 +429,11 @@ class LearnerConfig:
     else this process's RAM), and bring it back for each step: while a colocated engine generates, the devices hold
     the policy and the KV cache but not the optimizer's moments (peers' sleep/wake). Costs a host round trip of the
     optimizer state per step."""
-    algorithm: str | None = None
-    """The algorithm, a declared graph of model calls (`marin_rl.learner.algorithm`): 'rloo', 'grpo', 'dr_grpo',
-    'reinforce', 'remax', 'ppo' (critic and GAE), a name registered with `register_algorithm`, or
-    'package.module:NAME'. It also sets `replay.advantage_estimator` and `critic.enabled`. None: chosen by those two
-    fields ('ppo' with a critic, else the replay's estimator)."""
+    algorithm: str = "rloo"
+    """The algorithm, a declared graph of model calls (`marin_rl.learner.algorithm`), the one field that chooses it:
+    'rloo', 'grpo', 'dr_grpo', 'reinforce', 'remax', 'turn_rloo', 'ppo' (critic and GAE), 'opd' (on-policy
+    distillation), a name registered with `register_algorithm`, or 'package.module:NAME'. It decides
+    `replay.advantage_estimator` and `critic.enabled` (a config that sets them otherwise is refused)."""
     platform: str | None = None
     """The accelerator the experiment is sized for: 'gpu', 'tpu' or 'cpu'. A learner whose JAX devices are another
     platform refuses to start, in one line naming what it found (a ~100M-parameter experiment would take hours on a
@@ -452,19 +453,17 @@ class LearnerConfig:
             raise ValueError(f"learner.mode must be one of {LEARNER_MODES}, got {self.mode!r}")
         if self.platform is not None and self.platform not in PLATFORMS:
             raise ValueError(f"learner.platform must be one of {PLATFORMS} or null, got {self.platform!r}")
-        if self.algorithm is not None:
-            try:
-                algorithm = get_algorithm(self.algorithm)
-            except ValueError as e:
-                raise ValueError(f"learner.algorithm: {e}") from None
-            self.critic.enabled = "critic" in algorithm.roles
+        try:
+            algorithm = get_algorithm(self.algorithm)
+        except ValueError as e:
+            raise ValueError(f"learner.algorithm: {e}") from None
+        has_critic = "critic" in algorithm.roles
+        if self.critic.enabled and not has_critic:
+            raise ValueError(
+                f"learner.critic.enabled: true, but learner.algorithm chooses whether a critic trains (here "
+                f"{algorithm.name!r}, which has none): set learner.algorithm: ppo instead"
+            )
+        if self.critic.enabled != has_critic:  # a new critic config: the one given may be part of a frozen config
+            self.critic = dataclasses.replace(self.critic, enabled=has_critic)
         if self.mode == "sft" and not self.sft.train_files:
             raise ValueError("learner.sft.train_files must name at least one file when learner.mode is 'sft'")
-
-    @property
-    def algorithm_name(self) -> str:
-        """`algorithm`, or the learner side of the default: 'ppo' with a critic, else a group algorithm (their
-        learner sides are all the same: the policy's steps)."""
-        if self.algorithm is not None:
-            return self.algorithm
-        return "ppo" if self.critic.enabled else "rloo"

@@ -156,7 +156,7 @@ class Learner:
             self.model = self._shard_params(self.model)
         self.opt_state = None if config.lora.enabled else self.supervised_optimizer_state(self.optimizer)
         self._publish_full = True  # with LoRA, the next publish carries the base (see `publish_params`)
-        self.algorithm = get_algorithm(config.algorithm_name)
+        self.algorithm = get_algorithm(config.algorithm)
         """The algorithm whose learner-side calls `train_step` runs (`learner.algorithm`)."""
         self.learner_calls = self.algorithm.learner_calls()
         self.reads_token_rewards = any("token_rewards" in c.reads for c in self.learner_calls)

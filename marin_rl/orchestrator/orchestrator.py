@@ -64,8 +64,7 @@ class Orchestrator:
     """Owns the parts of one run and drives the loop (on Ray, or in this process: `orchestrator.backend`)."""
 
     def __init__(self, config: RunConfig, stop: StopRequest | None = None):
-        config.validate()
-        config = config.resolved()
+        config = config.resolve()  # validated and derived once (a resolved config is returned as it is)
         self.config = config
         self.stop = stop or StopRequest()
         self.profile = LoopProfile()  # where the loop's time goes (started again when the loop starts)
@@ -381,8 +380,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     progress finishes, a checkpoint is saved, every actor is stopped, and KeyboardInterrupt is raised.
     """
     configure_logging()
-    config.validate()
-    config = config.resolved()
+    config = config.resolve()
     followed = run_as_follower(config)  # a multi-host local run: processes other than 0 follow the driver
     if followed is not None:
         return followed

@@ -1,0 +1,135 @@
+"""Frozen config trees: after a run's config is resolved (`RunConfig.resolve`), no field of it can change.
+
+`freeze(config)` walks a dataclass tree (nested dataclasses, and those in lists, tuples and dict values) and makes
+every node refuse `setattr`/`delattr` with `FrozenConfigError`, naming the field. The classes stay what they were
+for `isinstance`, `dataclasses.fields`, `dataclasses.replace` (which builds a new, unfrozen node: derive a changed
+config that way, then resolve it again), pickling (a frozen node travels, and arrives, frozen) and `copy.deepcopy`
+(a frozen copy); `thaw(config)` is an unfrozen deep copy to change and resolve again. Assigning a field the value
+it already holds is allowed. Lists and dicts inside a config (`envs`, `envs[*].args`) are not frozen themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+FROZEN_KEY = "_marin_rl_frozen"
+"""The instance attribute that marks a frozen node."""
+
+
+class FrozenConfigError(AttributeError):
+    """A field of a resolved, frozen config was set."""
+
+
+def is_frozen(obj: Any) -> bool:
+    """Whether `obj` is a frozen config node."""
+    return bool(getattr(obj, "__dict__", {}).get(FROZEN_KEY, False))
+
+
+def _refuse_set(self, name: str, value: Any) -> None:
+    if is_frozen(self):
+        current = self.__dict__.get(name, dataclasses.MISSING)
+        if current is value or (current is not dataclasses.MISSING and _same(current, value)):
+            return
+        raise FrozenConfigError(
+            f"{_plain(type(self)).__name__}.{name}: this config is resolved and frozen; derive a changed one with "
+            "dataclasses.replace(...) and resolve that"
+        )
+    object.__setattr__(self, name, value)
+
+
+def _refuse_del(self, name: str) -> None:
+    if is_frozen(self):
+        raise FrozenConfigError(f"{_plain(type(self)).__name__}.{name}: this config is resolved and frozen")
+    object.__delattr__(self, name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a plain equality (arrays) are not the same
+        return False
+
+
+def _equal(self, other: Any) -> bool:
+    """Dataclass equality that does not tell a frozen node from an unfrozen one of the same class."""
+    if _plain(type(other)) is not _plain(type(self)):
+        return NotImplemented
+    return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self) if f.compare)
+
+
+def _rebuild(cls: type, state: dict) -> Any:
+    """Unpickle (or deep-copy) a node of `cls` with `state`, frozen again when it was."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(state)
+    if state.get(FROZEN_KEY):
+        object.__setattr__(obj, "__class__", _frozen_class(cls))
+    return obj
+
+
+def _reduce(self, protocol: int):
+    return _rebuild, (_plain(type(self)), dict(self.__dict__))
+
+
+_FROZEN_CLASSES: dict[type, type] = {}
+
+
+def _plain(cls: type) -> type:
+    return cls.__bases__[0] if cls in _FROZEN_CLASSES.values() else cls
+
+
+def _frozen_class(cls: type) -> type:
+    """The subclass of dataclass `cls` whose frozen instances refuse changes (made once per class)."""
+    if cls not in _FROZEN_CLASSES:
+        _FROZEN_CLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__setattr__": _refuse_set,
+                "__delattr__": _refuse_del,
+                "__reduce_ex__": _reduce,
+                "__eq__": _equal,
+                "__hash__": None,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            },
+        )
+    return _FROZEN_CLASSES[cls]
+
+
+def freeze(obj: Any) -> Any:
+    """Freeze every dataclass node of the tree `obj` (in place); returns `obj`."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if is_frozen(obj):
+            return obj
+        for f in dataclasses.fields(obj):
+            freeze(getattr(obj, f.name))
+        cls = _plain(type(obj))
+        if cls.__setattr__ is not object.__setattr__ or getattr(cls, "__slots__", None):
+            return obj  # a class with its own setattr (or slots) is left as it is
+        object.__setattr__(obj, "__class__", _frozen_class(cls))
+        object.__setattr__(obj, FROZEN_KEY, True)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            freeze(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            freeze(item)
+    return obj
+
+
+def thaw(obj: Any) -> Any:
+    """An unfrozen deep copy of the tree `obj`, to change and resolve again (e.g. variants of a parsed config)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = object.__new__(_plain(type(obj)))
+        new.__dict__.update({k: thaw(v) for k, v in obj.__dict__.items() if k != FROZEN_KEY})
+        return new
+    if isinstance(obj, list):
+        return [thaw(item) for item in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(thaw(item) for item in obj)
+    if isinstance(obj, dict):
+        return {k: thaw(v) for k, v in obj.items()}
+    return copy.deepcopy(obj)

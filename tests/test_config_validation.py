@@ -10,6 +10,7 @@ what that value means.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 import resource
@@ -164,6 +165,11 @@ CASES = [
         "envs[gsm8k].args do not fit marin_rl.envs.math:MathEnvironment: missing a required argument: 'train_path'",
     ),
     (["--envs", "[{name: addition, args: {seed: 3}}]"], "envs[addition].args.seed: set by the run"),
+    (  # a constructor that passes **options on to its base class's: the base's keywords bind, others do not
+        ["--envs", "[{name: calc, env_class: 'marin_rl.envs.calculator:CalculatorEnvironment', args: {maxturns: 2}}]"],
+        "envs[calc].args do not fit marin_rl.envs.calculator:CalculatorEnvironment: got an unexpected keyword "
+        "argument 'maxturns'",
+    ),
     (["--orchestrator.num_steps", "[1, 2]"], "orchestrator.num_steps: expected int, got list [1, 2]"),
     (["--envs", "[{name: a, group_size: [1, 2]}]"], "envs[0].group_size: expected int, got list [1, 2]"),
     (["--learner.optimizer.learning_rate", "fast"], "learner.optimizer.learning_rate: expected float, got str 'fast'"),
@@ -303,3 +309,16 @@ def test_bounds_name_the_field_and_the_range():
     with pytest.raises(ValueError, match=r"^planted.count: must be >= 1, got 0$"):  # built in code: refused at once
         _Planted(count=0)
     assert Bounds(ge=0, lt=1).describe() == "in [0, 1)" and Bounds(gt=0).describe() == "> 0"
+
+
+def test_env_signature_names_inherited_keywords():
+    """A constructor ending in **options shows its base classes' keywords (what `_check_env_args` binds), and no
+    **options: the chain accepts nothing else."""
+    from marin_rl.envs.calculator import CalculatorEnvironment
+    from marin_rl.envs.math import MathEnvironment
+
+    calc = inspect.signature(CalculatorEnvironment).parameters
+    assert {"min_digits", "tool_timeout_s", "max_turns", "name", "seed", "reward_weights"} <= set(calc)
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in calc.values())
+    problem_set = inspect.signature(MathEnvironment).parameters
+    assert {"train_path", "skip_bad_rows", "max_seq_len", "name", "seed", "reward_weights"} <= set(problem_set)

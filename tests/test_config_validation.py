@@ -10,6 +10,7 @@ what that value means.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import pickle
 import re
@@ -166,6 +167,11 @@ CASES = [
         "envs[gsm8k].args do not fit marin_rl.envs.math:MathEnvironment: missing a required argument: 'train_path'",
     ),
     (["--envs", "[{name: addition, args: {seed: 3}}]"], "envs[addition].args.seed: set by the run"),
+    (  # a constructor that passes **options on to its base class's: the base's keywords bind, others do not
+        ["--envs", "[{name: calc, env_class: 'marin_rl.envs.calculator:CalculatorEnvironment', args: {maxturns: 2}}]"],
+        "envs[calc].args do not fit marin_rl.envs.calculator:CalculatorEnvironment: got an unexpected keyword "
+        "argument 'maxturns'",
+    ),
     (["--orchestrator.num_steps", "[1, 2]"], "orchestrator.num_steps: expected int, got list [1, 2]"),
     (["--envs", "[{name: a, group_size: [1, 2]}]"], "envs[0].group_size: expected int, got list [1, 2]"),
     (["--learner.optimizer.learning_rate", "fast"], "learner.optimizer.learning_rate: expected float, got str 'fast'"),
@@ -381,3 +387,16 @@ def test_a_missing_local_source_is_one_line_before_anything_starts(field, value)
     assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 15
     hub = parse_config(["--config", str(QUICKSTART), f"--{field}", "HuggingFaceTB/SmolLM2-135M-Instruct"])
     assert "SmolLM2" in (hub.tokenizer.path if field == "tokenizer.path" else hub.model.init_from_hf)
+
+
+def test_env_signature_names_inherited_keywords():
+    """A constructor ending in **options shows its base classes' keywords (what `_check_env_args` binds), and no
+    **options: the chain accepts nothing else."""
+    from marin_rl.envs.calculator import CalculatorEnvironment
+    from marin_rl.envs.math import MathEnvironment
+
+    calc = inspect.signature(CalculatorEnvironment).parameters
+    assert {"min_digits", "tool_timeout_s", "max_turns", "name", "seed", "reward_weights"} <= set(calc)
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in calc.values())
+    problem_set = inspect.signature(MathEnvironment).parameters
+    assert {"train_path", "skip_bad_rows", "max_seq_len", "name", "seed", "reward_weights"} <= set(problem_set)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,6 +25,7 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from marin_rl.atomic_files import write_atomically
 from marin_rl.broadcast.arrays import aligned_empty, byte_view, dtype_from_name, dtype_name, host_leaves
 from marin_rl.broadcast.base import BroadcastConfig, WeightTransport, WeightUpdate, register_transport
 
@@ -76,16 +76,7 @@ class FsspecTransport(WeightTransport):
             f.write(memoryview(byte_view(leaf)))
 
     def _write_pointer(self, data: bytes) -> None:
-        target = self._path(POINTER)
-        if self._local:
-            tmp = self._path(f".{POINTER}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)  # atomic on POSIX
-        else:
-            self.fs.pipe_file(target, data)  # object stores replace a whole object atomically
+        write_atomically(self.fs, self._path(POINTER), data)
 
     def _prune(self, keep_dir: str) -> None:
         dirs = sorted(

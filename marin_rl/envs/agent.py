@@ -101,11 +101,9 @@ class AgentEnvironment(Environment):
         task_args: dict[str, Any] | None = None,
         verifier: str = "marin_rl.envs.rewards:exact_match",
         request_timeout_s: float = 600.0,
-        name: str | None = None,
-        seed: int = 0,
-        reward_weights: dict[str, float] | None = None,
+        **options,
     ):
-        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
+        super().__init__(tokenizer, **options)
         self.agent = load_object(agent, "agent")
         if not inspect.iscoroutinefunction(self.agent):
             raise ValueError(f"agent {agent!r} must be an async function agent(client, task)")
@@ -115,7 +113,7 @@ class AgentEnvironment(Environment):
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.request_timeout_s = float(request_timeout_s)
-        self.task_env = load_environment_class(tasks)(tokenizer, seed=seed, **(task_args or {}))
+        self.task_env = load_environment_class(tasks)(tokenizer, seed=self.seed, **(task_args or {}))
         self._in_process_apps: dict[int, Any] = {}
 
     def train_problems(self) -> list[Problem]:

@@ -31,15 +31,13 @@ class AdditionEnvironment(SingleTurnEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
-        seed: int = 0,
-        reward_weights: dict[str, float] | None = None,
         max_operand: int = 99,
         num_eval: int = 200,
         demo_error_rate: float = 0.0,
         worked: bool = False,
+        **options,
     ):
-        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
+        super().__init__(tokenizer, **options)
         if max_operand < 1:
             raise ValueError("max_operand must be >= 1")
         if not 0.0 <= demo_error_rate < 1.0:
@@ -47,14 +45,14 @@ class AdditionEnvironment(SingleTurnEnvironment):
         pairs = list(itertools.product(range(max_operand + 1), repeat=2))
         if not 0 < num_eval < len(pairs):
             raise ValueError(f"num_eval must be in (0, {len(pairs)}) for max_operand={max_operand}")
-        random.Random(seed).shuffle(pairs)
+        random.Random(self.seed).shuffle(pairs)
         make = lambda a, b: Problem(id=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b), fields={"a": a, "b": b})
         self._eval = [make(a, b) for a, b in pairs[:num_eval]]
         self._train = [make(a, b) for a, b in pairs[num_eval:]]
         self.max_operand = max_operand
         self.demo_error_rate = demo_error_rate
         self.worked = bool(worked)
-        self._demo_rng = random.Random(seed + 1)
+        self._demo_rng = random.Random(self.seed + 1)
 
     def train_problems(self) -> list[Problem]:
         return self._train

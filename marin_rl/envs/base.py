@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import importlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,10 +87,34 @@ def assistant_close_text(tokenizer) -> str:
     return close
 
 
+def inherit_keyword_parameters(cls: type) -> None:
+    """When `cls` defines a constructor ending in `**options` (passed on to its base class's constructor), give that
+    constructor the signature that names them: its own parameters, then the base constructor's keyword-only ones it
+    does not name itself (and the base's `**options` only if the base takes any). `inspect.signature(cls)` then
+    binds exactly the arguments the chain accepts."""
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return
+    own = list(inspect.signature(init).parameters.values())
+    if not own or own[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+        return
+    base = next(k.__dict__["__init__"] for k in cls.__mro__[1:] if "__init__" in k.__dict__)
+    names = {p.name for p in own}
+    inherited = [
+        p
+        for p in inspect.signature(base).parameters.values()
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD) and p.name not in names
+    ]
+    init.__signature__ = inspect.Signature([*own[:-1], *inherited], return_annotation=inspect.Signature.empty)
+
+
 class Environment(abc.ABC):
     """A task: training and held-out problems, and an episode that turns a problem into a scored `Rollout`.
 
-    Subclasses take the tokenizer and their own keyword arguments (from the env's `args` in the config).
+    Subclasses take the tokenizer and their own keyword arguments (from the env's `args` in the config). A
+    constructor that ends in `**options` passes them on to its base class's: its signature (what
+    `marin_rl.config` checks an env's `args` against) then names the base's keyword arguments too
+    (`inherit_keyword_parameters`), so an unknown one is still refused before anything starts.
     `reward_weights` (a class attribute, or the `reward_weights` argument, which replaces it) combines a turn's
     named rewards into its reward: Σ weight · named reward, names without a weight counting 0.
 
@@ -114,6 +139,10 @@ class Environment(abc.ABC):
     machine can make one before it starts anything, and refuses the run in one line naming what is missing."""
     added_rewards: dict[str, RewardFunction] = {}
     """Reward functions added with `add_reward_functions` (by name)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        inherit_keyword_parameters(cls)
 
     def __init__(
         self, tokenizer, *, name: str | None = None, seed: int = 0, reward_weights: dict[str, float] | None = None

@@ -29,15 +29,13 @@ class CountingEnvironment(SingleTurnEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
-        seed: int = 0,
-        reward_weights: dict[str, float] | None = None,
         length: int = 40,
         max_start: int = 899,
         num_eval: int = 100,
         demo_error_rate: float = 0.0,
+        **options,
     ):
-        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
+        super().__init__(tokenizer, **options)
         if length < 1 or max_start < 1:
             raise ValueError("length and max_start must be >= 1")
         if not 0 < num_eval <= max_start:
@@ -45,13 +43,13 @@ class CountingEnvironment(SingleTurnEnvironment):
         if not 0.0 <= demo_error_rate < 1.0:
             raise ValueError("demo_error_rate must be in [0, 1)")
         starts = list(range(max_start + 1))
-        random.Random(seed).shuffle(starts)
+        random.Random(self.seed).shuffle(starts)
         self.length = length
         make = lambda a: Problem(id=str(a), prompt=f"count {a}:", answer=self._count(a), fields={"start": a})
         self._eval = [make(a) for a in starts[:num_eval]]
         self._train = [make(a) for a in starts[num_eval:]]
         self.demo_error_rate = demo_error_rate
-        self._demo_rng = random.Random(seed + 1)
+        self._demo_rng = random.Random(self.seed + 1)
 
     def _count(self, start: int) -> str:
         return " " + " ".join(str(start + i) for i in range(1, self.length + 1))

@@ -382,13 +382,11 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
-        seed: int = 0,
-        reward_weights: dict[str, float] | None = None,
         skip_bad_rows: bool = False,
         max_seq_len: int | None = None,
+        **options,
     ):
-        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
+        super().__init__(tokenizer, **options)
         if not isinstance(skip_bad_rows, bool):
             raise ValueError(f"skip_bad_rows must be true or false, got {skip_bad_rows!r}")
         self.bad_rows = BadRows(skip=skip_bad_rows)

@@ -50,7 +50,31 @@ def derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0]) >> 2
 
 
-class ProblemIterator:
+class TicketBook:
+    """The ticket bookkeeping a problem order shares: tickets handed out and not yet done or requeued (outstanding),
+    and the requeued ones, handed out again before any new problem."""
+
+    def __init__(self):
+        self._requeued: deque[ProblemTicket] = deque()
+        self._outstanding: dict[ProblemTicket, int] = {}  # ticket -> its rank in hand-out order
+
+    def _settle(self, ticket: ProblemTicket) -> None:
+        """Take `ticket` off the outstanding ones; KeyError if it is not outstanding."""
+        if self._outstanding.pop(ticket, None) is None:
+            raise KeyError(f"{ticket} is not outstanding")
+
+    def requeue(self, ticket: ProblemTicket) -> None:
+        """The ticket's episode failed: hand it out again before any new problem."""
+        self._settle(ticket)
+        self._requeued.append(ticket)
+
+    @property
+    def outstanding(self) -> list[ProblemTicket]:
+        """Tickets handed out and not yet done or requeued, oldest first."""
+        return sorted(self._outstanding, key=self._outstanding.__getitem__)
+
+
+class ProblemIterator(TicketBook):
     """Seeded per-epoch shuffle over `num_problems` indices with outstanding-ticket bookkeeping (module docstring).
 
     Deterministic: two iterators with the same `(num_problems, seed, stream)` hand out the same tickets, and an
@@ -67,8 +91,7 @@ class ProblemIterator:
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
-        self._requeued: deque[ProblemTicket] = deque()
-        self._outstanding: dict[ProblemTicket, int] = {}  # ticket -> hand-out sequence number
+        super().__init__()
         self._handed_out = 0
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -96,8 +119,7 @@ class ProblemIterator:
         """The ticket's group was delivered (into the replay buffer, or rejected there): never hand it out again.
         `rewards`: its rollouts' rewards, when the group could be read (this order does not depend on them; a
         sampler that weights problems by results, `marin_rl.envs.difficulty`, records them)."""
-        if self._outstanding.pop(ticket, None) is None:
-            raise KeyError(f"{ticket} is not outstanding")
+        self._settle(ticket)
 
     def refresh(self) -> None:
         """A batch was formed (the driver calls this once per batch). The fixed order has nothing to update."""
@@ -105,17 +127,6 @@ class ProblemIterator:
     def metrics(self, env: str) -> dict[str, float]:
         """Metrics of the problem order since the last call, under `problems/{env}/...` (none for the fixed order)."""
         return {}
-
-    def requeue(self, ticket: ProblemTicket) -> None:
-        """The ticket's episode failed: hand it out again before any new problem."""
-        if self._outstanding.pop(ticket, None) is None:
-            raise KeyError(f"{ticket} is not outstanding")
-        self._requeued.append(ticket)
-
-    @property
-    def outstanding(self) -> list[ProblemTicket]:
-        """Tickets handed out and not yet done or requeued, oldest first."""
-        return sorted(self._outstanding, key=self._outstanding.__getitem__)
 
     def sample_seed(self, ticket: ProblemTicket) -> int:
         """A sampling seed for the ticket, a pure function of (seed, stream, epoch, index), below 2**30."""
@@ -161,10 +172,10 @@ class ProblemIterator:
         self._handed_out = 0
 
 
-class ProblemStream:
+class ProblemStream(TicketBook):
     """A problem order drawn from any iterable of problems (the Python API's `InferenceEngine.prepare_batch`
-    `problems=`), with `ProblemIterator`'s ticket bookkeeping: a requeued ticket is handed out again before the next
-    problem is drawn, and `problem(ticket)` is the problem a ticket stands for until it is done.
+    `problems=`), with `ProblemIterator`'s ticket bookkeeping (`TicketBook`): a requeued ticket is handed out again
+    before the next problem is drawn, and `problem(ticket)` is the problem a ticket stands for until it is done.
 
     Ticket indices number the problems in the order they were drawn (epoch 0). `source` may be replaced between
     calls (outstanding and requeued tickets keep their problems); when it is exhausted, `next` raises StopIteration
@@ -178,8 +189,7 @@ class ProblemStream:
         self.source = iter(source)
         self.exhausted = False
         self._problems: dict[int, Any] = {}
-        self._requeued: deque[ProblemTicket] = deque()
-        self._outstanding: dict[ProblemTicket, int] = {}
+        super().__init__()
         self._drawn = 0
 
     def replace_source(self, source) -> None:
@@ -210,20 +220,8 @@ class ProblemStream:
 
     def done(self, ticket: ProblemTicket, rewards: Sequence[float] = ()) -> None:
         """The ticket's group was delivered (or rejected): its problem is forgotten."""
-        if self._outstanding.pop(ticket, None) is None:
-            raise KeyError(f"{ticket} is not outstanding")
+        self._settle(ticket)
         del self._problems[ticket.index]
-
-    def requeue(self, ticket: ProblemTicket) -> None:
-        """The ticket's episode failed: hand it out again before any new problem."""
-        if self._outstanding.pop(ticket, None) is None:
-            raise KeyError(f"{ticket} is not outstanding")
-        self._requeued.append(ticket)
-
-    @property
-    def outstanding(self) -> list[ProblemTicket]:
-        """Tickets handed out and not yet done or requeued, oldest first."""
-        return sorted(self._outstanding, key=self._outstanding.__getitem__)
 
     def refresh(self) -> None:
         """A batch was formed: nothing to update."""

@@ -191,9 +191,6 @@ class MathEnvironment(ProblemSetEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
-        seed: int = 0,
-        reward_weights: dict[str, float] | None = None,
         train_path: str,
         eval_path: str | None = None,
         eval_fraction: float = 0.1,
@@ -202,18 +199,10 @@ class MathEnvironment(ProblemSetEnvironment):
         answer_field: str = "answer",
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
         storage_options: dict[str, Any] | None = None,
-        skip_bad_rows: bool = False,
-        max_seq_len: int | None = None,
         demonstration: str = "answer",
+        **options,
     ):
-        super().__init__(
-            tokenizer,
-            name=name,
-            seed=seed,
-            reward_weights=reward_weights,
-            skip_bad_rows=skip_bad_rows,
-            max_seq_len=max_seq_len,
-        )
+        super().__init__(tokenizer, **options)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         if demonstration not in DEMONSTRATIONS or (demonstration == "solution" and format != "gsm8k"):

@@ -222,15 +222,13 @@ class MultiTurnEnvironment(Environment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
-        seed: int = 0,
         max_turns: int = 4,
         max_episode_tokens: int | None = None,
-        reward_weights: dict[str, float] | None = None,
         system_prompt: str | None = None,
         stop_token_ids: list[int] | None = None,
+        **options,
     ):
-        super().__init__(tokenizer, name=name, seed=seed, reward_weights=reward_weights)
+        super().__init__(tokenizer, **options)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_episode_tokens is not None and max_episode_tokens < 2:

@@ -115,9 +115,6 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
         self,
         tokenizer,
         *,
-        name: str | None = None,
-        seed: int = 0,
-        reward_weights: dict[str, float] | None = None,
         path: str | None = None,
         problems: list[dict[str, Any]] | None = None,
         eval_path: str | None = None,
@@ -128,17 +125,9 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
         answer_field: str = "answer",
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
         storage_options: dict[str, Any] | None = None,
-        skip_bad_rows: bool = False,
-        max_seq_len: int | None = None,
+        **options,
     ):
-        super().__init__(
-            tokenizer,
-            name=name,
-            seed=seed,
-            reward_weights=reward_weights,
-            skip_bad_rows=skip_bad_rows,
-            max_seq_len=max_seq_len,
-        )
+        super().__init__(tokenizer, **options)
         if eval_path is not None and eval_problems is not None:
             raise ValueError("give at most one of `eval_path` and `eval_problems`")
         fields = dict(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import shlex
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from marin_rl.envs.base import PolicyClient, Problem, SamplingParams
 from marin_rl.envs.calculator import extract_final_number
@@ -71,29 +71,27 @@ def _table(rng: random.Random) -> tuple[list[list[int]], str]:
     return rows, "".join(f"{n},{r[0]},{r[1]},{r[2]}\n" for n, r in zip(names, rows, strict=True))
 
 
-def _sum(rng: random.Random) -> dict:
+def _column(rng: random.Random, what: str, of: Callable[[list[int]], int], command: Callable[[int], str]) -> dict:
+    """A question about one column of a random data.csv: `what` (its name in the prompt) is `of` the column's
+    values, and `command(col)` is the shell command that prints it."""
     rows, text = _table(rng)
     col = rng.randint(2, 4)
-    awk = shlex.quote(f"{{s+=${col}}}END{{print s}}")
+    shell = command(col)
     return {
-        "prompt": f"sum of column {col} of data.csv?",
+        "prompt": f"{what} of column {col} of data.csv?",
         "files": {"data.csv": text},
-        "answer": str(sum(r[col - 2] for r in rows)),
-        "solution": f"awk -F, {awk} data.csv",
-        "check": f'[ "$(awk -F, {awk} data.csv)" = "$(cat)" ]',
+        "answer": str(of([r[col - 2] for r in rows])),
+        "solution": shell,
+        "check": f'[ "$({shell})" = "$(cat)" ]',
     }
+
+
+def _sum(rng: random.Random) -> dict:
+    return _column(rng, "sum", sum, lambda col: f"awk -F, {shlex.quote(f'{{s+=${col}}}END{{print s}}')} data.csv")
 
 
 def _max(rng: random.Random) -> dict:
-    rows, text = _table(rng)
-    col = rng.randint(2, 4)
-    return {
-        "prompt": f"max of column {col} of data.csv?",
-        "files": {"data.csv": text},
-        "answer": str(max(r[col - 2] for r in rows)),
-        "solution": f"cut -d, -f{col} data.csv|sort -n|tail -1",
-        "check": f'[ "$(cut -d, -f{col} data.csv|sort -n|tail -1)" = "$(cat)" ]',
-    }
+    return _column(rng, "max", max, lambda col: f"cut -d, -f{col} data.csv|sort -n|tail -1")
 
 
 def _files(rng: random.Random) -> dict:

@@ -31,7 +31,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from marin_rl.inference.completion_request import (
     SERVED_MODEL_NAME,
@@ -39,6 +39,8 @@ from marin_rl.inference.completion_request import (
     InvalidRequest,
     RequestLimits,
     check_request,
+    openai_answer,
+    parse_body,
 )
 from marin_rl.tool_calls import ToolCall, format_tool_call, tool_call_blocks
 
@@ -149,17 +151,12 @@ class ChatRequest(BaseModel):
 def parse_chat_request(body: bytes | str) -> ChatRequest:
     """The chat request in a JSON `body`; raises `InvalidRequest` naming the first field (its path, e.g.
     `messages[1].role`) whose value has the wrong type or is missing."""
-    try:
-        return ChatRequest.model_validate_json(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = first.get("loc") or ()
-        if first["type"] == "json_invalid":
-            raise InvalidRequest(f"the request body is not valid JSON: {first.get('msg', '')}") from None
-        if not loc:
-            raise InvalidRequest("the request body must be a JSON object") from None
-        param = _path([x for x in loc if not (isinstance(x, str) and x in _UNION_TAGS)])
-        raise InvalidRequest(f"{param}: {first['msg']}", param) from None
+    return parse_body(ChatRequest, body, _path_refusal)
+
+
+def _path_refusal(error: dict[str, Any]) -> InvalidRequest:
+    param = _path([x for x in error["loc"] if not (isinstance(x, str) and x in _UNION_TAGS)])
+    return InvalidRequest(f"{param}: {error['msg']}", param)
 
 
 _UNION_TAGS = {"str", "list[TextPart]", "list[str]", "dict[str,any]", "dict[str,str]"}
@@ -342,18 +339,8 @@ def chat_response(
 ) -> dict[str, Any]:
     """The `chat.completion` body of `choices` with token usage (and `prompt_token_ids` with `return_token_ids`)."""
     prompt_tokens = len(prompt) * request.n
-    body = {
-        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-        "object": "chat.completion",
-        "created": int(created),
-        "model": request.model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+    chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    body = openai_answer("chat.completion", chat_id, request.model, created, choices, prompt_tokens, completion_tokens)
     if request.return_token_ids:
         body["prompt_token_ids"] = list(prompt)
     return body

@@ -1,4 +1,4 @@
-"""The completions request every policy server takes, its checks, and OpenAI's shape for a refusal.
+"""The completions request every policy server takes, its checks, and OpenAI's shapes for a refusal and an answer.
 
 `check_request` is the one place a request is validated: the HTTP front end (`openai_api.openai_app`) and the
 in-process client (`local_client.InProcessPolicyClient`) both call it before a backend sees the request, so a
@@ -34,8 +34,9 @@ What is checked, against the server's `RequestLimits`:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -123,6 +124,30 @@ def openai_error(message: str, *, kind: str = "invalid_request_error", param: st
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def openai_answer(
+    kind: str,
+    answer_id: str,
+    model: str,
+    created: float,
+    choices: list[dict[str, Any]],
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """OpenAI's answer body (`kind`: 'text_completion' or 'chat.completion') for `choices`, with token usage."""
+    return {
+        "id": answer_id,
+        "object": kind,
+        "created": int(created),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What a server accepts: its model's vocabulary and context, and the bounds of `inference` config."""
@@ -146,23 +171,36 @@ class RequestLimits:
 PROMPT_FORMS = "a string, a list of token ids, a list of strings or a list of token-id lists"
 
 
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def parse_body(model: type[Model], body: bytes | str, refusal: Callable[[dict[str, Any]], InvalidRequest]) -> Model:
+    """`model` read from the JSON `body`. Raises `InvalidRequest` for a body that is not JSON or not a JSON object,
+    and `refusal(error)` for the first of pydantic's errors otherwise (one with a non-empty `loc`)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            raise InvalidRequest(f"the request body is not valid JSON: {first.get('msg', '')}") from None
+        if not first.get("loc"):
+            raise InvalidRequest("the request body must be a JSON object") from None
+        raise refusal(first) from None
+
+
 def parse_request(body: bytes | str) -> CompletionRequest:
     """The request in a JSON `body`; raises `InvalidRequest` naming the field whose value has the wrong type (the
     first of them), or for a body that is not a JSON object."""
-    try:
-        return CompletionRequest.model_validate_json(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = first.get("loc") or ()
-        if first["type"] == "json_invalid":
-            raise InvalidRequest(f"the request body is not valid JSON: {first.get('msg', '')}") from None
-        if not loc:
-            raise InvalidRequest("the request body must be a JSON object") from None
-        field = str(loc[0])
-        if field == "prompt" and first["type"] != "missing":
-            raise InvalidRequest(f"prompt must be {PROMPT_FORMS}", "prompt") from None
-        where = "".join(f"[{x}]" if isinstance(x, int) else "" for x in loc[1:])
-        raise InvalidRequest(f"{field}{where}: {first['msg']}", field) from None
+    return parse_body(CompletionRequest, body, _field_refusal)
+
+
+def _field_refusal(error: dict[str, Any]) -> InvalidRequest:
+    loc = error["loc"]
+    field = str(loc[0])
+    if field == "prompt" and error["type"] != "missing":
+        return InvalidRequest(f"prompt must be {PROMPT_FORMS}", "prompt")
+    where = "".join(f"[{x}]" if isinstance(x, int) else "" for x in loc[1:])
+    return InvalidRequest(f"{field}{where}: {error['msg']}", field)
 
 
 def check_request(request: CompletionRequest, tokenizer, limits: RequestLimits) -> list[list[int]]:

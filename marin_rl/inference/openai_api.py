@@ -71,6 +71,7 @@ from marin_rl.inference.completion_request import (
     InvalidRequest,
     RequestLimits,
     check_request,
+    openai_answer,
     openai_error,
     parse_request,
 )
@@ -212,19 +213,11 @@ def completion_response(
     extra field, `backend_s`: the seconds the backend took (clients tell their HTTP overhead from it)."""
     prompt_tokens = sum(len(p) for p in prompts) * request.n
     extra = {} if backend_s is None else {"backend_s": backend_s}
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
-        "object": "text_completion",
-        "created": int(created),
-        "model": request.model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-        **extra,
-    }
+    completion_id = f"cmpl-{uuid.uuid4().hex[:12]}"
+    body = openai_answer(
+        "text_completion", completion_id, request.model, created, choices, prompt_tokens, completion_tokens
+    )
+    return {**body, **extra}
 
 
 @dataclass

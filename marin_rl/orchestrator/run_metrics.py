@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 from levanter.tracker.tracker import Tracker
 
 from marin_rl.config import RunConfig, without_secrets
@@ -96,6 +97,16 @@ class RunMetrics:
         """End the tracker (when it was started)."""
         if self.tracker is not None:
             self.tracker.finish()
+
+
+def eval_row(per_env: dict[str, float], env_names: list[str], started: float) -> dict[str, float]:
+    """An evaluation's metric row: the environments' `eval/<env>/...` metrics, `eval/mean_reward` (the mean of their
+    `eval/<env>/reward`) and `eval/seconds` (since `started`, a `time.time()`)."""
+    return {
+        **per_env,
+        "eval/mean_reward": float(np.mean([per_env[f"eval/{n}/reward"] for n in env_names])),
+        "eval/seconds": time.time() - started,
+    }
 
 
 def redacted(hparams: dict[str, Any]) -> dict[str, Any]:

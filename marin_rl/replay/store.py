@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,8 +32,8 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 
+from marin_rl.atomic_files import write_atomically
 from marin_rl.types import Rollout, RolloutFormatError
 
 logger = logging.getLogger(__name__)
@@ -323,16 +322,7 @@ def record_segment(directory: str, segment: int, parent: int | None, start_step:
         }
     )
     data = json.dumps({"segments": segments}, indent=1).encode()
-    target = f"{root}/{TIMELINE_FILE}"
-    if isinstance(fs, LocalFileSystem):
-        tmp = f"{root}/.{TIMELINE_FILE}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)  # atomic on POSIX
-    else:
-        fs.pipe_file(target, data)  # object stores replace a whole object atomically
+    write_atomically(fs, f"{root}/{TIMELINE_FILE}", data)
 
 
 def surviving_groups(segments: list[dict[str, Any]]) -> dict[int, float]:

@@ -143,9 +143,8 @@ class LocalWorkerPool(WorkerPool):
             seed=seed,
             greedy_baseline=self.greedy_baseline,
             overlong=self.overlong,
+            teacher=self.teacher,
         )
-        if self.teacher is not None:
-            await self.teacher.score_group(group)
         return group, time.perf_counter() - start
 
     def wait(self, timeout_s: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from marin_rl.envs.rewards import OverlongPenalty, add_overlong_penalty, combine
 from marin_rl.inference.client import PolicyClient, SeededPolicy
 from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.types import RolloutGroup
+
+if TYPE_CHECKING:
+    from marin_rl.inference.teacher import TeacherScorer
 
 CLIENT_COUNTERS = ("retried_requests", "requests", "request_s", "backend_s", "queue_s")
 """`PolicyClient` counters a worker reports (`take_counters`): retries over every role, the rest over training's."""
@@ -110,29 +114,34 @@ class RolloutWorker:
         role: str = "train",
         greedy_baseline: bool = False,
         overlong: OverlongPenalty | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> RolloutGroup:
         """One group of `group_size` episodes of `problem`. `seed`: the group's policy calls carry seeds derived
         from it (`SeededPolicy`), so its samples are a function of the seed and the weights. `greedy_baseline`
         (ReMax): a greedy episode of the problem runs alongside, and its reward becomes the group's
         `baseline_reward`. `overlong`: the soft overlong penalty added to every episode's reward (the greedy one's
-        too), `add_overlong_penalty`. Raises what an episode raises."""
+        too), `add_overlong_penalty`. `teacher`: scores the finished group's tokens (`TeacherScorer.score_group`).
+        Raises what an episode (or the teacher) raises."""
         policy = self.client(role)
         if seed is not None:
             policy = SeededPolicy(policy, seed)
+        baseline = None
         if not greedy_baseline:
             group = await workflow.run_group(policy, problem, group_size, sampling)
-            if overlong is not None:
-                add_overlong_penalty(group, overlong)
-            return group
-        greedy = SamplingParams(temperature=0.0, max_tokens=sampling.max_tokens)
-        group, baseline = await asyncio.gather(
-            workflow.run_group(policy, problem, group_size, sampling),
-            workflow.run_group(self.client(role), problem, 1, greedy),
-        )
+        else:
+            greedy = SamplingParams(temperature=0.0, max_tokens=sampling.max_tokens)
+            group, baseline = await asyncio.gather(
+                workflow.run_group(policy, problem, group_size, sampling),
+                workflow.run_group(self.client(role), problem, 1, greedy),
+            )
         if overlong is not None:
             add_overlong_penalty(group, overlong)
-            add_overlong_penalty(baseline, overlong)
-        group.baseline_reward = float(baseline.rollouts[0].reward)
+            if baseline is not None:
+                add_overlong_penalty(baseline, overlong)
+        if baseline is not None:
+            group.baseline_reward = float(baseline.rollouts[0].reward)
+        if teacher is not None:
+            await teacher.score_group(group)
         return group
 
     async def run_groups(

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from marin_rl.config import RunConfig, make_environment
 from marin_rl.envs.base import reference_examples
@@ -37,6 +36,7 @@ from marin_rl.inference.local_client import InProcessPolicyClient
 from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.orchestrator.local_backend.learner import ColocatedUpdate, LocalLearner, process_memory
 from marin_rl.orchestrator.local_backend.spmd import CommandStream
+from marin_rl.orchestrator.run_metrics import eval_row
 from marin_rl.orchestrator.teacher_recipe import ensure_teacher, teacher_run_config
 from marin_rl.rollouts.controller import RolloutController, run_rollout_controller
 from marin_rl.rollouts.local_pool import LocalWorkerPool
@@ -306,9 +306,7 @@ class LocalBackend:
         out: dict[str, float] = {}
         for r in asyncio.run_coroutine_threadsafe(all_envs(), self._loop).result():
             out.update(r)
-        out["eval/mean_reward"] = float(np.mean([out[f"eval/{n}/reward"] for n in self.env_names]))
-        out["eval/seconds"] = time.time() - t
-        return out
+        return eval_row(out, self.env_names, t)
 
     def warm_start_examples(self) -> list[Any]:
         """Every environment's demonstrations for the supervised warm start ((prompt ids, completion ids) pairs)."""

@@ -257,9 +257,8 @@ class EnvActor:
                 seed=seed,
                 greedy_baseline=self.greedy_baseline,
                 overlong=cfg.overlong_penalty,
+                teacher=self.teacher,
             )
-            if self.teacher is not None:
-                await self.teacher.score_group(group)
         except Exception as e:
             raise EpisodeError.wrapping(e) from None
         out = group.to_dict()

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -30,6 +29,7 @@ from marin_rl.orchestrator.ray_backend.reward_pool import RewardServerPool
 from marin_rl.orchestrator.ray_backend.server_pool import ServerPool
 from marin_rl.orchestrator.ray_backend.teacher_pool import TeacherServerPool
 from marin_rl.orchestrator.ray_backend.watchdog import Watchdog, sweep_orphans
+from marin_rl.orchestrator.run_metrics import eval_row
 from marin_rl.orchestrator.teacher_recipe import ensure_teacher
 from marin_rl.placement import wait_for_actors
 from marin_rl.rollouts.controller import RolloutController, run_rollout_controller
@@ -290,9 +290,7 @@ class RayBackend:
                 for pool in self.pools.values():
                     pool.check_actor(0)
                 self.check_servers()
-        out["eval/mean_reward"] = float(np.mean([out[f"eval/{n}/reward"] for n in self.env_names]))
-        out["eval/seconds"] = time.time() - t
-        return out
+        return eval_row(out, self.env_names, t)
 
     def warm_start_examples(self) -> list[Any]:
         """Every environment's demonstrations for the supervised warm start ((prompt ids, completion ids) pairs)."""

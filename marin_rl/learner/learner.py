@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 
 import equinox as eqx
 import haliax as hax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from marin_rl.learner import export, offload, publish, supervised, warm_start_cache
+from marin_rl.learner import export, offload, publish, supervised
 from marin_rl.learner.algorithm import get_algorithm
 from marin_rl.learner.batch import RlExample, row_slice, to_example
 from marin_rl.learner.config import LearnerConfig, check_platform, routes_experts
@@ -65,6 +66,43 @@ def check_finite_steps(step_metrics: list[dict[str, float]], version: int, first
                 )
 
 
+def check_rl_batch(
+    batch: PackedBatch, config: LearnerConfig, sharding: Sharding, algorithm: str, reads_token_rewards: bool
+) -> None:
+    """Raise ValueError, saying what to change, when a batch does not split into the configured minibatches ×
+    microbatches (over the mesh's batch shards), or carries per-token rewards exactly when the algorithm does not
+    read them."""
+    m, n = config.minibatches, config.microbatches
+    if batch.num_rows % (m * n) != 0:
+        raise ValueError(
+            f"the batch's {batch.num_rows} rows do not split into learner.minibatches={m} × "
+            f"learner.microbatches={n} equal parts; choose a row count divisible by {m * n}"
+        )
+    if sharding.mesh is not None:
+        sharding.check_rows(batch.num_rows, "the batch", m * n)
+    if batch.rewards is None and reads_token_rewards:
+        raise ValueError(
+            f"algorithm {algorithm!r} needs batches with per-token rewards: set replay.advantage_estimator: gae"
+        )
+    if batch.rewards is not None and not reads_token_rewards:
+        raise ValueError(
+            f"the batch carries per-token rewards (replay.advantage_estimator: gae) but algorithm {algorithm!r} does "
+            "not use them: its group advantages are all 0 (choose an algorithm that does, e.g. learner.algorithm: ppo)"
+        )
+
+
+def minibatches(ex: RlExample, m: int, epochs: int, sharding: Sharding, in_step_first: bool) -> Iterator[RlExample]:
+    """The minibatches of a placed batch, `epochs` passes over its `m` consecutive row ranges (each laid out over the
+    mesh); with `in_step_first` the first has no proximal logprobs (its step takes them from its own forward)."""
+    rows = ex.input_ids.axis_size("batch") // m
+    for epoch in range(epochs):
+        for i in range(m):
+            sub = ex if m == 1 else sharding.batch(row_slice(ex, i * rows, (i + 1) * rows))
+            if epoch == 0 and i == 0 and in_step_first and sub.proximal_logprobs is not None:
+                sub = dataclasses.replace(sub, proximal_logprobs=None)
+            yield sub
+
+
 class Learner:
     """Holds the train state (`TrainState`: the policy, its optimizer state, the counters, the reference model and
     the critic); each `train_step` consumes one batch and makes one new version.
@@ -99,10 +137,10 @@ class Learner:
             self.optimizer, config.loss, self.temperature, config.microbatches, self.sharding
         )
         """What the policy's RL step is compiled for (`marin_rl.learner.step.policy_step`)."""
-        model = build_model(model_config, vocab_size)
-        self.num_params = parameter_count(model)
+        self.model = build_model(model_config, vocab_size)
+        self.num_params = parameter_count(self.model)
         with self.sharding.context():
-            self.model = self.sharding.params(model)
+            self.model = self.sharding.params(self.model)
         self.opt_state = None if config.lora.enabled else self.supervised_optimizer_state(self.optimizer)
         self.publisher = publish.Publisher()
         """With LoRA, whether the next publish carries the base (`publish_params`)."""
@@ -155,7 +193,7 @@ class Learner:
         """The policy as servers run it: with LoRA, the adapters merged into the base (on the devices)."""
         return publish.served_model(self.model, self.sharding)
 
-    def _reference(self, state: TrainState | None = None):
+    def _reference(self, state: TrainState | None = None):  # the KL reference of `state` (default: the learner's)
         state = self.train_state if state is None else state
         return publish.kl_reference(state.model, state.reference_model, self.config.loss.kl_coef)
 
@@ -194,25 +232,7 @@ class Learner:
         """
         loss = self.loss if loss is None else get_loss(loss)
         start = time.time()
-        m, e, n = self.config.minibatches, self.config.epochs, self.config.microbatches
-        if batch.num_rows % (m * n) != 0:
-            raise ValueError(
-                f"the batch's {batch.num_rows} rows do not split into learner.minibatches={m} × "
-                f"learner.microbatches={n} equal parts; choose a row count divisible by {m * n}"
-            )
-        if self.mesh is not None:
-            self.sharding.check_rows(batch.num_rows, "the batch", m * n)
-        name = self.algorithm.name
-        if batch.rewards is None and self.reads_token_rewards:
-            raise ValueError(
-                f"algorithm {name!r} needs batches with per-token rewards: set replay.advantage_estimator: gae"
-            )
-        if batch.rewards is not None and not self.reads_token_rewards:
-            raise ValueError(
-                f"the batch carries per-token rewards (replay.advantage_estimator: gae) but algorithm {name!r} does "
-                "not use them: its group advantages are all 0 (choose an algorithm that does, e.g. learner.algorithm: "
-                "ppo)"
-            )
+        check_rl_batch(batch, self.config, self.sharding, self.algorithm.name, self.reads_token_rewards)
         placed = self.place_batch(batch)
         self.add_adapters()
         self.restore_optimizer()
@@ -221,10 +241,9 @@ class Learner:
         if self.config.offload_optimizer:
             self.offload_optimizer()
         self.version += 1
-        elapsed = time.time() - start
-        metrics["learner/step_time_s"] = elapsed
-        metrics["learner/tokens_per_s"] = e * float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9)
-        return metrics
+        metrics["learner/step_time_s"] = elapsed = time.time() - start
+        tokens = self.config.epochs * float(np.sum(batch.segment_ids >= 0))
+        return {**metrics, "learner/tokens_per_s": tokens / max(elapsed, 1e-9)}
 
     def actor_train(
         self, batch: PackedBatch, placed: RlExample, loss=None, loss_weight_fn=None, advantages=None
@@ -236,13 +255,12 @@ class Learner:
         learning rate."""
         cfg = self.config
         loss = self.loss if loss is None else get_loss(loss)
-        ex = placed
         if advantages is not None:
             if not isinstance(advantages, hax.NamedArray):
-                advantages = hax.named(jnp.asarray(advantages, jnp.float32), ex.advantages.axes)
-            ex = self.sharding.batch(dataclasses.replace(ex, advantages=advantages))
+                advantages = hax.named(jnp.asarray(advantages, jnp.float32), placed.advantages.axes)
+            placed = self.sharding.batch(dataclasses.replace(placed, advantages=advantages))
         with self.sharding.context():
-            device_metrics = self._run_steps(ex, loss, loss_weight_fn)
+            device_metrics = self._run_steps(placed, loss, loss_weight_fn)
         self.step_metrics = [{f"learner/{k}": float(v) for k, v in s.items()} for s in jax.device_get(device_metrics)]
         check_finite_steps(self.step_metrics, self.version + 1, self.optimizer_steps + 1)
         stacked = {k: np.asarray([x[k] for x in self.step_metrics]) for k in self.step_metrics[0]}
@@ -261,25 +279,17 @@ class Learner:
             self.freeze_reference()
         if setup.needs_prepare(loss, m * e):
             ex = self._prepare(self.model, self._reference(), ex, m * n, setup.uses_proximal(loss))
-        rows = ex.input_ids.axis_size("batch") // m
         # The batch's first step runs at the proximal weights: it takes logp_prox = stop_gradient(logp) from its own
         # forward pass (ratio exactly 1), unless accumulating microbatches needs the kept tokens beforehand.
         in_step_first = not (n > 1 and setup.kept_depends_on_proximal(loss))
 
-        def minibatches():
-            for epoch in range(e):
-                for i in range(m):
-                    sub = ex if m == 1 else self.sharding.batch(row_slice(ex, i * rows, (i + 1) * rows))
-                    if epoch == 0 and i == 0 and in_step_first and sub.proximal_logprobs is not None:
-                        sub = dataclasses.replace(sub, proximal_logprobs=None)
-                    yield sub
-
-        def step(state, sub):
-            return self._policy_step(state, self._reference(state), sub, loss, loss_weight_fn)
+        def step(state, sub):  # the learner holds each new state: the policy's old arrays are freed as it goes
+            self.train_state, metrics = self._policy_step(state, self._reference(state), sub, loss, loss_weight_fn)
+            return self.train_state, metrics
 
         device_metrics = []
         keep = Every(1, lambda _step, _state, metrics: device_metrics.append(metrics))
-        self.train_state, _ = run_steps(self.train_state, minibatches(), step, every=[keep])
+        run_steps(self.train_state, minibatches(ex, m, e, self.sharding, in_step_first), step, every=[keep])
         return device_metrics
 
     # ---- optimizer state in host memory (`marin_rl.learner.offload`) -------------------------------------------
@@ -300,15 +310,9 @@ class Learner:
         multi-host learner: all must call it)."""
         if self.mesh is None:
             return np.asarray(self._logprobs(self.model, to_example(batch)))
-        rows = batch.num_rows
-        pad = -rows % self.batch_shards  # pad the rows to split evenly over the mesh; the padding is dropped
-        if pad:
-            batch = PackedBatch(
-                **{k: None if v is None else np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in vars(batch).items()}
-            )
-        with self.sharding.context():
-            [lp] = host_arrays([self._logprobs(self.model, self.place_batch(batch))])
-        return lp[:rows]
+        with self.sharding.context():  # rows padded to split evenly over the mesh; the padding is dropped
+            [lp] = host_arrays([self._logprobs(self.model, self.place_batch(self.sharding.padded(batch)))])
+        return lp[: batch.num_rows]
 
     def weights(self) -> list[np.ndarray]:
         """Current parameters as host arrays, flattened like `eqx.filter(model, eqx.is_array)` (a multi-host learner
@@ -342,21 +346,13 @@ class Learner:
     def load_state(self, state: TrainState) -> None:
         """Continue from a `state()` (e.g. loaded from a checkpoint): arrays are laid out by the parameter mapping."""
         with self.sharding.context():
-            shard = self.sharding.params
-            self.train_state = state.with_counters(int).replace(
-                model=shard(state.model),
-                opt_state=shard(state.opt_state),
-                reference_model=None if state.reference_model is None else shard(state.reference_model),
-                critic=None if self.critic is None else shard(state.critic),
-                critic_opt_state=None if self.critic is None else shard(state.critic_opt_state),
-            )
+            self.train_state = state.with_counters(int).laid_out(self.sharding.params, self.critic is not None)
         self._offloaded = None
         self.publisher.request_full()
 
     # ---- supervised training: the warm start and `learner.mode: sft` (`marin_rl.learner.supervised`) -----------
     def supervised_optimizer_state(self, optimizer: optax.GradientTransformation) -> optax.OptState:
-        """A fresh state of `optimizer` (the supervised steps', or the RL one's) for the trainable parameters (the
-        adapters with LoRA), laid out like them on the mesh."""
+        """A fresh `optimizer` state (supervised or RL) for the trainable parameters (LoRA: the adapters), sharded."""
         return supervised.optimizer_state(self.model, optimizer, self.sharding)
 
     def supervised_step(
@@ -365,11 +361,12 @@ class Learner:
         """One optimizer step of the supervised loss on a packed batch (`marin_rl.learner.step.supervised_update`):
         updates the policy but not its version. `optimizer` must stay the same object between steps (it is part of
         the compiled step). Returns the new optimizer state and, on the devices, `loss`, `grad_norm` and `tokens`."""
-        state, metrics = self._supervised_batch_step(TrainState(self.model, opt_state), batch, optimizer)
+        state, metrics = self.supervised_state_step(TrainState(self.model, opt_state), batch, optimizer)
         self.model = state.model
         return state.opt_state, metrics
 
-    def _supervised_batch_step(self, state: TrainState, batch: PackedBatch, optimizer):
+    def supervised_state_step(self, state: TrainState, batch: PackedBatch, optimizer) -> tuple[TrainState, dict]:
+        """`supervised_step` of a given state (its `opt_state` a state of `optimizer`): (new state, metrics)."""
         self.sharding.check_rows(batch.num_rows, "the supervised batch")
         with self.sharding.context():
             return self._supervised_step(state, self.place_batch(batch), optimizer)
@@ -392,33 +389,15 @@ class Learner:
         if cfg.steps <= 0 or not examples:
             self.add_adapters()
             return {"losses": []}
-        if self.mesh is not None:
-            self.sharding.check_rows(cfg.batch_rows, "learner.warm_start.batch_rows")
-        where = (repr(self.model_config), cfg, self.sharding, examples, max_seq_len, seed)
-        cached = supervised.warm_start_cache_path(self.model, *where)
-        stored = warm_start_cache.load(cached, self.model) if cached else None
-        if stored is not None:
-            model, result = stored
-            with self.sharding.context():
-                self.model = self.sharding.params(model)
-            logger.info(
-                "warm start: reused an identical earlier one (%d steps, %.1f s when trained, final loss %.4f) from %s",
-                *(cfg.steps, result["seconds"], result["losses"][-1], cached),
-            )
-            result = {**result, "cached": cached}
-        else:
-            opt = optax.adamw(cfg.learning_rate, b1=0.9, b2=0.99)
-            state = TrainState(self.model, self.supervised_optimizer_state(opt))
+        self.sharding.check_rows(cfg.batch_rows, "learner.warm_start.batch_rows")  # (always true on one device)
 
-            def step(st, batch):  # the policy follows the steps: its old arrays are freed, an interrupted one is kept
-                st, metrics = self._supervised_batch_step(st, batch, opt)
-                self.model = st.model
-                return st, metrics
-
-            state, result = supervised.train_warm_start(state, step, examples, cfg, max_seq_len, seed, self.interrupted)
+        def step(state, batch, optimizer):  # the policy follows the steps: old arrays freed, an interrupted one kept
+            state, metrics = self.supervised_state_step(state, batch, optimizer)
             self.model = state.model
-            if cached:
-                warm_start_cache.save(cached, self.model, result)
+            return state, metrics
+
+        where = (repr(self.model_config), cfg, self.sharding, examples, max_seq_len, seed)
+        self.model, result = supervised.warm_start(self.model, step, *where, stop=self.interrupted)
         self.freeze_reference()  # the KL penalty's reference is the warm-started policy
         if self.critic is not None:
             self.critic.reset_from(self.model)  # a critic from the policy starts from the warm-started trunk

@@ -60,6 +60,16 @@ class Sharding:
         """The host batch as an example on the devices, rows split over the mesh: the one host → device copy."""
         return self.batch(to_example(batch))
 
+    def padded(self, batch: PackedBatch) -> PackedBatch:
+        """`batch` with its first row repeated until the rows split evenly over the batch shards (unchanged when they
+        do); a caller drops the padding's results."""
+        pad = -batch.num_rows % self.batch_shards
+        if not pad:
+            return batch
+        return PackedBatch(
+            **{k: None if v is None else np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in vars(batch).items()}
+        )
+
     def chunked(self, ex: RlExample, n: int) -> dict[str, jax.Array]:
         """`marin_rl.learner.batch.chunked`, with each chunk's rows (not the chunks) split over the devices."""
         raw = chunked(ex, n)

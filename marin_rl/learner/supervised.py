@@ -110,3 +110,39 @@ def train_warm_start(
         what="warm start",
     )
     return state, {"losses": losses, "seconds": time.time() - start}
+
+
+def warm_start(
+    model: Any,
+    step: Callable[[TrainState, PackedBatch, optax.GradientTransformation], tuple[TrainState, dict[str, Any]]],
+    model_config_repr: str,
+    cfg: WarmStartConfig,
+    sharding: Sharding,
+    examples: list[tuple[list[int], list[int]]],
+    max_seq_len: int,
+    seed: int,
+    stop: threading.Event | None = None,
+) -> tuple[Any, dict]:
+    """The warm start of `model`: an identical earlier one from `cfg.cache_dir` when there is one, else
+    `train_warm_start` with a fresh AdamW state (`step(state, batch, optimizer)`: the supervised step), saved to the
+    cache. Returns the warm-started model and {losses, seconds[, cached]}."""
+    cached = warm_start_cache_path(model, model_config_repr, cfg, sharding, examples, max_seq_len, seed)
+    stored = warm_start_cache.load(cached, model) if cached else None
+    if stored is not None:
+        model, result = stored
+        with sharding.context():
+            model = sharding.params(model)
+        logger.info(
+            "warm start: reused an identical earlier one (%d steps, %.1f s when trained, final loss %.4f) from %s",
+            *(cfg.steps, result["seconds"], result["losses"][-1], cached),
+        )
+        return model, {**result, "cached": cached}
+    optimizer = optax.adamw(cfg.learning_rate, b1=0.9, b2=0.99)
+    state = TrainState(model, optimizer_state(model, optimizer, sharding))
+    del model  # the steps replace it
+    state, result = train_warm_start(
+        state, lambda st, batch: step(st, batch, optimizer), examples, cfg, max_seq_len, seed, stop
+    )
+    if cached:
+        warm_start_cache.save(cached, state.model, result)
+    return state.model, result

@@ -133,9 +133,8 @@ class Learner:
         self.sharding = Sharding(self.mesh, config.mesh)
         """Where parameters, optimizer states and batches live (shared with the critic)."""
         self.optimizer = config.optimizer.build()
-        self.policy_setup = PolicySetup(
-            self.optimizer, config.loss, self.temperature, config.microbatches, self.sharding
-        )
+        """The RL optimizer (`learner.optimizer`); each compiled policy step takes it, so it may be replaced."""
+        self.policy_setup = PolicySetup(config.loss, self.temperature, config.microbatches, self.sharding)
         """What the policy's RL step is compiled for (`marin_rl.learner.step.policy_step`)."""
         self.model = build_model(model_config, vocab_size)
         self.num_params = parameter_count(self.model)
@@ -284,7 +283,8 @@ class Learner:
         in_step_first = not (n > 1 and setup.kept_depends_on_proximal(loss))
 
         def step(state, sub):  # the learner holds each new state: the policy's old arrays are freed as it goes
-            self.train_state, metrics = self._policy_step(state, self._reference(state), sub, loss, loss_weight_fn)
+            reference, optimizer = self._reference(state), self.optimizer
+            self.train_state, metrics = self._policy_step(state, reference, sub, optimizer, loss, loss_weight_fn)
             return self.train_state, metrics
 
         device_metrics = []

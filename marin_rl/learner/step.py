@@ -104,8 +104,6 @@ def microbatched(
 class PolicySetup:
     """What a policy step is compiled for (hashed by identity: one per learner)."""
 
-    optimizer: optax.GradientTransformation
-    """The RL optimizer."""
     loss_config: LossConfig
     """The run's `learner.loss`."""
     temperature: float
@@ -170,10 +168,16 @@ def policy_grads(setup: PolicySetup, model, reference, ex: RlExample, normalizer
 
 
 def policy_update(
-    setup: PolicySetup, state: TrainState, reference, ex: RlExample, loss: LossSpec, loss_weight_fn=None
+    setup: PolicySetup,
+    state: TrainState,
+    reference,
+    ex: RlExample,
+    optimizer: optax.GradientTransformation,
+    loss: LossSpec,
+    loss_weight_fn=None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step of the policy (`state.model`, `state.opt_state`) on `ex` (one minibatch), accumulating
-    over `setup.microbatches` row chunks. Traceable.
+    """One optimizer step of the policy (`state.model`, `state.opt_state`, a state of `optimizer`) on `ex` (one
+    minibatch), accumulating over `setup.microbatches` row chunks. Traceable.
 
     Chunks of a loss that takes `normalizers` (the built-ins) are normalised by the whole minibatch, so their
     gradients add up to its gradient exactly; otherwise (or when `loss_weight_fn` is given) the minibatch's gradient
@@ -200,7 +204,7 @@ def policy_update(
         )
     trainable, frozen = lora.split(model)
     trainable, opt_state, metrics["grad_norm"] = apply_gradients(
-        trainable, grads, state.opt_state, setup.optimizer, setup.sharding.params
+        trainable, grads, state.opt_state, optimizer, setup.sharding.params
     )
     return state.replace(model=lora.join(trainable, frozen), opt_state=opt_state), metrics
 
@@ -229,20 +233,22 @@ def prepare_logprobs(setup: PolicySetup, model, reference, ex: RlExample, num_ch
 
 
 def policy_step(setup: PolicySetup) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-    """The compiled `policy_update`: `step(state, reference, ex, loss, loss_weight_fn) -> (state, metrics)` (the
-    counters are the host driver's: it commits them once the steps' metrics are checked). The optimizer state is
-    donated; the policy is not (the reference model must survive the step, and so must the batch: several epochs
-    reuse it)."""
+    """The compiled `policy_update`: `step(state, reference, ex, optimizer, loss, loss_weight_fn) -> (state,
+    metrics)` (the counters are the host driver's: it commits them once the steps' metrics are checked). The
+    optimizer state is donated; the policy is not (the reference model must survive the step, and so must the batch:
+    several epochs reuse it). `optimizer`, `loss` and `loss_weight_fn` are part of the compiled step."""
 
-    def body(inputs, opt_state, loss, loss_weight_fn):
+    def body(inputs, opt_state, optimizer, loss, loss_weight_fn):
         model, reference, ex = inputs
-        new, metrics = policy_update(setup, TrainState(model, opt_state), reference, ex, loss, loss_weight_fn)
+        state = TrainState(model, opt_state)
+        new, metrics = policy_update(setup, state, reference, ex, optimizer, loss, loss_weight_fn)
         return new.model, new.opt_state, metrics
 
     compiled = eqx.filter_jit(body, donate="all-except-first")
 
-    def step(state: TrainState, reference, ex: RlExample, loss: LossSpec, loss_weight_fn=None):
-        model, opt_state, metrics = compiled((state.model, reference, ex), state.opt_state, loss, loss_weight_fn)
+    def step(state: TrainState, reference, ex: RlExample, optimizer, loss: LossSpec, loss_weight_fn=None):
+        inputs = (state.model, reference, ex)
+        model, opt_state, metrics = compiled(inputs, state.opt_state, optimizer, loss, loss_weight_fn)
         return state.replace(model=model, opt_state=opt_state), metrics
 
     return step

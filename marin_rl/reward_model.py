@@ -44,8 +44,10 @@ from marin_rl.cli_help import preflight
 from marin_rl.config import EnvConfig, make_environment
 from marin_rl.envs.base import Problem, SingleTurnEnvironment
 from marin_rl.envs.rewards import combine_rewards
+from marin_rl.learner.loop import Every, Progress, run_steps
 from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.learner.step import apply_gradients
+from marin_rl.learner.train_state import TrainState
 from marin_rl.logs import configure_logging
 from marin_rl.model.build import build_model, parameter_count
 from marin_rl.model.config import ModelConfig, with_seq_len
@@ -59,7 +61,6 @@ from marin_rl.model.reward import (
     with_extra_layers,
 )
 from marin_rl.model.value import ValueModel
-from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack, pack_rows
 from marin_rl.report import write_summary
 from marin_rl.tokenizer import TokenizerConfig, load_tokenizer
@@ -449,27 +450,40 @@ class RewardModelTrainer:
         ]
         if not references:
             raise ValueError(f"lm_pretrain_steps: no reference completion of {self.env.name} is a positive")
-        losses, n, start = [], 0, time.time()
-        with StepProgress("reward model: language model", cfg.lm_pretrain_steps) as progress:
-            while n < cfg.lm_pretrain_steps:
-                for batch, _, _ in batches_of(references, cfg.batch_rows, cfg.row_len, self.np_rng):
-                    self.lm, opt_state, loss = step(
-                        self.lm, opt_state, *self._named(batch, batch.loss_mask.astype(np.float32))
-                    )
-                    n += 1
-                    losses.append(float(loss))
-                    if n % cfg.log_every == 0 or n == cfg.lm_pretrain_steps:
-                        recent = float(np.mean(losses[-cfg.log_every :]))
-                        logger.info(
-                            "reward model: language-model step %d/%d | loss %.4f | %.0fs",
-                            n,
-                            cfg.lm_pretrain_steps,
-                            recent,
-                            time.time() - start,
-                        )
-                    progress.advance_to(n, f"loss {losses[-1]:.4f}")
-                    if n >= cfg.lm_pretrain_steps:
-                        break
+        losses, start = [], time.time()
+
+        def reference_batches():
+            while True:
+                yield from batches_of(references, cfg.batch_rows, cfg.row_len, self.np_rng)
+
+        def lm_step(state, item):
+            batch, _, _ = item
+            arrays = self._named(batch, batch.loss_mask.astype(np.float32))
+            lm, opt_state, loss = step(state.model, state.opt_state, *arrays)
+            self.lm = lm  # the trainer holds the trunk (its old arrays are freed)
+            return state.replace(model=lm, opt_state=opt_state), {"loss": loss}
+
+        def log_line(n, _state, _metrics):
+            recent = float(np.mean(losses[-cfg.log_every :]))
+            logger.info(
+                "reward model: language-model step %d/%d | loss %.4f | %.0fs",
+                n,
+                cfg.lm_pretrain_steps,
+                recent,
+                time.time() - start,
+            )
+
+        run_steps(
+            TrainState(self.lm, opt_state),
+            reference_batches(),
+            lm_step,
+            total=cfg.lm_pretrain_steps,
+            every=[
+                Every(1, lambda _n, _state, metrics: losses.append(float(metrics["loss"]))),
+                Every(cfg.log_every, log_line),
+            ],
+            progress=Progress("reward model: language model", lambda _: f"loss {losses[-1]:.4f}"),
+        )
         return {"lm_loss_first": losses[0], "lm_loss_last": losses[-1], "lm_seconds": time.time() - start}
 
     def prepare_trunk(self) -> dict[str, float]:
@@ -535,10 +549,12 @@ class RewardModelTrainer:
         )
         before = self.evaluate()
         logger.info("reward model: held-out accuracy %.3f, AUC %.3f before training", before["accuracy"], before["auc"])
-        history, last_eval, step, passes = [], before, 0, 0
+        history, last_eval, passes = [], before, 0
         window: dict[str, list[float]] = collections.defaultdict(list)
-        with StepProgress("reward model", cfg.steps) as progress:  # a bar on a terminal, else a line every 30 s
-            while step < cfg.steps:
+
+        def labelled_batches():  # each pass: fresh negatives, class weights, then its batches
+            nonlocal passes
+            while True:
                 examples = self._fit(self.builder.build(self.train_problems, self.train_refs, self.rng), "training")
                 positives = sum(e.label > 0.5 for e in examples)
                 frac = positives / len(examples)
@@ -547,33 +563,48 @@ class RewardModelTrainer:
                     class_weights = {1.0: 0.5 / frac, 0.0: 0.5 / (1 - frac)}
                 passes += 1
                 for batch, placed, ends in batches_of(examples, cfg.batch_rows, cfg.row_len, self.np_rng):
-                    t = time.time()
-                    arrays = self.train_arrays(batch, placed, ends, class_weights, cfg.prefix_weight)
-                    (self.model, self.token_head), self.opt_state, metrics = self._step(
-                        (self.model, self.token_head), self.opt_state, *self._named(batch, *arrays)
-                    )
-                    step += 1
-                    for k, v in metrics.items():
-                        window[k].append(float(v))
-                    window["step_time_s"].append(time.time() - t)
-                    row = {"step": step, "pass": passes, **{k: float(v) for k, v in metrics.items()}}
-                    if step % cfg.eval_every == 0 or step == cfg.steps:
-                        last_eval = self.evaluate()
-                        row.update({f"eval/{k}": v for k, v in last_eval.items()})
-                    history.append(row)
-                    if step % cfg.log_every == 0 or step == cfg.steps:
-                        loss, acc, secs = (float(np.mean(window[k])) for k in ("loss", "accuracy", "step_time_s"))
-                        line = f"reward model step {step:>5}/{cfg.steps} | loss {loss:.4f} | train acc {acc:.3f}"
-                        if "token_ce" in window:
-                            line += f" | token ce {float(np.mean(window['token_ce'])):.3f}"
-                        line += f" | {secs:.3f}s/step"
-                        if "eval/accuracy" in row:
-                            line += f" | held-out acc {row['eval/accuracy']:.3f} AUC {row['eval/auc']:.3f}"
-                        logger.info(line)
-                        window.clear()
-                    progress.advance_to(step, f"loss {row['loss']:.4f}")
-                    if step >= cfg.steps:
-                        break
+                    yield batch, placed, ends, class_weights
+
+        def train_step(state, item):
+            batch, placed, ends, class_weights = item
+            t = time.time()
+            arrays = self.train_arrays(batch, placed, ends, class_weights, cfg.prefix_weight)
+            params, opt_state, metrics = self._step(state.model, state.opt_state, *self._named(batch, *arrays))
+            (self.model, self.token_head), self.opt_state = params, opt_state  # what `evaluate` reads
+            for k, v in metrics.items():
+                window[k].append(float(v))
+            window["step_time_s"].append(time.time() - t)
+            row = {"step": len(history) + 1, "pass": passes, **{k: float(v) for k, v in metrics.items()}}
+            return state.replace(model=params, opt_state=opt_state), row
+
+        def evaluate(_step, _state, row):
+            nonlocal last_eval
+            last_eval = self.evaluate()
+            row.update({f"eval/{k}": v for k, v in last_eval.items()})
+
+        def log_line(step, _state, row):
+            loss, acc, secs = (float(np.mean(window[k])) for k in ("loss", "accuracy", "step_time_s"))
+            line = f"reward model step {step:>5}/{cfg.steps} | loss {loss:.4f} | train acc {acc:.3f}"
+            if "token_ce" in window:
+                line += f" | token ce {float(np.mean(window['token_ce'])):.3f}"
+            line += f" | {secs:.3f}s/step"
+            if "eval/accuracy" in row:
+                line += f" | held-out acc {row['eval/accuracy']:.3f} AUC {row['eval/auc']:.3f}"
+            logger.info(line)
+            window.clear()
+
+        _, step = run_steps(
+            TrainState((self.model, self.token_head), self.opt_state),
+            labelled_batches(),
+            train_step,
+            total=cfg.steps,
+            every=[
+                Every(cfg.eval_every, evaluate),
+                Every(1, lambda _step, _state, row: history.append(row)),
+                Every(cfg.log_every, log_line),
+            ],
+            progress=Progress("reward model", lambda row: f"loss {row['loss']:.4f}"),  # a bar, or a line every 30 s
+        )
         seconds = time.time() - start
         summary = {
             "mode": "reward_model",

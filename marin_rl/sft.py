@@ -29,9 +29,9 @@ from marin_rl.config import RunConfig
 from marin_rl.envs.data import DataFormatError, read_rows, text_field
 from marin_rl.learner.config import SftConfig
 from marin_rl.learner.learner import Learner
+from marin_rl.learner.loop import Every, Progress, run_steps
 from marin_rl.logs import configure_logging
 from marin_rl.model.config import with_seq_len
-from marin_rl.progress import StepProgress
 from marin_rl.replay.packing import Sequence, pack, pack_rows
 from marin_rl.report import write_summary
 from marin_rl.tokenizer import load_tokenizer
@@ -180,14 +180,15 @@ class SftTrainer:
             time.time() - t,
         )
         self.learner = Learner(with_seq_len(config.model, self.row_len), config.learner, len(self.tokenizer))
-        self.learner.opt_state = None  # the RL optimizer is not used here; free its memory
         if cfg.batch_rows % self.learner.batch_shards != 0:
             raise ValueError(
                 f"learner.sft.batch_rows={cfg.batch_rows} does not split over the learner mesh's "
                 f"{self.learner.batch_shards} batch shards; choose a multiple of {self.learner.batch_shards}"
             )
         self.optimizer = cfg.optimizer.build()
-        self.opt_state = self.learner.supervised_optimizer_state(self.optimizer)
+        self.learner.opt_state = None  # the RL optimizer is not used here: free its memory before building SFT's
+        self.learner.opt_state = self.learner.supervised_optimizer_state(self.optimizer)
+        """The learner's train state holds the SFT optimizer's state (`learner.opt_state`) in place of the RL one's."""
         self.plan = plan_batches(
             [len(s) for s in self.train_seqs],
             cfg.batch_rows,
@@ -262,40 +263,57 @@ class SftTrainer:
         eval_start = self.evaluate()
         tracker.log(eval_start, step=0)
         logger.info("sft: held-out loss before training %.4f", eval_start["sft/eval_loss"])
-        last_eval, exported, trained_tokens, seen = eval_start, None, 0, 0
-        with StepProgress("sft", num_steps) as progress:  # a bar on a terminal, else a line every 30 s
-            for i, plan in enumerate(self.plan):
-                t = time.time()
-                batch = build_batch(self.train_seqs, plan, cfg.batch_rows, self.row_len)
-                self.opt_state, device_metrics = self.learner.supervised_step(batch, self.optimizer, self.opt_state)
-                self.step = i + 1
-                seen += len(plan)
-                metrics = {f"sft/{k}": float(v) for k, v in device_metrics.items()}
-                elapsed = time.time() - t
-                trained_tokens += int(metrics["sft/tokens"])
-                metrics.update(
-                    {
-                        "sft/learning_rate": cfg.optimizer.lr_at(i),
-                        "sft/epoch": seen / len(self.train_seqs),
-                        "sft/step_time_s": elapsed,
-                        "sft/tokens_per_s": float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9),
-                        "sft/packing_efficiency": float(np.mean(batch.segment_ids >= 0)),
-                    }
-                )
-                if (cfg.eval_every > 0 and self.step % cfg.eval_every == 0) or self.step == num_steps:
-                    last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                every = config.model.export_every
-                if (every > 0 and self.step % every == 0) or self.step == num_steps:
-                    exported = self.export()
-                tracker.log(metrics, step=self.step)
-                if self.step % cfg.log_every == 0 or self.step == num_steps:
-                    line = f"sft step {self.step:>5}/{num_steps} | loss {metrics['sft/loss']:.4f}"
-                    if "sft/eval_loss" in metrics:
-                        line += f" | eval {metrics['sft/eval_loss']:.4f}"
-                    line += f" | epoch {metrics['sft/epoch']:.2f} | {metrics['sft/tokens_per_s']:.0f} tok/s"
-                    logger.info(line)
-                progress.advance_to(self.step, f"loss {metrics['sft/loss']:.4f}")
+        totals = {"last_eval": eval_start, "exported": None, "trained_tokens": 0, "seen": 0}
+
+        def step(state, plan):
+            t = time.time()
+            batch = build_batch(self.train_seqs, plan, cfg.batch_rows, self.row_len)
+            state, device_metrics = self.learner.supervised_state_step(state, batch, self.optimizer)
+            self.learner.train_state = state  # the learner holds the policy (its old arrays are freed)
+            self.step += 1
+            totals["seen"] += len(plan)
+            metrics = {f"sft/{k}": float(v) for k, v in device_metrics.items()}
+            elapsed = time.time() - t
+            totals["trained_tokens"] += int(metrics["sft/tokens"])
+            metrics.update(
+                {
+                    "sft/learning_rate": cfg.optimizer.lr_at(self.step - 1),
+                    "sft/epoch": totals["seen"] / len(self.train_seqs),
+                    "sft/step_time_s": elapsed,
+                    "sft/tokens_per_s": float(np.sum(batch.segment_ids >= 0)) / max(elapsed, 1e-9),
+                    "sft/packing_efficiency": float(np.mean(batch.segment_ids >= 0)),
+                }
+            )
+            return state, metrics
+
+        def evaluate(_step, _state, metrics):
+            totals["last_eval"] = self.evaluate()
+            metrics.update(totals["last_eval"])
+
+        def export(_step, _state, _metrics):
+            totals["exported"] = self.export()
+
+        def log_line(_step, _state, metrics):
+            line = f"sft step {self.step:>5}/{num_steps} | loss {metrics['sft/loss']:.4f}"
+            if "sft/eval_loss" in metrics:
+                line += f" | eval {metrics['sft/eval_loss']:.4f}"
+            line += f" | epoch {metrics['sft/epoch']:.2f} | {metrics['sft/tokens_per_s']:.0f} tok/s"
+            logger.info(line)
+
+        self.learner.train_state, _ = run_steps(
+            self.learner.train_state,
+            self.plan,
+            step,
+            total=num_steps,
+            every=[
+                Every(cfg.eval_every, evaluate),
+                Every(config.model.export_every, export),
+                Every(1, lambda step, _state, metrics: tracker.log(metrics, step=step)),
+                Every(cfg.log_every, log_line),
+            ],
+            progress=Progress("sft", lambda metrics: f"loss {metrics['sft/loss']:.4f}"),  # a bar, or a line every 30 s
+        )
+        last_eval, exported, trained_tokens = totals["last_eval"], totals["exported"], totals["trained_tokens"]
         summary = {
             "mode": "sft",
             "steps": self.step,

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from marin_rl.learner.batch import to_example
 from marin_rl.learner.config import CriticConfig, LearnerConfig
 from marin_rl.learner.critic import value_loss
-from marin_rl.learner.learner import Learner, _to_example
+from marin_rl.learner.learner import Learner
 from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.value import token_values
@@ -87,7 +88,7 @@ def _reward_batch(learner, tok, truncate: bool = False) -> PackedBatch:
 def test_critic_advantages_are_gae_of_its_own_values_and_the_critic_learns_the_returns(trunk):
     tok, learner = _critic_learner(gamma=0.99, lam=0.9, trunk=trunk)
     batch = _reward_batch(learner, tok, truncate=True)
-    ex = learner._shard_batch(_to_example(batch))
+    ex = learner.sharding.batch(to_example(batch))
     values, after = (
         np.asarray(x.array)
         for x in token_values(learner.critic.value_model(), ex.input_ids, ex.position_ids, ex.segment_ids)
@@ -179,7 +180,7 @@ def test_a_critic_on_the_policy_trunk_is_a_head_that_does_not_train_the_trunk():
     head_params = jax.tree_util.tree_leaves(critic.model)
     assert critic.model.trunk is None and sum(x.size for x in head_params) == 128 + 1  # Embed weights and a bias
     batch = _reward_batch(learner, tok)
-    ex = learner._shard_batch(_to_example(batch))
+    ex = learner.sharding.batch(to_example(batch))
     critic.model = jax.tree_util.tree_map(
         lambda x: x + 0.01 * jnp.arange(x.size).reshape(x.shape) / x.size, critic.model
     )  # a head that is not zero

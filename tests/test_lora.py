@@ -24,6 +24,7 @@ from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 from marin_rl.learner.config import LearnerConfig, LossConfig, WarmStartConfig
 from marin_rl.learner.learner import Learner
+from marin_rl.learner.step import policy_grads
 from marin_rl.model import lora
 from marin_rl.model.build import build_model
 from marin_rl.model.config import LoraConfig, ModelConfig, tiny_llama
@@ -58,13 +59,13 @@ def test_adapter_gradients_equal_the_merged_models_gradient_through_the_chain_ru
     model = perturbed_adapters(learner.model)
     batch = random_packed_batch(0, rows=4, seq=32, vocab=vocab, segments=3)
     ex = learner.place_batch(batch)
-    grads, _ = learner._grads(model, None, ex, None, learner.loss)
+    grads, _ = policy_grads(learner.policy_setup, model, None, ex, None, learner.loss)
 
     # Reference: differentiate the merged (plain) model with the same loss, then dL/dA = s·Bᵀ·G, dL/dB = s·G·Aᵀ,
     # G = dL/dW of each adapted weight W' = W + s·B·A.
     plain = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(), vocab)
     merged = lora.merged(model)
-    full_grads, _ = plain._grads(merged, None, ex, None, plain.loss)
+    full_grads, _ = policy_grads(plain.policy_setup, merged, None, ex, None, plain.loss)
     layers = _lora_layers(model)
     grad_layers = _lora_layers(lora.join(grads, lora.split(model)[1]))
     merged_weights = _linear_weights(merged)

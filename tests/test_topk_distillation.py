@@ -20,8 +20,9 @@ from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.prompt_scores import top_logprobs_arrays
 from marin_rl.inference.teacher import TeacherConfig, TeacherScorer
 from marin_rl.learner.batch import TEACHER_TOP_K, RlExample
+from marin_rl.learner.batch import chunked as _chunked
+from marin_rl.learner.batch import from_raw as _from_raw
 from marin_rl.learner.config import LossConfig
-from marin_rl.learner.learner import _chunked, _from_raw
 from marin_rl.learner.loss_registry import get_loss
 from marin_rl.learner.losses import opd_forward_kl_topk
 from marin_rl.model.build import build_model

@@ -6,9 +6,12 @@ puts one on the devices, where the losses (`marin_rl.learner.losses`) read it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import haliax as hax
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from marin_rl.types import PackedBatch
@@ -76,3 +79,52 @@ class RlExample(eqx.Module):
 def _truncated(batch: PackedBatch) -> np.ndarray:
     """`batch.truncated`, or all false when the batch does not say."""
     return np.zeros(batch.input_ids.shape, bool) if batch.truncated is None else batch.truncated
+
+
+def to_example(batch: PackedBatch) -> RlExample:
+    """A host batch as an `RlExample` over `(batch, position)` on the default device (not yet sharded)."""
+    Batch = hax.Axis("batch", batch.num_rows)
+    Pos = hax.Axis("position", batch.seq_len)
+    return RlExample.from_packed(batch, Batch, Pos)
+
+
+_FIELDS = [f.name for f in dataclasses.fields(RlExample)]
+
+
+def raw_fields(ex: RlExample) -> dict[str, jax.Array]:
+    """The example's present fields as raw `(batch, position)` arrays (`(batch, position, k)` for the teacher's
+    top-k)."""
+    out = {}
+    for k in _FIELDS:
+        field = getattr(ex, k)
+        if field is not None:
+            top = (TEACHER_TOP_K,) if any(a.name == TEACHER_TOP_K for a in field.axes) else ()
+            out[k] = field.rearrange(("batch", "position", *top)).array
+    return out
+
+
+def from_raw(raw: dict[str, jax.Array]) -> RlExample:
+    """The inverse of `raw_fields`: an example from raw `(batch, position[, k])` arrays."""
+    rows, seq = raw["input_ids"].shape
+    axes = (hax.Axis("batch", rows), hax.Axis("position", seq))
+
+    def named(v):
+        return hax.named(v, axes if v.ndim == 2 else (*axes, hax.Axis(TEACHER_TOP_K, v.shape[2])))
+
+    return RlExample(**{k: named(v) for k, v in raw.items()})
+
+
+def chunked(ex: RlExample, n: int) -> dict[str, jax.Array]:
+    """Raw fields with the rows split into `n` consecutive chunks: arrays of shape `(n, rows / n, position, ...)`
+    (the microbatches of `marin_rl.learner.step.microbatched`)."""
+    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in raw_fields(ex).items()}
+
+
+def row_slice(ex: RlExample, start: int, stop: int) -> RlExample:
+    """Rows `[start, stop)` of an example."""
+    return from_raw({k: v[start:stop] for k, v in raw_fields(ex).items()})
+
+
+def sampled_tokens(ex: RlExample) -> jax.Array:
+    """Default weight of a microbatch chunk: its number of sampled (loss-masked) tokens."""
+    return jnp.sum(ex.loss_mask.array.astype(jnp.float32))

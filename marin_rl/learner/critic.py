@@ -24,39 +24,21 @@ import jax.numpy as jnp
 from marin_rl.learner.config import CriticConfig
 from marin_rl.learner.distributed import host_arrays
 from marin_rl.learner.gae import gae_packed_device, masked_mean, masked_variance, whiten_device
-from marin_rl.learner.step import apply_gradients
+from marin_rl.learner.losses import value_loss
+from marin_rl.learner.step import critic_step
 from marin_rl.learner.train_state import train_state_field
 from marin_rl.model.build import build_model
 from marin_rl.model.config import ModelConfig
 from marin_rl.model.value import ValueModel, head_on, token_values, value_model_from, zero_value_head
 from marin_rl.types import PackedBatch
 
-
-def value_loss(
-    values: jnp.ndarray, old_values: jnp.ndarray, returns: jnp.ndarray, mask: jnp.ndarray, clip: float | None
-) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
-    """PPO's value loss over `(rows, positions)` arrays, a token mean over `mask`: ½·max((V − R)², (V_old +
-    clip(V − V_old, ±clip) − R)²), or ½·(V − R)² when `clip` is None. Returns (loss, metrics)."""
-    fmask = mask.astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(fmask), 1.0)
-    v = jnp.where(mask, values, 0.0)
-    old = jnp.where(mask, old_values, 0.0)
-    ret = jnp.where(mask, returns, 0.0)
-    unclipped = (v - ret) ** 2
-    if clip is None:
-        per_token, clipped_frac = unclipped, jnp.zeros(())
-    else:
-        clipped = (old + jnp.clip(v - old, -clip, clip) - ret) ** 2
-        per_token = jnp.maximum(unclipped, clipped)
-        clipped_frac = jnp.sum(fmask * (clipped > unclipped)) / n
-    loss = 0.5 * jnp.sum(per_token * fmask) / n
-    return loss, {"value_loss": loss, "value_clip_frac": clipped_frac, "value_mean": jnp.sum(v * fmask) / n}
+__all__ = ["Critic", "value_loss"]
 
 
 class Critic:
     """The value model, its optimizer state and its two calls: `advantages` (critic_inf, then GAE) and `train`
-    (critic_train). Owned by a `Learner` (`learner.critic.enabled`), whose mesh lays out its parameters like the
-    policy's and its batches like the policy's batches.
+    (critic_train). Owned by a `Learner` (`learner.critic.enabled`), whose train state holds its arrays and whose
+    `Sharding` lays out its parameters like the policy's and its batches like the policy's batches.
 
     `model` is what the critic trains and checkpoints: a whole `ValueModel` with a separate trunk, or with
     `trunk: policy` a `ValueModel` without trunk (only the head); `value_model()` is the model that computes values.
@@ -70,6 +52,9 @@ class Critic:
     def __init__(self, config: CriticConfig, model_config: ModelConfig, vocab_size: int, learner):
         self.config = config
         self.learner = learner
+        """The learner whose train state holds the critic's model, optimizer state and steps."""
+        self.sharding = learner.sharding
+        """Where the critic's arrays and batches live (the learner's placement)."""
         self.optimizer = config.optimizer.build()
         self.shares_policy_trunk = config.trunk == "policy"
         self.from_policy = config.init_from_hf is None
@@ -81,7 +66,7 @@ class Critic:
         self._set(self._initial(trunk))
         self._values = eqx.filter_jit(self._values_impl)
         self._gae = eqx.filter_jit(self._gae_impl)
-        self._train = eqx.filter_jit(self._train_impl, donate="all-except-first")
+        self._train = critic_step(self.optimizer, config.value_clip, self.shares_policy_trunk, self.sharding.params)
 
     def _initial(self, policy) -> ValueModel:
         if self.shares_policy_trunk:
@@ -93,9 +78,9 @@ class Critic:
         return head_on(self.learner.model, self.model.head) if self.shares_policy_trunk else self.model
 
     def _set(self, model: ValueModel) -> None:
-        with self.learner._sharding():
-            self.model = self.learner._shard_params(model)
-            self.opt_state = self.learner._shard_params(self.optimizer.init(eqx.filter(model, eqx.is_inexact_array)))
+        with self.sharding.context():
+            self.model = self.sharding.params(model)
+            self.opt_state = self.sharding.params(self.optimizer.init(eqx.filter(model, eqx.is_inexact_array)))
 
     def reset_from(self, policy) -> None:
         """Take a new copy of `policy`'s trunk (zero value head, fresh optimizer state): the critic of a policy that
@@ -112,7 +97,7 @@ class Critic:
         """critic_inf: (values, after) of the placed example `ex`, `(rows, positions)` arrays left on the devices
         (`token_values`: V before each token, and V after each token, which at an episode's last position is its
         bootstrap value)."""
-        with self.learner._sharding():
+        with self.sharding.context():
             return self._values(self.value_model(), ex)
 
     def _gae_impl(self, ex, rewards, values, after):
@@ -139,7 +124,7 @@ class Critic:
         """GAE on the devices (`marin_rl.learner.gae`) over the placed example `ex`'s sampled tokens, its per-token
         rewards and the critic's `values` (truncated episodes bootstrap from `after`): (advantages, whitened when
         configured; returns) as float32 device arrays, and the `critic/...` metrics as floats."""
-        with self.learner._sharding():
+        with self.sharding.context():
             adv, ret, metrics = self._gae(ex, jnp.asarray(ex.rewards.array, jnp.float32), values, after)
         return adv, ret, dict(zip(metrics, map(float, host_arrays(list(metrics.values()))), strict=True))
 
@@ -152,29 +137,15 @@ class Critic:
         adv, ret, metrics = self.gae(ex, values, after)
         return adv, ret, values, metrics
 
-    def _train_impl(self, inputs, opt_state):
-        model, policy, ex, old_values, returns = inputs
-
-        def loss_fn(m):
-            full = head_on(policy, m.head) if policy is not None else m
-            values, _ = token_values(full, ex.input_ids, ex.position_ids, ex.segment_ids)
-            return value_loss(values.array, old_values.array, returns.array, ex.loss_mask.array, self.config.value_clip)
-
-        (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
-        shard = self.learner._shard_params
-        model, opt_state, metrics["grad_norm"] = apply_gradients(model, grads, opt_state, self.optimizer, shard)
-        return model, opt_state, metrics
-
     def train(self, ex, old_values: jax.Array, returns: jax.Array) -> dict[str, float]:
         """critic_train: one optimizer step of the clipped value loss on the placed example `ex`, towards `returns`
         from `old_values` (arrays over its rows and positions: the device arrays of `values` and `gae`, or host
         arrays); `critic/...` metrics (the loss at the weights before the step)."""
         axes = ex.input_ids.axes
         targets = tuple(hax.named(jnp.asarray(x, jnp.float32), axes) for x in (old_values, returns))
-        targets = self.learner._shard_batch(targets)
-        with self.learner._sharding():
-            policy = self.learner.model if self.shares_policy_trunk else None
-            self.model, self.opt_state, metrics = self._train((self.model, policy, ex, *targets), self.opt_state)
+        targets = self.sharding.batch(targets)
+        with self.sharding.context():
+            self.learner.train_state, metrics = self._train(self.learner.train_state, ex, *targets)
             [metrics] = [dict(zip(metrics, host_arrays(list(metrics.values())), strict=True))]
         self.steps += 1
         out = {f"critic/{k}": float(v) for k, v in metrics.items()}

@@ -570,3 +570,24 @@ def opd_forward_kl_topk(
     metrics["opd/teacher_logprob"] = jnp.sum(_masked(batch.teacher_logprobs.array, mask) * fmask) / normalizers.tokens
     metrics["loss"] = loss
     return loss, metrics
+
+
+def value_loss(
+    values: jnp.ndarray, old_values: jnp.ndarray, returns: jnp.ndarray, mask: jnp.ndarray, clip: float | None
+) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+    """PPO's value loss over `(rows, positions)` arrays, a token mean over `mask`: ½·max((V − R)², (V_old +
+    clip(V − V_old, ±clip) − R)²), or ½·(V − R)² when `clip` is None. Returns (loss, metrics)."""
+    fmask = mask.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(fmask), 1.0)
+    v = jnp.where(mask, values, 0.0)
+    old = jnp.where(mask, old_values, 0.0)
+    ret = jnp.where(mask, returns, 0.0)
+    unclipped = (v - ret) ** 2
+    if clip is None:
+        per_token, clipped_frac = unclipped, jnp.zeros(())
+    else:
+        clipped = (old + jnp.clip(v - old, -clip, clip) - ret) ** 2
+        per_token = jnp.maximum(unclipped, clipped)
+        clipped_frac = jnp.sum(fmask * (clipped > unclipped)) / n
+    loss = 0.5 * jnp.sum(per_token * fmask) / n
+    return loss, {"value_loss": loss, "value_clip_frac": clipped_frac, "value_mean": jnp.sum(v * fmask) / n}

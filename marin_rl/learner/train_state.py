@@ -46,6 +46,17 @@ class TrainState(eqx.Module):
         """This state with the given fields replaced."""
         return dataclasses.replace(self, **changes)
 
+    def laid_out(self, shard: Callable[[Any], Any], has_critic: bool) -> TrainState:
+        """This state with its arrays passed through `shard` (a placement's parameter layout); the critic's fields
+        are dropped (None) unless `has_critic`."""
+        return self.replace(
+            model=shard(self.model),
+            opt_state=shard(self.opt_state),
+            reference_model=None if self.reference_model is None else shard(self.reference_model),
+            critic=shard(self.critic) if has_critic else None,
+            critic_opt_state=shard(self.critic_opt_state) if has_critic else None,
+        )
+
     def with_counters(self, convert: Callable[[Any], Any]) -> TrainState:
         """This state with its counters (`version`, `optimizer_steps`, `critic_steps` when set) passed through
         `convert`: to arrays for a checkpoint, back to ints after loading one."""

@@ -8,6 +8,7 @@ methods are what each actor is created with. See `marin_rl.placement` for the la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -67,7 +68,7 @@ class Launcher:
         if lr.tpu_version is None:
             return lr
         _, chips = tpu_slice_shape(lr.tpu_version, lr.tpu_topology)
-        return RoleResources(**{**vars(lr), "tpu_chips": chips, "tpu_version": None, "tpu_topology": None})
+        return dataclasses.replace(lr, tpu_chips=chips, tpu_version=None, tpu_topology=None)
 
     def check(self) -> None:
         """Raise `PlacementError` when a role's request cannot be met by the live nodes (at once, not by hanging)."""

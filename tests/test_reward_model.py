@@ -411,24 +411,26 @@ def test_a_local_backend_run_scores_every_rollout_with_its_reward_model_in_proce
 
     path, model = checkpoint
     out = tmp_path / "run"
-    config = parse_config(
-        [
-            "--config",
-            "experiments/quickstart_reward_model.yaml",
-            "--output_dir",
-            str(out),
-            "--orchestrator.backend",
-            "local",
-            "--learner.warm_start.steps",
-            "0",
-            "--orchestrator.num_steps",
-            "3",
-            "--orchestrator.eval_every",
-            "0",
-            "--checkpoint.every",
-            "0",
-        ]
-    )
+    config = thaw(
+        parse_config(
+            [
+                "--config",
+                "experiments/quickstart_reward_model.yaml",
+                "--output_dir",
+                str(out),
+                "--orchestrator.backend",
+                "local",
+                "--learner.warm_start.steps",
+                "0",
+                "--orchestrator.num_steps",
+                "3",
+                "--orchestrator.eval_every",
+                "0",
+                "--checkpoint.every",
+                "0",
+            ]
+        )
+    )  # changed below
     config.reward_models[0].path = path
     assert run(config)["steps"] == 3
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

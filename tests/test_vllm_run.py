@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from marin_rl.frozen import thaw
 from marin_rl.inference.vllm_env import ensure_vllm_env
 from marin_rl.run import parse_config, run
 
@@ -12,28 +13,30 @@ from marin_rl.run import parse_config, run
 def test_run_on_the_vllm_backend(tmp_path):
     ensure_vllm_env(quiet=True)  # created once per machine (minutes), cached outside the checkout afterwards
     out = tmp_path / "run"
-    config = parse_config(
-        [
-            "--config",
-            "experiments/quickstart.yaml",
-            "--output_dir",
-            str(out),
-            "--inference.backend",
-            "vllm",
-            "--inference.vllm.enforce_eager",
-            "true",
-            "--orchestrator.num_steps",
-            "4",
-            "--orchestrator.eval_every",
-            "4",
-            "--orchestrator.num_cpus",
-            "2",
-            "--learner.warm_start.steps",
-            "30",
-            "--checkpoint.every",
-            "0",
-        ]
-    )
+    config = thaw(
+        parse_config(
+            [
+                "--config",
+                "experiments/quickstart.yaml",
+                "--output_dir",
+                str(out),
+                "--inference.backend",
+                "vllm",
+                "--inference.vllm.enforce_eager",
+                "true",
+                "--orchestrator.num_steps",
+                "4",
+                "--orchestrator.eval_every",
+                "4",
+                "--orchestrator.num_cpus",
+                "2",
+                "--learner.warm_start.steps",
+                "30",
+                "--checkpoint.every",
+                "0",
+            ]
+        )
+    )  # changed below
     config.envs[0].num_eval_problems = 16
     summary = run(config)
     assert summary["steps"] == 4

@@ -28,7 +28,7 @@ from marin_rl.frozen import freeze, is_frozen
 from marin_rl.inference.config import InferenceConfig, RewardModelConfig
 from marin_rl.inference.engine_support import engine_refusal
 from marin_rl.inference.teacher import TeacherConfig
-from marin_rl.learner.algorithm import Algorithm, get_algorithm, with_reward_models
+from marin_rl.learner.algorithm import Algorithm, get_algorithm, known_algorithms, with_reward_models
 from marin_rl.learner.config import LearnerConfig
 from marin_rl.model.config import ModelConfig
 from marin_rl.placement import PlacementConfig, tpu_slice_shape
@@ -210,8 +210,6 @@ DEFAULT_ESTIMATOR = ReplayConfig().advantage_estimator
 
 def _algorithm_for_estimator(estimator: str) -> str:
     """The registered algorithm whose replay side computes `estimator` (for the message that says what to set)."""
-    from marin_rl.learner.algorithm import known_algorithms
-
     for name in known_algorithms():
         if get_algorithm(name).advantage_estimator == estimator:
             return name

@@ -54,6 +54,9 @@ class TicketBook:
     """The ticket bookkeeping a problem order shares: tickets handed out and not yet done or requeued (outstanding),
     and the requeued ones, handed out again before any new problem."""
 
+    exhausted: bool = False
+    """Whether the order ran out (`ProblemStream`'s iterable); an order over a fixed problem set never does."""
+
     def __init__(self):
         self._requeued: deque[ProblemTicket] = deque()
         self._outstanding: dict[ProblemTicket, int] = {}  # ticket -> its rank in hand-out order

@@ -86,7 +86,7 @@ class LocalWorkerPool(WorkerPool):
     @property
     def exhausted(self) -> bool:
         """Whether the `problems` iterable ran out (always False for the environment's own problems)."""
-        return bool(getattr(self.iterator, "exhausted", False))
+        return self.iterator.exhausted
 
     @property
     def name(self) -> str:

@@ -5,7 +5,8 @@ every node refuse `setattr`/`delattr` with `FrozenConfigError`, naming the field
 for `isinstance`, `dataclasses.fields`, `dataclasses.replace` (which builds a new, unfrozen node: derive a changed
 config that way, then resolve it again), pickling (a frozen node travels, and arrives, frozen) and `copy.deepcopy`
 (a frozen copy); `thaw(config)` is an unfrozen deep copy to change and resolve again. Assigning a field the value
-it already holds is allowed. Lists and dicts inside a config (`envs`, `envs[*].args`) are not frozen themselves.
+it already holds is allowed. Lists and dicts inside a config (`envs`, `envs[*].args`) become `FrozenList` and
+`FrozenDict`: still a `list` and a `dict` to read, compare, copy, pickle and encode, refusing every change in place.
 """
 
 from __future__ import annotations
@@ -99,23 +100,84 @@ def _frozen_class(cls: type) -> type:
     return _FROZEN_CLASSES[cls]
 
 
+def _refuse_change(self, *args, **kwargs):
+    raise FrozenConfigError(
+        f"this {type(self).__bases__[0].__name__} is part of a config that is resolved and frozen; derive a changed "
+        "config with dataclasses.replace(...) (or thaw(config)) and resolve that"
+    )
+
+
+_LIST_CHANGES = (
+    "__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove", "clear",
+    "sort", "reverse",
+)  # fmt: skip
+_DICT_CHANGES = ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault")
+
+
+class FrozenList(list):
+    """A list inside a frozen config: reads as a list (equal to one, a `list` for `isinstance`), refuses changes.
+
+    `FrozenList()` with no argument is a plain, empty list: code that builds a new container of an object's own type
+    and fills it (draccus's encoder does) gets one it can fill."""
+
+    def __new__(cls, *args, **kwargs):
+        return list() if not args and not kwargs else super().__new__(cls)
+
+    def __reduce_ex__(self, protocol: int):
+        return FrozenList, (list(self),)
+
+    def __deepcopy__(self, memo: dict) -> FrozenList:
+        return FrozenList(copy.deepcopy(list(self), memo))
+
+
+class FrozenDict(dict):
+    """A dict inside a frozen config: reads as a dict (equal to one, a `dict` for `isinstance`), refuses changes.
+
+    `FrozenDict()` with no argument is a plain, empty dict (see `FrozenList`)."""
+
+    def __new__(cls, *args, **kwargs):
+        return dict() if not args and not kwargs else super().__new__(cls)
+
+    def __reduce_ex__(self, protocol: int):
+        return FrozenDict, (dict(self),)
+
+    def __deepcopy__(self, memo: dict) -> FrozenDict:
+        return FrozenDict(copy.deepcopy(dict(self), memo))
+
+
+for _name in _LIST_CHANGES:
+    setattr(FrozenList, _name, _refuse_change)
+for _name in _DICT_CHANGES:
+    setattr(FrozenDict, _name, _refuse_change)
+FrozenList.__hash__ = None  # type: ignore[assignment]
+FrozenDict.__hash__ = None  # type: ignore[assignment]
+
+
 def freeze(obj: Any) -> Any:
-    """Freeze every dataclass node of the tree `obj` (in place); returns `obj`."""
+    """Freeze the tree `obj`: every dataclass node in place; a list or dict is replaced by its frozen copy (a
+    `FrozenList`/`FrozenDict` returned, and set on the dataclass that holds it). Returns the frozen tree."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         if is_frozen(obj):
             return obj
-        for f in dataclasses.fields(obj):
-            freeze(getattr(obj, f.name))
         cls = _plain(type(obj))
         if cls.__setattr__ is not object.__setattr__ or getattr(cls, "__slots__", None):
+            for f in dataclasses.fields(obj):
+                freeze(getattr(obj, f.name))
             return obj  # a class with its own setattr (or slots) is left as it is
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            frozen = freeze(value)
+            if frozen is not value:
+                object.__setattr__(obj, f.name, frozen)
         object.__setattr__(obj, "__class__", _frozen_class(cls))
         object.__setattr__(obj, FROZEN_KEY, True)
-    elif isinstance(obj, (list, tuple)):
+        return obj
+    if isinstance(obj, list) and not isinstance(obj, FrozenList):
+        return FrozenList([freeze(item) for item in obj])
+    if isinstance(obj, dict) and not isinstance(obj, FrozenDict):
+        return FrozenDict([(key, freeze(item)) for key, item in obj.items()])
+    if isinstance(obj, tuple):
         for item in obj:
-            freeze(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
             freeze(item)
     return obj
 
@@ -127,9 +189,9 @@ def thaw(obj: Any) -> Any:
         new.__dict__.update({k: thaw(v) for k, v in obj.__dict__.items() if k != FROZEN_KEY})
         return new
     if isinstance(obj, list):
-        return [thaw(item) for item in obj]
+        return [thaw(item) for item in obj]  # a FrozenList thaws to a plain list
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(thaw(item) for item in obj)
     if isinstance(obj, dict):
-        return {k: thaw(v) for k, v in obj.items()}
+        return {k: thaw(v) for k, v in obj.items()}  # a FrozenDict to a plain dict
     return copy.deepcopy(obj)

@@ -9,6 +9,7 @@ what that value means.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -353,6 +354,10 @@ def test_a_parsed_config_is_resolved_once_and_frozen():
         lambda: setattr(config, "output_dir", "elsewhere"),
         lambda: setattr(config.learner.optimizer, "learning_rate", 1.0),
         lambda: setattr(config.envs[0].sampling, "temperature", 0.5),
+        lambda: config.envs.append(config.envs[0]),
+        lambda: config.envs.__setitem__(0, config.envs[0]),
+        lambda: config.envs[0].args.update(max_operand=5),
+        lambda: config.envs[0].args.__setitem__("max_operand", 5),
     ):
         with pytest.raises(FrozenConfigError, match="resolved and frozen"):
             change()
@@ -362,6 +367,14 @@ def test_a_parsed_config_is_resolved_once_and_frozen():
     assert pickle.loads(pickle.dumps(config)) == config  # what Ray actors receive: equal, and frozen
     with pytest.raises(FrozenConfigError):
         pickle.loads(pickle.dumps(config)).output_dir = "elsewhere"
+    with pytest.raises(FrozenConfigError):
+        copy.deepcopy(config).envs[0].args.clear()
+    # frozen lists and dicts still read, compare and encode as lists and dicts
+    assert isinstance(config.envs, list) and config.envs == list(config.envs)
+    assert draccus.encode(config)["envs"][0]["args"] == dict(config.envs[0].args)
+    thawed = thaw(config)
+    thawed.envs[0].args["max_operand"] = 5
+    assert type(thawed.envs) is list and type(thawed.envs[0].args) is dict
 
 
 @pytest.mark.parametrize(

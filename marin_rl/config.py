@@ -491,11 +491,6 @@ class RunConfig:
             e.overlong_penalty.check(f"envs[{e.name}].overlong_penalty")
             if e.system_prompt is not None and not e.chat_template:
                 raise ValueError(f"envs[{e.name}].system_prompt: a system message needs chat_template: true")
-            if e.group_size < self.replay.min_group_size:
-                raise ValueError(
-                    f"envs[{e.name}].group_size={e.group_size} < replay.min_group_size={self.replay.min_group_size}: "
-                    "every group would be rejected"
-                )
         if self.tracking.wandb_mode not in ("disabled", "offline", "online"):
             raise ValueError("tracking.wandb_mode must be 'disabled', 'offline' or 'online'")
         if self.batcher.max_seq_len > self.inference.max_seq_len:
@@ -517,11 +512,10 @@ class RunConfig:
                 "computes them with the learner's critic (replay.advantage_estimator 'gae'): turn one of them off"
             )
         self._validate_teacher()
-        if self.replay.max_age < self.orchestrator.max_staleness:
-            raise ValueError(
-                f"replay.max_age: must be >= orchestrator.max_staleness ({self.orchestrator.max_staleness}), got "
-                f"{self.replay.max_age}: the batcher would drop data the staleness gate lets generation produce"
-            )
+        self.replay.check_fits(
+            max_staleness=("orchestrator.max_staleness", self.orchestrator.max_staleness),
+            group_sizes={f"envs[{e.name}].group_size": e.group_size for e in self.envs},
+        )
         lr = self.placement.learner
         if lr.tpu_version is not None:
             hosts, _ = tpu_slice_shape(lr.tpu_version, lr.tpu_topology)

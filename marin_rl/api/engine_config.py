@@ -44,16 +44,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"EngineConfig.max_staleness must be an integer >= 0, got {self.max_staleness!r}")
-        if self.replay.max_age < self.max_staleness:
-            raise ValueError(
-                f"EngineConfig.replay.max_age must be >= max_staleness ({self.max_staleness}), got "
-                f"{self.replay.max_age}: the batcher would drop data the staleness gate lets generation produce"
-            )
-        if self.replay.min_group_size > self.group_size:
-            raise ValueError(
-                f"EngineConfig.replay.min_group_size ({self.replay.min_group_size}) exceeds group_size "
-                f"({self.group_size}): every group would be rejected"
-            )
+        self.replay.check_fits(
+            max_staleness=("EngineConfig.max_staleness", self.max_staleness),
+            group_sizes={"EngineConfig.group_size": self.group_size},
+            prefix="EngineConfig.replay",
+        )
 
     @classmethod
     def for_run(cls, run_config: RunConfig) -> EngineConfig:

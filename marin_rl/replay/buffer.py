@@ -116,6 +116,25 @@ class ReplayConfig:
             )
         check_fields(self, "replay")
 
+    def check_fits(
+        self, *, max_staleness: tuple[str, int], group_sizes: dict[str, int], prefix: str = "replay"
+    ) -> None:
+        """Raise ValueError (one line naming the fields) unless these rules can train what generation produces:
+        `max_age` >= the staleness gate's bound (`max_staleness`: the field's name and value), else the batcher drops
+        data the gate lets generation produce; and `min_group_size` <= every group size (`group_sizes`: field name
+        -> value), else every group is rejected. `prefix`: how the caller names this section."""
+        name, bound = max_staleness
+        if self.max_age < bound:
+            raise ValueError(
+                f"{prefix}.max_age: must be >= {name} ({bound}), got {self.max_age}: the batcher would drop data the "
+                "staleness gate lets generation produce"
+            )
+        for name, size in group_sizes.items():
+            if size < self.min_group_size:
+                raise ValueError(
+                    f"{name}={size} < {prefix}.min_group_size={self.min_group_size}: every group would be rejected"
+                )
+
 
 def group_sampled_tokens(group: RolloutGroup) -> int:
     """Tokens the policy sampled in `group`."""

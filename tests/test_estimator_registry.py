@@ -7,6 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from marin_rl.learner.algorithm import get_algorithm
 from marin_rl.replay.advantages import (
     ESTIMATOR_NAMES,
     ESTIMATORS,
@@ -83,6 +84,19 @@ def test_a_user_estimator_is_selected_by_name_through_the_replay_buffer(registry
     assert buf.metrics(0)["replays/e/rejected/all_equal"] == 1 and len(buf) == 3
     with pytest.raises(ValueError, match="already registered"):
         register_estimator("test_best_only")(lambda group, state: GroupScores(group.rewards))
+
+
+def test_an_estimator_declares_that_it_needs_a_greedy_baseline(registry):
+    """Whoever samples groups (a run's env workers through the algorithm, the API's worker pool) asks the estimator
+    whether each group needs its greedy episode, not its name."""
+
+    @register_estimator("test_half_greedy", greedy_baseline=True)
+    def half_greedy(group, state):
+        return GroupScores(group.rewards - 0.5 * group.baseline_reward)
+
+    assert get_estimator("test_half_greedy").greedy_baseline and get_estimator("remax").greedy_baseline
+    assert not any(get_estimator(name).greedy_baseline for name in BUILT_IN - {"remax"})
+    assert get_algorithm("remax").greedy_baseline and not get_algorithm("rloo").greedy_baseline
 
 
 def test_config_names_the_registered_estimators(registry):

@@ -33,6 +33,7 @@ from marin_rl.broadcast.base import WeightUpdate, make_transport
 from marin_rl.config import RunConfig
 from marin_rl.envs.base import Environment, Problem, SamplingParams
 from marin_rl.inference.client import PolicyClient, Sample
+from marin_rl.replay.advantages import get_estimator
 from marin_rl.replay.batcher import Batcher, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer
 from marin_rl.rollouts.controller import RolloutController
@@ -333,7 +334,7 @@ class InferenceEngine:
                 sampling=cfg.sampling,
                 tokens_per_batch=cfg.batcher.num_rows * cfg.batcher.max_seq_len,
                 concurrency=cfg.max_concurrent_groups,
-                greedy_baseline=cfg.replay.advantage_estimator == "remax",  # ReMax's baseline: the greedy reward
+                greedy_baseline=get_estimator(cfg.replay.advantage_estimator).greedy_baseline,  # e.g. ReMax
                 problems=problems,
             )
             buffer = ReplayBuffer(

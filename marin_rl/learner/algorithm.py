@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from marin_rl.replay.advantages import get_estimator
+
 ROLES = ("actor", "critic", "ref", "reward", "teacher")
 """Model roles a call can run on ('env' for calls of the environments, 'replay' for the replay buffers)."""
 CALL_KINDS = ("generate", "inference", "train", "compute")
@@ -67,8 +69,6 @@ class Algorithm:
     batches carry per-token rewards for learner-side estimation)."""
     description: str = ""
     """One line for listings."""
-    greedy_baseline: bool = False
-    """Env actors sample a greedy episode with each group (ReMax)."""
     reward_models: tuple[str, ...] = ()
     """Reward models whose scores enter the rewards (`with_reward_models`), by name."""
     loss: str | None = None
@@ -78,6 +78,12 @@ class Algorithm:
     step: LearnerStep | None = None
     """Its learner side on one batch, a plain function (`LearnerStep`) that runs the graph's learner calls in order;
     None: `actor_step` (the actor's train call alone, on the advantages the batch carries)."""
+
+    @property
+    def greedy_baseline(self) -> bool:
+        """Env workers sample a greedy episode with each group (ReMax): what its advantage estimator declares
+        (`marin_rl.replay.advantages.RegisteredEstimator.greedy_baseline`)."""
+        return get_estimator(self.advantage_estimator).greedy_baseline
 
     def train_step(self, learner, batch, placed, *, loss, loss_weight_fn) -> dict[str, Any]:
         """Run the learner side on one batch (`step`, or `actor_step`); returns its metrics."""
@@ -328,7 +334,6 @@ register_algorithm(
         ),
         "remax",
         "ReMax: each reward minus the reward of the prompt's greedy completion",
-        greedy_baseline=True,
     )
 )
 

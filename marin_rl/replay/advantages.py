@@ -263,8 +263,14 @@ class RegisteredEstimator:
     """A registry entry: the estimator function and the class of its state."""
 
     name: str
+    """The name `replay.advantage_estimator` chooses it by."""
     estimate: Estimate
+    """The function: `estimate(group, state) -> GroupScores`."""
     state: type[EstimatorState] = EstimatorState
+    """The class of its per-buffer state."""
+    greedy_baseline: bool = False
+    """It scores a group against the reward of a greedy (temperature 0) episode of the same problem
+    (`RolloutGroup.baseline_reward`): whoever samples groups for it samples that episode beside each one (ReMax)."""
 
 
 ESTIMATORS: dict[str, RegisteredEstimator] = {}
@@ -274,9 +280,12 @@ ESTIMATOR_NAMES = ESTIMATORS.keys()
 """The registered names (a live view of the registry's keys)."""
 
 
-def register_estimator(name: str, *, state: type[EstimatorState] = EstimatorState) -> Callable[[Estimate], Estimate]:
+def register_estimator(
+    name: str, *, state: type[EstimatorState] = EstimatorState, greedy_baseline: bool = False
+) -> Callable[[Estimate], Estimate]:
     """Decorator: register `estimate(group, state) -> GroupScores` as the advantage estimator `name`, with a fresh
-    `state(options)` per replay buffer. Returns the function unchanged. Registering another function under a taken
+    `state(options)` per replay buffer; `greedy_baseline`: its groups carry a greedy episode's reward
+    (`RegisteredEstimator.greedy_baseline`). Returns the function unchanged. Registering another function under a taken
     name raises ValueError (registering the same one again, e.g. on a module reload, replaces it)."""
     if not name or ":" in name:
         raise ValueError(f"advantage estimator names are non-empty and have no ':', got {name!r}")
@@ -288,7 +297,7 @@ def register_estimator(name: str, *, state: type[EstimatorState] = EstimatorStat
             old_where = f"{getattr(old.estimate, '__module__', '?')}.{getattr(old.estimate, '__qualname__', old)}"
             if old_where != where:
                 raise ValueError(f"advantage estimator {name!r} is already registered ({old_where})")
-        ESTIMATORS[name] = RegisteredEstimator(name, estimate, state)
+        ESTIMATORS[name] = RegisteredEstimator(name, estimate, state, greedy_baseline)
         return estimate
 
     return register
@@ -338,7 +347,7 @@ def estimate_reinforce(group: RolloutGroup, state: RunningBaseline) -> GroupScor
     return GroupScores(advantages)
 
 
-@register_estimator("remax")
+@register_estimator("remax", greedy_baseline=True)
 def estimate_remax(group: RolloutGroup, state: EstimatorState) -> GroupScores:
     """Rewards against the group's greedy episode's reward; a group without one is rejected."""
     if group.baseline_reward is None:

@@ -93,7 +93,7 @@ def test_datasets_read_from_gs(gcs):
 def test_rollouts_persist_to_gs_and_inspect_reads_them(gcs):
     from test_replay_store import _group
 
-    from marin_rl.inspect_rollouts import summarize
+    from marin_rl.programs.inspect_rollouts import summarize
     from marin_rl.replay.store import RolloutWriter, read_rollouts, rollout_to_row
 
     root = gcs()

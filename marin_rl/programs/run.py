@@ -1,7 +1,7 @@
 """Entry point: `python -m marin_rl.run --config experiments/NAME.yaml [--dotted.field value ...]`.
 
 `run(config)` is also a plain function for pipelines that build the config in Python. It runs the RL loop, or
-supervised fine-tuning when `learner.mode` is 'sft' (`marin_rl.sft`: no Ray, servers or environments).
+supervised fine-tuning when `learner.mode` is 'sft' (`marin_rl.programs.sft`: no Ray, servers or environments).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from marin_rl.orchestrator.orchestrator import run as run_rl
 from marin_rl.orchestrator.preflight import RunRefused
 from marin_rl.orchestrator.teacher_recipe import ensure_teacher
 from marin_rl.placement import PlacementError
-from marin_rl.sft import run_sft
+from marin_rl.programs.sft import run_sft
 
 __all__ = ["RunConfig", "main", "parse_config", "run"]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marin_rl.config import RunConfig, parse_config
-from marin_rl.run import run
+from marin_rl.programs.run import run
 
 logger = logging.getLogger("marin_rl")
 

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "processes",
             "cli_help",
             "atomic_files",
+            "checkpoint_dirs",
         ],
     ),
     ("model", ["model"]),

@@ -24,9 +24,9 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
+from marin_rl.checkpoint_dirs import checkpoint_step, is_complete, latest_checkpoint
 from marin_rl.config import RunConfig, make_environment, parse_config
 from marin_rl.envs.data import DataFormatError
-from marin_rl.learner.checkpoint import checkpoint_step, is_complete, latest_checkpoint
 from marin_rl.logs import configure_logging
 from marin_rl.rollouts.worker import RolloutWorker
 from marin_rl.tokenizer import load_tokenizer

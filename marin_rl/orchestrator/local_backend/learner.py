@@ -18,8 +18,8 @@ from typing import Any
 import jax
 
 from marin_rl.api.train import TrainEngine
+from marin_rl.checkpoint_dirs import begin_checkpoint
 from marin_rl.config import RunConfig
-from marin_rl.learner.checkpoint import begin_checkpoint
 from marin_rl.types import PackedBatch
 
 

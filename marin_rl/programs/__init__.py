@@ -10,7 +10,7 @@ import anything below them, and nothing in the library imports them).
     python -m marin_rl.reward_model --config experiments/NAME.yaml      reward_model  train a reward model
     from marin_rl.marin import run_step                                 marin    an experiment as a Marin pipeline step
 
-The commands keep their short names: `marin_rl/run.py`, `marin_rl/try_env.py`, ... are one-line shims that re-export
+The commands keep their short names: `marin_rl/run.py`, `marin_rl/try_env.py`, ... are small shims that re-export
 a program's public names and run its `main`. (`python -m marin_rl.gguf FILE.gguf OUT_DIR`, the GGUF converter, stays
 with its library in `marin_rl/gguf.py`.)
 """

@@ -268,8 +268,8 @@ def main() -> None:
             for role, seconds in cpu.items():
                 print(f"  {role:<40} {seconds:8.1f} s  ({seconds / ((end - start) * cores):6.1%} of the cores)")
 
+    from marin_rl.checkpoint_dirs import latest_checkpoint
     from marin_rl.config import parse_config
-    from marin_rl.learner.checkpoint import latest_checkpoint
     from marin_rl.replay.store import read_rollouts
 
     cfg = parse_config(["--config", config_path, "--output_dir", output_dir, "--broadcast.transport", "in_process"])

@@ -49,7 +49,8 @@ def deterministic_config(
 def final_learner_arrays(config: Path, output: Path, step: int) -> list[np.ndarray]:
     """The learner's arrays (policy and optimizer state, and the critic's when there is one) in the final checkpoint
     of the run of `config` in `output`, which must be at `step`."""
-    from marin_rl.learner.checkpoint import latest_checkpoint, load_learner_state, step_path
+    from marin_rl.checkpoint_dirs import latest_checkpoint, step_path
+    from marin_rl.learner.checkpoint import load_learner_state
     from marin_rl.learner.learner import Learner
     from marin_rl.run import parse_config
     from marin_rl.tokenizer import load_tokenizer

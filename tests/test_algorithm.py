@@ -193,8 +193,8 @@ def test_every_edge_of_a_drawn_graph_is_an_arrow_whose_head_shows(name):
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Patch
 
-    from marin_rl.graph import DPI, MAX_WIDTH_PX, figure
     from marin_rl.learner.algorithm import with_reward_models
+    from marin_rl.programs.graph import DPI, MAX_WIDTH_PX, figure
 
     algorithm = get_algorithm(name)
     if name == "rloo":

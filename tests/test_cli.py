@@ -104,7 +104,7 @@ def test_help_on_a_section_prints_its_descriptions_whole(capsys):
 
 
 def test_reward_model_help_lists_its_own_keys_and_an_unknown_key_is_one_line(capsys):
-    from marin_rl.reward_model import parse_config as parse_reward_model_config
+    from marin_rl.programs.reward_model import parse_config as parse_reward_model_config
 
     with pytest.raises(SystemExit) as e:
         parse_reward_model_config(["--config", str(ROOT / "experiments" / "addition_reward_model.yaml"), "--help"])

@@ -151,7 +151,8 @@ def test_a_critic_needs_rewards_and_rewards_need_a_critic():
 def test_critic_and_its_optimizer_state_round_trip_through_a_checkpoint(tmp_path, trunk):
     """A fresh learner that loads the checkpoint continues exactly as the saved one: the next step's policy and
     critic metrics are equal, and a checkpoint with a critic does not load into a learner without one."""
-    from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, save_learner_state
+    from marin_rl.checkpoint_dirs import begin_checkpoint
+    from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 
     tok, learner = _critic_learner(trunk=trunk)
     batch = _reward_batch(learner, tok)

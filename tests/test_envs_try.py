@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from marin_rl.try_env import RANDOM_WEIGHTS_LINE, find_policy_checkpoint
+from marin_rl.programs.try_env import RANDOM_WEIGHTS_LINE, find_policy_checkpoint
 
 
 def _try(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

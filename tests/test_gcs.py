@@ -93,7 +93,7 @@ def test_datasets_read_from_gs(gcs):
 def test_rollouts_persist_to_gs_and_inspect_reads_them(gcs):
     from test_replay_store import _group
 
-    from marin_rl.inspect_rollouts import summarize
+    from marin_rl.programs.inspect_rollouts import summarize
     from marin_rl.replay.store import RolloutWriter, read_rollouts, rollout_to_row
 
     root = gcs()
@@ -111,21 +111,20 @@ def test_rollouts_persist_to_gs_and_inspect_reads_them(gcs):
 
 
 def test_checkpoints_save_and_resume_on_gs(gcs):
-    from marin_rl.learner.checkpoint import (
+    from marin_rl.checkpoint_dirs import (
         MARKER_FILE,
-        RUN_STATE_FILE,
         begin_checkpoint,
         is_complete,
         latest_checkpoint,
-        load_learner_state,
         prune_checkpoints,
         read_json,
-        save_learner_state,
         write_json,
     )
+    from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
     from marin_rl.learner.config import LearnerConfig
     from marin_rl.learner.learner import Learner
     from marin_rl.model.config import ModelConfig, tiny_llama
+    from marin_rl.orchestrator.run_state import RUN_STATE_FILE
 
     root = f"{gcs()}/checkpoints"
     learner = Learner(ModelConfig(architecture=tiny_llama()), LearnerConfig(), 128)

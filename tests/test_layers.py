@@ -2,7 +2,8 @@
 set of modules imports itself in a circle. Imports inside functions and under `TYPE_CHECKING` count too.
 
 The order (bottom first) is the one docs/architecture.md shows. A unit is a module or a package of
-`marin_rl`; the programs at the top are the entry points.
+`marin_rl`; the programs (`marin_rl/programs/`) are the entry points, and above them only the shims that keep
+each command's short name (`python -m marin_rl.run` runs `marin_rl.programs.run`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "processes",
             "cli_help",
             "atomic_files",
+            "checkpoint_dirs",
         ],
     ),
     ("model", ["model"]),
@@ -44,9 +46,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("rollouts", ["rollouts"]),
     ("api", ["api"]),
     ("orchestrator", ["orchestrator"]),
-    ("programs", ["sft", "try_env", "inspect_rollouts", "graph", "reward_model"]),
-    ("main", ["run"]),
-    ("pipeline", ["marin"]),
+    ("programs", ["programs"]),
+    ("commands", ["run", "try_env", "inspect_rollouts", "graph", "reward_model", "marin"]),
 ]
 """Layer units from the bottom up. Units of one layer may not import each other (they are siblings); a unit may
 import itself (without cycles) and any unit of a lower layer."""

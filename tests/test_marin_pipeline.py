@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from marin_rl.config import RunConfig
-from marin_rl.marin import RunStepConfig, apply_overrides, resolve
+from marin_rl.programs.marin import RunStepConfig, apply_overrides, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def _status(step_dir: Path) -> str:
 @pytest.mark.slow
 def test_pipeline_runs_under_marins_executor_skips_finished_steps_and_resumes(tmp_path, monkeypatch):
     execution = pytest.importorskip("marin.execution")
-    import marin_rl.marin
+    import marin_rl.programs.marin
 
     pipeline = _pipeline_module()
     prefix = tmp_path / "marin"
@@ -94,7 +94,7 @@ def test_pipeline_runs_under_marins_executor_skips_finished_steps_and_resumes(tm
         raise AssertionError(f"a finished step ran again: {config.output_dir}")
 
     with monkeypatch.context() as m:
-        m.setattr(marin_rl.marin, "run", must_not_run)
+        m.setattr(marin_rl.programs.marin, "run", must_not_run)
         run_pipeline()
     assert [_status(d) for d in (data, sft, rl)] == ["SUCCESS"] * 3
 

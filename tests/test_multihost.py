@@ -26,7 +26,8 @@ from marin_rl.learner.distributed import initialize
 initialize(coordinator, nproc, pid)
 import jax
 import numpy as np
-from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, save_learner_state
+from marin_rl.checkpoint_dirs import begin_checkpoint
+from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 from marin_rl.learner.config import LearnerConfig, LossConfig, MeshConfig
 from marin_rl.learner.learner import Learner
 from marin_rl.learner.optimizer import OptimizerConfig

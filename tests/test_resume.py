@@ -16,18 +16,17 @@ from deterministic_run import deterministic_config, final_learner_arrays, stored
 from marked_processes import dead_weight_slot_dirs, describe, marked_processes, new_mark, wait_until
 
 from marin_rl.broadcast.shared_memory import DEFAULT_ROOT, PRIVATE_PREFIX
-from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
-from marin_rl.learner.checkpoint import (
+from marin_rl.checkpoint_dirs import (
     MARKER_FILE,
     begin_checkpoint,
     is_complete,
     latest_checkpoint,
-    load_learner_state,
     prune_checkpoints,
-    save_learner_state,
     step_path,
     write_json,
 )
+from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
+from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 from marin_rl.learner.config import LearnerConfig, LossConfig
 from marin_rl.learner.learner import Learner
 from marin_rl.learner.optimizer import OptimizerConfig

@@ -504,7 +504,7 @@ def test_graph_program_draws_the_reward_call(tmp_path):
 def test_labels_are_the_verifiers_and_corruptions_look_like_policy_mistakes(tokenizer):
     import random
 
-    from marin_rl.reward_model import ExampleBuilder, RewardModelTrainConfig, corrupt
+    from marin_rl.programs.reward_model import ExampleBuilder, RewardModelTrainConfig, corrupt
 
     rng = random.Random(0)
     assert {corrupt("47", "off_by_1", rng, []) for _ in range(50)} == {"46", "48"}
@@ -539,8 +539,8 @@ def test_labels_are_the_verifiers_and_corruptions_look_like_policy_mistakes(toke
 def test_rl_on_the_reward_models_reward_alone_raises_the_verifiers_held_out_correctness(tmp_path):
     """The README's two commands, the RL run shortened: train the addition reward model, then the quickstart whose
     only training reward is the model's (the verifier's 'correct' has weight 0 and is only evaluated)."""
-    from marin_rl.reward_model import parse_config as parse_rm_config
-    from marin_rl.reward_model import train_reward_model
+    from marin_rl.programs.reward_model import parse_config as parse_rm_config
+    from marin_rl.programs.reward_model import train_reward_model
     from marin_rl.run import run
 
     rm = train_reward_model(

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from marin_rl.checkpoint_dirs import latest_checkpoint
 from marin_rl.config import CheckpointConfig, parse_config
 from marin_rl.frozen import thaw
-from marin_rl.learner.checkpoint import latest_checkpoint
 from marin_rl.orchestrator.run_dir import (
     CONFIG_FILE,
     RunDirConflict,

@@ -21,10 +21,10 @@ from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.model.build import build_model
 from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.logprobs import packed_attention_mask
+from marin_rl.programs.sft import SftTrainer, build_batch, encode_records, load_records, plan_batches
 from marin_rl.replay.batcher import BatcherConfig
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.run import parse_config, run
-from marin_rl.sft import SftTrainer, build_batch, encode_records, load_records, plan_batches
 from marin_rl.tokenizer import build_char_tokenizer
 
 SEQ = 32
@@ -208,7 +208,7 @@ from marin_rl.config import RunConfig
 from marin_rl.learner.config import LearnerConfig, MeshConfig, SftConfig
 from marin_rl.learner.optimizer import OptimizerConfig
 from marin_rl.model.config import ModelConfig, tiny_llama
-from marin_rl.sft import SftTrainer
+from marin_rl.programs.sft import SftTrainer
 from marin_rl.replay.batcher import BatcherConfig
 
 assert jax.device_count() == 4, jax.devices()

@@ -18,10 +18,14 @@ import pytest
 
 TESTS = Path(__file__).parent
 
-ENTRY_MODULES = {"marin_rl.run": {"run", "main"}, "marin_rl.orchestrator.orchestrator": {"Orchestrator"}}
-"""The in-process entry points of a whole run, by module."""
+ENTRY_MODULES = {
+    "marin_rl.run": {"run", "main"},
+    "marin_rl.programs.run": {"run", "main"},
+    "marin_rl.orchestrator.orchestrator": {"Orchestrator"},
+}
+"""The in-process entry points of a whole run, by module (the program, and the shim that keeps its command's name)."""
 
-PROCESS_ENTRIES = ("marin_rl.run", "--smoke")
+PROCESS_ENTRIES = ("marin_rl.run", "marin_rl.programs.run", "--smoke")
 """Strings that, in a command list, start a whole run (or a benchmark's loop) in a process of its own."""
 
 STOPS_BEFORE_THE_LOOP = {

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 
 from marin_rl.broadcast.base import WeightUpdate, make_transport
+from marin_rl.checkpoint_dirs import begin_checkpoint
 from marin_rl.config import RunConfig
 from marin_rl.envs.base import Environment, reference_examples
-from marin_rl.learner.checkpoint import begin_checkpoint, load_learner_state, save_learner_state
+from marin_rl.learner.checkpoint import load_learner_state, save_learner_state
 from marin_rl.learner.distributed import is_primary
 from marin_rl.learner.learner import Learner
 from marin_rl.learner.loss_registry import get_loss

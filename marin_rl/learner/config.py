@@ -253,7 +253,7 @@ def check_platform(platform: str | None) -> None:
 
 @dataclass
 class SftConfig:
-    """Supervised fine-tuning (`learner.mode: sft`, see `marin_rl.sft`): prompt/completion records, packed
+    """Supervised fine-tuning (`learner.mode: sft`, see `marin_rl.programs.sft`): prompt/completion records, packed
     into rows of `batcher.max_seq_len` tokens like RL batches, trained with the loss on completion tokens only."""
 
     train_files: list[str] = field(default_factory=list)

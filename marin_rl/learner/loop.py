@@ -1,5 +1,5 @@
 """The step-and-cadence skeleton that every training loop runs: the RL learner's optimizer steps, the warm start,
-supervised fine-tuning (`marin_rl.sft`) and the reward model (`marin_rl.reward_model`).
+supervised fine-tuning (`marin_rl.programs.sft`) and the reward model (`marin_rl.programs.reward_model`).
 
     state = run_steps(state, batches, step_fn, total=N, every=[Every(10, evaluate), Every(1, track)])
 

@@ -1,6 +1,7 @@
 """`RunCheckpoints`: where a run resumes from, saving and restoring a whole run (the driver's state, then the
-learner's arrays, the completion marker last; `marin_rl.learner.checkpoint`), the state before the first checkpoint
-that a rollback returns to, and the policy's Hugging Face exports."""
+learner's arrays, the completion marker last: `marin_rl.learner.checkpoint`) in the run's checkpoint directories
+(`marin_rl.checkpoint_dirs`), the state before the first checkpoint that a rollback returns to, and the policy's
+Hugging Face exports."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import os
 import time
 from typing import Any
 
+from marin_rl.checkpoint_dirs import latest_checkpoint, prune_checkpoints, write_json
 from marin_rl.config import RunConfig
-from marin_rl.learner.checkpoint import RUN_STATE_FILE, latest_checkpoint, prune_checkpoints, write_json
 from marin_rl.orchestrator.backends import Backend
 from marin_rl.orchestrator.preflight import RunRefused
-from marin_rl.orchestrator.run_state import read_run_state
+from marin_rl.orchestrator.run_state import RUN_STATE_FILE, read_run_state
 
 logger = logging.getLogger("marin_rl")
 

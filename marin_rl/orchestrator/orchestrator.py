@@ -15,11 +15,12 @@ New groups start as the staleness gate allows (`marin_rl.rollouts.staleness`, wh
 Problem order: the driver owns a `ProblemIterator` per environment (in its `EnvPool`) and hands problem indices to
 the env actors. Checkpoints (`checkpoint.*`): after a learner step, every `checkpoint.every` steps and when the run
 ends or is interrupted, the driver writes its state (replay buffers, problem iterators, counters) and the learner
-writes its arrays, the completion marker last (`marin_rl.learner.checkpoint`). Rerunning the same command resumes
-from the latest complete checkpoint: the learner is restored, the servers get its weights before any generation,
-problems whose groups were in flight are handed out again first, the warm start is not rerun and metrics.jsonl is
-appended to. Each start, resume and rollback begins a run segment that the rollout files record
-(`RolloutController.begin_segment`), so readers count the groups of the surviving timeline only
+writes its arrays, the completion marker last (`marin_rl.orchestrator.checkpoints`, in the directories of
+`marin_rl.checkpoint_dirs`). Rerunning the same command resumes from the latest complete checkpoint: the learner is
+restored, the servers get its weights before any generation, problems whose groups were in flight are handed out
+again first, the warm start is not rerun and metrics.jsonl is appended to. Each start, resume and rollback begins a
+run segment that the rollout files record (`RolloutController.begin_segment`), so readers count the groups of the
+surviving timeline only
 (`marin_rl.replay.store`). `orchestrator.deterministic` makes the loop a deterministic function of the config (see
 its docstring), so a resumed run ends exactly where an uninterrupted one does.
 

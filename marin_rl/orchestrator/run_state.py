@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from marin_rl.learner.checkpoint import RUN_STATE_FILE, checkpoint_step, read_json
+from marin_rl.checkpoint_dirs import checkpoint_step, read_json
+
+RUN_STATE_FILE = "run_state.json"
+"""The driver's state in a checkpoint directory (written first, before the learner's)."""
 
 RUN_STATE_FORMAT = 2
 """Version of the driver's checkpoint state (`run_state.json`); format 1 (before the replay buffers handled

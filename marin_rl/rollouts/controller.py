@@ -59,6 +59,12 @@ class WorkerPool:
         self._profile_counts: dict[str, float] = defaultdict(float)
 
     @property
+    def exhausted(self) -> bool:
+        """Whether the problem order ran out (a finite `problems` iterable; never for an environment's own
+        problems, which start another epoch)."""
+        return self.iterator.exhausted
+
+    @property
     def in_flight_rollouts(self) -> int:
         """Rollouts of the groups in flight (and of those waiting to be sampled again)."""
         return (len(self.inflight) + len(self.to_resample)) * self.group_size

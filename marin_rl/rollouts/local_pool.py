@@ -84,11 +84,6 @@ class LocalWorkerPool(WorkerPool):
         """The error of the latest group that failed (its problem was handed out again)."""
 
     @property
-    def exhausted(self) -> bool:
-        """Whether the `problems` iterable ran out (always False for the environment's own problems)."""
-        return self.iterator.exhausted
-
-    @property
     def name(self) -> str:
         """The environment's name."""
         return self.env.name

@@ -11,15 +11,15 @@ import concurrent.futures
 import contextlib
 import os
 import resource
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
 from marin_rl.api.train import TrainEngine
+from marin_rl.checkpoint_dirs import begin_checkpoint
 from marin_rl.config import RunConfig
-from marin_rl.learner.checkpoint import begin_checkpoint
+from marin_rl.orchestrator.learner_methods import LearnerMethods
 from marin_rl.types import PackedBatch
 
 
@@ -49,10 +49,10 @@ class ColocatedUpdate:
     """Bytes the hand-over sends anywhere: none."""
 
 
-class LocalLearner:
+class LocalLearner(LearnerMethods):
     """The learner in this process, with the surface of the Ray `LearnerGroup`: `call(method, *args)` queues a call
     on the learner's thread (one call at a time, in order) and returns its handle; `finished`, `get` and `run` as
-    there. The methods are those of the Ray `LearnerActor`."""
+    there. The methods are those of the Ray `LearnerActor` (those the two share: `LearnerMethods`)."""
 
     def __init__(self, config: RunConfig, tokenizer):
         self.engine = TrainEngine(config, tokenizer=tokenizer, transport=False)
@@ -107,10 +107,6 @@ class LocalLearner:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     # ---- the LearnerActor methods ---------------------------------------------------------------------------
-    def warm_start(self, examples: list[tuple[list[int], list[int]]]) -> dict:
-        """Supervised steps on (prompt_ids, completion_ids) pairs; returns the loss curve."""
-        return self.engine.warm_start(examples)
-
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         """One training step on `batch`; returns the `learner/...` metrics and the process's memory after it."""
         metrics = self.engine.train_batch(batch)
@@ -124,20 +120,6 @@ class LocalLearner:
     def close(self) -> None:
         """Nothing to release (no transport)."""
 
-    def export_hf(self, path: str) -> str:
-        """Save the current policy as a Hugging Face checkpoint."""
-        return self.engine.export_hf(path)
-
     def begin_checkpoint(self, root: str, step: int) -> str:
         """Prepare the checkpoint directory of `step` (every process of a multi-host run: they synchronise)."""
         return begin_checkpoint(root, step)
-
-    def save_checkpoint(self, path: str, step: int) -> float:
-        """Write the learner's part of the run checkpoint at `path`; returns seconds."""
-        start = time.time()
-        self.engine.write_state(path, step)
-        return time.time() - start
-
-    def load_checkpoint(self, path: str) -> int:
-        """Continue from the complete checkpoint at `path`; returns the restored version."""
-        return self.engine.load(path)

@@ -20,6 +20,7 @@ from marin_rl.inference.reward_server import RewardServer
 from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.learner import distributed
 from marin_rl.logs import configure_logging
+from marin_rl.orchestrator.learner_methods import LearnerMethods
 from marin_rl.rollouts.reward_models import attach_run_reward_models
 from marin_rl.rollouts.servers import make_policy_server
 from marin_rl.rollouts.worker import CLIENT_COUNTERS, RolloutWorker
@@ -28,14 +29,14 @@ from marin_rl.types import PackedBatch
 
 
 @ray.remote(num_cpus=0)
-class LearnerActor:
+class LearnerActor(LearnerMethods):
     """One process of the learner: a Ray shell around the API's `TrainEngine`, which owns (its shards of) the
     policy's parameters and optimizer state.
 
     Built in two calls so that a multi-host learner can agree on a coordinator first: the actor is created, then
     `start(coordinator)` joins the distributed runtime (`learner.hosts` > 1) and builds the `TrainEngine`. Every
     process runs every method in the same order (they are collectives); process 0 publishes weights and writes
-    single-copy files.
+    single-copy files. The calls that are the same on the local backend are `LearnerMethods`'.
     """
 
     def __init__(self, config: RunConfig, process_id: int = 0, num_processes: int = 1):
@@ -56,10 +57,6 @@ class LearnerActor:
         self.engine = TrainEngine(self.config)
         return self.engine.learner.num_params
 
-    def warm_start(self, examples: list[tuple[list[int], list[int]]]) -> dict:
-        """Supervised steps on (prompt_ids, completion_ids) pairs; returns the loss curve."""
-        return self.engine.warm_start(examples)
-
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         """One training step on `batch` with the configured loss; returns the `learner/...` metrics."""
         return self.engine.train_batch(batch)
@@ -76,21 +73,6 @@ class LearnerActor:
         """Release the broadcast transport (shared-memory slots, a Flight server)."""
         if self.engine is not None:
             self.engine.close()
-
-    def export_hf(self, path: str) -> str:
-        """Save the current policy as a Hugging Face checkpoint (local path or fsspec URL; process 0 writes)."""
-        self.engine.export_hf(path)
-        return path
-
-    def save_checkpoint(self, path: str, step: int) -> float:
-        """Write the learner's part of the run checkpoint at `path` (its completion marker last); returns seconds."""
-        start = time.time()
-        self.engine.write_state(path, step)
-        return time.time() - start
-
-    def load_checkpoint(self, path: str) -> int:
-        """Continue from the complete checkpoint at `path`; returns the restored policy version."""
-        return self.engine.load(path)
 
 
 @ray.remote(num_cpus=0)

@@ -19,8 +19,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from marin_rl.checkpoint_dirs import begin_checkpoint
 from marin_rl.config import RunConfig
-from marin_rl.learner.checkpoint import begin_checkpoint
 from marin_rl.logs import drop_log_messages, plain_ray_output
 from marin_rl.orchestrator.ray_backend.env_pool import EnvPool
 from marin_rl.orchestrator.ray_backend.launcher import Launcher

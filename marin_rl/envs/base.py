@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -144,13 +144,14 @@ def declare_args(cls: type) -> None:
     params = list(inspect.signature(init).parameters.values()) if init is not None else []
     if [p.kind for p in params] != [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2 + [inspect.Parameter.VAR_KEYWORD]:
         raise TypeError(f"{cls.__name__} declares Args: its constructor must be __init__(self, tokenizer, **args)")
+
+    def default(f: dataclasses.Field) -> Any:
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        return inspect.Parameter.empty if f.default_factory is dataclasses.MISSING else f.default_factory()
+
     keywords = [
-        inspect.Parameter(
-            f.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty,
-            annotation=f.type,
-        )
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default(f), annotation=f.type)
         for f in dataclasses.fields(cls.Args)
         if f.init
     ]

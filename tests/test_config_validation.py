@@ -177,7 +177,10 @@ CASES = [
         "envs[addition].args.max_operand: must be >= 1, got 0",
     ),
     (
-        ["--envs", "[{name: calc, env_class: 'marin_rl.envs.calculator:CalculatorEnvironment', args: {operations: /}}]"],
+        [
+            "--envs",
+            "[{name: calc, env_class: 'marin_rl.envs.calculator:CalculatorEnvironment', args: {operations: /}}]",
+        ],
         "envs[calc].args.operations: must be a string of",
     ),
     (["--orchestrator.num_steps", "[1, 2]"], "orchestrator.num_steps: expected int, got list [1, 2]"),

@@ -22,12 +22,14 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Problem, SingleTurnEnvironment
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -378,20 +380,26 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
 
     driver_check = True
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        skip_bad_rows: bool = False,
-        max_seq_len: int | None = None,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if not isinstance(skip_bad_rows, bool):
-            raise ValueError(f"skip_bad_rows must be true or false, got {skip_bad_rows!r}")
-        self.bad_rows = BadRows(skip=skip_bad_rows)
+    @dataclass(kw_only=True)
+    class Args(SingleTurnEnvironment.Args):
+        skip_bad_rows: bool = False
+        """Leave out (and count) malformed rows and problems whose prompt does not fit `max_seq_len`, instead of
+        refusing the data with an error naming the first one."""
+        max_seq_len: int | None = bounded(None, ge=1)
+        """Given by the run (its `batcher.max_seq_len`): longer prompts are refused (or skipped); None: no check."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            if not isinstance(self.skip_bad_rows, bool):
+                raise ValueError(f"skip_bad_rows: must be true or false, got {self.skip_bad_rows!r}")
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        self.bad_rows = BadRows(skip=self.args.skip_bad_rows)
         """Malformed rows and over-long prompts: refused, or skipped and counted."""
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = self.args.max_seq_len
 
     def set_problems(
         self, train: list[Problem], held_out: list[Problem] | None, eval_fraction: float, source: str

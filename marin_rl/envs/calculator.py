@@ -147,6 +147,12 @@ class CalculatorEnvironment(ToolEnvironment):
 
     @dataclass
     class Args(ToolEnvironment.Args):
+        # ToolEnvironment's limits, with defaults for short calculate calls
+        max_turns: int = bounded(3, ge=1)
+        tool_timeout_s: float = bounded(5.0, gt=0)
+        max_tool_calls_per_turn: int = bounded(2, ge=1)
+        max_tool_output_chars: int = bounded(200, ge=1)
+
         min_digits: int = bounded(3, ge=1, le=12)
         """Fewest digits of an operand."""
         max_digits: int = bounded(4, ge=1, le=12)
@@ -159,14 +165,6 @@ class CalculatorEnvironment(ToolEnvironment):
         """Held-out problems."""
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE
         """The prompt, with `{expression}` where the problem goes."""
-        max_turns: int = bounded(3, ge=1)
-        """Policy turns after which an episode ends, truncated."""
-        tool_timeout_s: float = bounded(5.0, gt=0)
-        """Wall-time limit of a calculate call (seconds)."""
-        max_tool_calls_per_turn: int = bounded(2, ge=1)
-        """Calls beyond this many in one turn are answered with an error."""
-        max_tool_output_chars: int = bounded(200, ge=1)
-        """Longer tool results are cut to this many characters (with a note)."""
 
         def __post_init__(self):
             super().__post_init__()

@@ -30,7 +30,7 @@ import fsspec
 import pyarrow.parquet as pq
 
 from marin_rl.bounds import bounded
-from marin_rl.envs.base import Problem, SingleTurnEnvironment
+from marin_rl.envs.base import EnvArgs, Problem, SingleTurnEnvironment
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -363,6 +363,33 @@ def check_unique_ids(problems: Sequence[Problem], what: str) -> None:
 
 PROMPT_CHUNK = 4096
 """Prompts tokenized per call when `ProblemSetEnvironment` measures them at load."""
+
+
+@dataclass(kw_only=True)
+class ProblemSourceArgs(EnvArgs):
+    """The arguments of an environment that reads question/answer rows (`source_rows`): from a file or inline, and
+    its held-out problems likewise, else a seeded split. Mixed into an environment's `Args`."""
+
+    path: str | None = None
+    """A JSONL or Parquet file of problems (local or `gs://`); or `problems`."""
+    problems: list[dict[str, Any]] | None = None
+    """Problems inline, as rows."""
+    eval_path: str | None = None
+    """A file of held-out problems (at most one of `eval_path` and `eval_problems`; neither: `eval_fraction` of the
+    problems is held out after a shuffle seeded with `seed`)."""
+    eval_problems: list[dict[str, Any]] | None = None
+    """Held-out problems inline, as rows."""
+    eval_fraction: float = 0.1
+    """The share of the problems held out when there are no held-out ones, in (0, 1)."""
+    question_field: str = "question"
+    """The question's column."""
+    answer_field: str = "answer"
+    """The answer's column."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.eval_path is not None and self.eval_problems is not None:
+            raise ValueError("eval_problems: give at most one of `eval_path` and `eval_problems`")
 
 
 class ProblemSetEnvironment(SingleTurnEnvironment):

@@ -11,6 +11,7 @@ from marin_rl.envs.base import Problem
 from marin_rl.envs.data import (
     BadRows,
     ProblemSetEnvironment,
+    ProblemSourceArgs,
     RowError,
     describe,
     problem_id,
@@ -113,20 +114,7 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
     name = "multiple_choice"
 
     @dataclass(kw_only=True)
-    class Args(ProblemSetEnvironment.Args):
-        path: str | None = None
-        """File (or glob) of problems, JSONL or Parquet (one of `path` and `problems`)."""
-        problems: list[dict[str, Any]] | None = None
-        """Problems inline, as rows."""
-        eval_path: str | None = None
-        """File of held-out problems (at most one of `eval_path` and `eval_problems`; neither: `eval_fraction` of the
-        problems is held out after a shuffle seeded with `seed`)."""
-        eval_problems: list[dict[str, Any]] | None = None
-        """Held-out problems inline, as rows."""
-        eval_fraction: float = 0.1
-        """The share of the problems held out when there are no held-out ones, in (0, 1)."""
-        question_field: str = "question"
-        """The question's column."""
+    class Args(ProblemSetEnvironment.Args, ProblemSourceArgs):
         choices_field: str = "choices"
         """The column of the list of options."""
         answer_field: str = "answer"
@@ -135,11 +123,6 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
         """Filled with `{question}` and `{options}` ('A. ...' lines)."""
         storage_options: dict[str, Any] | None = None
         """Passed to fsspec (e.g. credentials for `gs://`)."""
-
-        def __post_init__(self):
-            super().__post_init__()
-            if self.eval_path is not None and self.eval_problems is not None:
-                raise ValueError("eval_problems: give at most one of `eval_path` and `eval_problems`")
 
     args: Args
 

@@ -27,6 +27,9 @@ class RunningSumEnvironment(MultiTurnEnvironment):
 
     @dataclass
     class Args(MultiTurnEnvironment.Args):
+        max_turns: int | None = bounded(None, ge=1)
+        """Policy turns after which an episode ends, truncated (None: `num_terms - 1`, the whole task)."""
+
         num_terms: int = bounded(4, ge=2)
         """Numbers per problem (`num_terms - 1` policy turns)."""
         max_term: int = bounded(9, ge=1)
@@ -37,8 +40,6 @@ class RunningSumEnvironment(MultiTurnEnvironment):
         """Held-out problems."""
         demo_error_rate: float = bounded(0.0, ge=0, lt=1)
         """Probability that a demonstration turn slips by ±1."""
-        max_turns: int | None = bounded(None, ge=1)
-        """Policy turns after which an episode ends, truncated (None: `num_terms - 1`, the whole task)."""
 
         def __post_init__(self):
             if self.max_turns is None and isinstance(self.num_terms, int):

@@ -176,6 +176,11 @@ class TerminalEnvironment(ToolEnvironment):
 
     @dataclass
     class Args(ToolEnvironment.Args):
+        # ToolEnvironment's limits, with defaults for one shell command a turn
+        max_turns: int = bounded(3, ge=1)
+        max_tool_calls_per_turn: int = bounded(1, ge=1)
+        max_tool_output_chars: int = bounded(400, ge=1)
+
         kinds: Sequence[str] = KINDS
         """The task kinds problems are drawn from (a list of them, or one name)."""
         num_train: int = bounded(2000, ge=1)
@@ -188,12 +193,6 @@ class TerminalEnvironment(ToolEnvironment):
         """Memory limit of each process in the sandbox."""
         disk_mb: int = bounded(16, ge=1)
         """Size of the sandbox's workspace."""
-        max_turns: int = bounded(3, ge=1)
-        """Policy turns after which an episode ends, truncated."""
-        max_tool_calls_per_turn: int = bounded(1, ge=1)
-        """Calls beyond this many in one turn are answered with an error."""
-        max_tool_output_chars: int = bounded(400, ge=1)
-        """Longer tool results are cut to this many characters (with a note)."""
 
         def __post_init__(self):
             super().__post_init__()

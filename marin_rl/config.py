@@ -625,6 +625,8 @@ def _check_env_args(env_config: EnvConfig, cls: type) -> None:
             declared(name=env_config.name, seed=0, **env_config.args)
         except ValueError as e:
             raise ValueError(f"envs[{env_config.name}].args.{e}") from None
+        except TypeError as e:  # a value of the wrong type that a check in its class's `__post_init__` tripped on
+            raise ValueError(f"envs[{env_config.name}].args: {e}") from None
 
 
 def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: int | None = None) -> Environment:

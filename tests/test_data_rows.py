@@ -168,7 +168,7 @@ def test_skip_bad_rows_with_nothing_left_names_the_first_bad_row(tok, tmp_path):
         DataFormatError, match=r"no problems left after skipping 2 bad row\(s\).*all_bad\.jsonl:2: invalid JSON"
     ):
         MathEnvironment(tok, train_path=path, skip_bad_rows=True)
-    with pytest.raises(ValueError, match="skip_bad_rows: must be true or false, got 'yes'"):
+    with pytest.raises(ValueError, match="skip_bad_rows: expected bool, got str 'yes'"):
         MathEnvironment(tok, train_path=path, skip_bad_rows="yes")
 
 

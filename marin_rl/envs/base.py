@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import inspect
 import time
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -128,6 +129,14 @@ class EnvArgs:
 
     def __post_init__(self):
         problems = field_errors(self)  # int and float fields: type, finiteness, declared `bounded` ranges
+        try:
+            hints = typing.get_type_hints(type(self))
+        except Exception:  # annotations that do not resolve here: only the numeric checks
+            hints = {}
+        for f in dataclasses.fields(self):
+            kind, value = hints.get(f.name), getattr(self, f.name)
+            if kind in (str, bool) and not isinstance(value, kind):
+                problems.append(f"{f.name}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
         if problems:
             raise ValueError(problems[0])
 

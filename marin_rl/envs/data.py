@@ -415,11 +415,6 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
         max_seq_len: int | None = bounded(None, ge=1)
         """Given by the run (its `batcher.max_seq_len`): longer prompts are refused (or skipped); None: no check."""
 
-        def __post_init__(self):
-            super().__post_init__()
-            if not isinstance(self.skip_bad_rows, bool):
-                raise ValueError(f"skip_bad_rows: must be true or false, got {self.skip_bad_rows!r}")
-
     args: Args
 
     def __init__(self, tokenizer, **args):

@@ -21,7 +21,13 @@ import yaml
 from marin_rl.bounds import bounded, check_fields, deferred_checks, field_errors
 from marin_rl.broadcast.base import BroadcastConfig
 from marin_rl.cli_help import preflight
-from marin_rl.envs.base import Environment, SamplingParams, SingleTurnEnvironment, load_environment_class
+from marin_rl.envs.base import (
+    Environment,
+    SamplingParams,
+    SingleTurnEnvironment,
+    args_class,
+    load_environment_class,
+)
 from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.frozen import freeze, is_frozen
@@ -592,7 +598,8 @@ def without_secrets(data: dict[str, Any], replacement: Any) -> dict[str, Any]:
 def _check_env_args(env_config: EnvConfig, cls: type) -> None:
     """ValueError naming the environment when its `args` cannot be passed to its class's constructor (an unknown
     name, a required one missing, one the run sets itself): checked against the signature, before anything starts,
-    since most classes are only built in the env workers. The values themselves are the class's to check."""
+    since most classes are only built in the env workers. A class that declares its arguments as a dataclass
+    (`marin_rl.envs.base.EnvArgs`) has their values checked here too; other classes check theirs when built."""
     try:
         signature = inspect.signature(cls)
     except (TypeError, ValueError):  # a constructor without an inspectable signature: its workers will say
@@ -606,6 +613,14 @@ def _check_env_args(env_config: EnvConfig, cls: type) -> None:
         signature.bind(None, name=env_config.name, seed=0, **env_config.args)
     except TypeError as e:
         raise ValueError(f"envs[{env_config.name}].args do not fit {env_config.env_class}: {e}") from None
+    declared = args_class(cls)
+    if declared is not None:  # a class that declares its arguments as a dataclass: their values are checked too
+        try:
+            declared(name=env_config.name, seed=0, **env_config.args)
+        except ValueError as e:
+            raise ValueError(f"envs[{env_config.name}].args.{e}") from None
+        except TypeError as e:  # a value of the wrong type that a check in its class's `__post_init__` tripped on
+            raise ValueError(f"envs[{env_config.name}].args: {e}") from None
 
 
 def make_environment(env_config: EnvConfig, tokenizer, seed: int, max_seq_len: int | None = None) -> Environment:

@@ -173,6 +173,17 @@ CASES = [
         "envs[calc].args do not fit marin_rl.envs.calculator:CalculatorEnvironment: got an unexpected keyword "
         "argument 'maxturns'",
     ),
+    (  # a class that declares its arguments as a dataclass: their values are checked before anything starts
+        ["--envs", "[{name: addition, args: {max_operand: 0}}]"],
+        "envs[addition].args.max_operand: must be >= 1, got 0",
+    ),
+    (
+        [
+            "--envs",
+            "[{name: calc, env_class: 'marin_rl.envs.calculator:CalculatorEnvironment', args: {operations: /}}]",
+        ],
+        "envs[calc].args.operations: must be a string of",
+    ),
     (["--orchestrator.num_steps", "[1, 2]"], "orchestrator.num_steps: expected int, got list [1, 2]"),
     (["--envs", "[{name: a, group_size: [1, 2]}]"], "envs[0].group_size: expected int, got list [1, 2]"),
     (["--learner.optimizer.learning_rate", "fast"], "learner.optimizer.learning_rate: expected float, got str 'fast'"),

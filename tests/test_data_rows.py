@@ -168,7 +168,7 @@ def test_skip_bad_rows_with_nothing_left_names_the_first_bad_row(tok, tmp_path):
         DataFormatError, match=r"no problems left after skipping 2 bad row\(s\).*all_bad\.jsonl:2: invalid JSON"
     ):
         MathEnvironment(tok, train_path=path, skip_bad_rows=True)
-    with pytest.raises(ValueError, match="skip_bad_rows must be true or false"):
+    with pytest.raises(ValueError, match="skip_bad_rows: expected bool, got str 'yes'"):
         MathEnvironment(tok, train_path=path, skip_bad_rows="yes")
 
 
@@ -239,15 +239,15 @@ def test_driver_check_reports_counts_and_refuses_bad_data(tmp_path):
         check_environment_data(config)
     config = parse_config(["--config", _run_yaml(tmp_path, bad, skip_bad_rows=True)])
     assert check_environment_data(config)["data/math/skipped_long_prompts"] == 1.0
-    # an argument the class does not take is refused as the config is read; a value only the class can judge, where
-    # the driver builds it
+    # an argument the class does not take, or a bad value of one it declares, is refused as the config is read
     with pytest.raises(
         SystemExit, match=r"^marin_rl: invalid configuration: envs\[math\]\.args do not fit .*'no_such_arg'$"
     ):
         parse_config(["--config", _run_yaml(tmp_path, bad, no_such_arg=1)])
-    config = parse_config(["--config", _run_yaml(tmp_path, bad, format="csv")])
-    with pytest.raises(RunRefused, match=r"^invalid configuration: envs\[math\]: format must be one of"):
-        check_environment_data(config)
+    with pytest.raises(
+        SystemExit, match=r"^marin_rl: invalid configuration: envs\[math\]\.args\.format: must be one of"
+    ):
+        parse_config(["--config", _run_yaml(tmp_path, bad, format="csv")])
 
 
 @pytest.mark.exclusive  # the refusal's wall-clock bound

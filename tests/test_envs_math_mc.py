@@ -222,7 +222,7 @@ def test_math_env_split_and_reference(tok, tmp_path):
     for p in a.train_problems() + a.eval_problems():
         assert p.prompt.startswith("Question: ") and p.prompt.endswith("\nAnswer:")
         assert a.score(p, a.reference_completion(p)) == {"correct": 1.0}
-    with pytest.raises(ValueError, match="format must be one of"):
+    with pytest.raises(ValueError, match="format: must be one of"):
         MathEnvironment(tok, train_path=path, format="csv")
     with pytest.raises(DataFormatError, match="duplicate problem id"):
         MathEnvironment(tok, train_path=path, eval_path=path)

@@ -300,7 +300,7 @@ def test_conversation_errors():
     dropping = _with_template("{% for m in messages %}<|{{ m['role'] }}|>{% endfor %}")
     with pytest.raises(ChatTemplateError, match="drops assistant content"):
         rendered_delta(dropping, [{"role": "user", "content": "x"}])
-    with pytest.raises(ValueError, match="max_turns must be >= 1"):
+    with pytest.raises(ValueError, match="max_turns: must be >= 1, got 0"):
         ContinueEnvironment(tok, max_turns=0)
     with pytest.raises(ValueError, match=r"reward_weights\['step'\] must be a finite number"):
         ContinueEnvironment(tok, reward_weights={"step": float("nan")})

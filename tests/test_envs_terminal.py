@@ -41,7 +41,7 @@ def test_problems_cover_every_kind_and_split_held_out(env):
     assert len(train_ids) == 40 and not train_ids & {p.id for p in env.eval_problems()}
     again = TerminalEnvironment(build_char_tokenizer(), num_train=40, num_eval=10, seed=3)
     assert [p.fields for p in again.eval_problems()] == [p.fields for p in env.eval_problems()]
-    with pytest.raises(ValueError, match="kinds must be"):
+    with pytest.raises(ValueError, match="kinds: must be a non-empty list of"):
         TerminalEnvironment(build_char_tokenizer(), kinds=["count", "nope"])
 
 

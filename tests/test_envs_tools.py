@@ -425,9 +425,9 @@ def test_calculator_problems_reference_and_scoring(tok):
         return await env.episode_rewards(problem, conv)
 
     assert asyncio.run(no_tool()) == {"correct": 1.0, "used_tool": 0.0}
-    with pytest.raises(ValueError, match="operations must be a string of"):
+    with pytest.raises(ValueError, match="operations: must be a string of"):
         CalculatorEnvironment(tok, operations="/")
-    with pytest.raises(ValueError, match="min_digits <= max_digits"):
+    with pytest.raises(ValueError, match=r"max_digits: must be >= min_digits \(4\), got 3"):
         CalculatorEnvironment(tok, min_digits=4, max_digits=3)
 
 

@@ -85,7 +85,7 @@ def test_the_shipped_word_problems_are_what_the_script_writes_and_verify(tmp_pat
     for p in env.train_problems() + env.eval_problems():
         demo = env.reference_completion(p)
         assert "<<" not in demo and verify(demo, p.answer) == 1.0 and demo.endswith(f"#### {p.answer}")
-    with pytest.raises(ValueError, match="demonstration must be"):
+    with pytest.raises(ValueError, match="demonstration: must be"):
         MathEnvironment(tok, train_path=str(DATA / "train.jsonl"), format="jsonl", demonstration="solution")
 
 

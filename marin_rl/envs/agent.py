@@ -35,11 +35,13 @@ import importlib.util
 import inspect
 import logging
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Environment, Problem, SamplingParams, load_environment_class
 from marin_rl.envs.captured import assemble_rollout
 from marin_rl.envs.rewards import aevaluate_rewards, combine_rewards
@@ -83,37 +85,39 @@ def load_object(path: str, what: str) -> Any:
 class AgentEnvironment(Environment):
     """Episodes run by a user's `openai`-SDK agent against the capturing chat route (module docstring).
 
-    Args: agent (import path of the async agent function), tasks (class path of the environment whose problems are
-    the tasks), task_args (its arguments), verifier (import path of the reward function named 'correct'; default
-    exact match), request_timeout_s (the agent's client's timeout per request).
+    Its arguments are `Args`: the agent, the environment whose problems are its tasks, the verifier.
     """
 
     name = "agent"
     reward_weights = {"correct": 1.0}
     driver_check = True  # construction imports the agent and builds the task problems: a bad path stops the run early
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        agent: str,
-        tasks: str,
-        task_args: dict[str, Any] | None = None,
-        verifier: str = "marin_rl.envs.rewards:exact_match",
-        request_timeout_s: float = 600.0,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
+    @dataclass(kw_only=True)
+    class Args(Environment.Args):
+        agent: str
+        """Import path of the async agent function, 'package.module:name' (or a file, 'path/to/file.py:name')."""
+        tasks: str
+        """Class path of the environment whose problems are the tasks."""
+        task_args: dict[str, Any] | None = None
+        """The task environment's arguments."""
+        verifier: str = "marin_rl.envs.rewards:exact_match"
+        """Import path of the reward function named 'correct'."""
+        request_timeout_s: float = bounded(600.0, gt=0)
+        """The agent's client's timeout per request (seconds)."""
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        agent, tasks = self.args.agent, self.args.tasks
         self.agent = load_object(agent, "agent")
         if not inspect.iscoroutinefunction(self.agent):
             raise ValueError(f"agent {agent!r} must be an async function agent(client, task)")
         self.demonstration = getattr(self.agent, "__globals__", {}).get("demonstration")
-        self.verifier = load_object(verifier, "verifier")
+        self.verifier = load_object(self.args.verifier, "verifier")
         self.reward_functions = {"correct": self.verifier}
-        if not request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-        self.request_timeout_s = float(request_timeout_s)
-        self.task_env = load_environment_class(tasks)(tokenizer, seed=self.seed, **(task_args or {}))
+        self.request_timeout_s = float(self.args.request_timeout_s)
+        self.task_env = load_environment_class(tasks)(tokenizer, seed=self.seed, **(self.args.task_args or {}))
         self._in_process_apps: dict[int, Any] = {}
 
     def train_problems(self) -> list[Problem]:

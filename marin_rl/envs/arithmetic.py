@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Problem, SingleTurnEnvironment
 
 
@@ -27,31 +29,32 @@ class AdditionEnvironment(SingleTurnEnvironment):
 
     name = "addition"
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        max_operand: int = 99,
-        num_eval: int = 200,
-        demo_error_rate: float = 0.0,
-        worked: bool = False,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if max_operand < 1:
-            raise ValueError("max_operand must be >= 1")
-        if not 0.0 <= demo_error_rate < 1.0:
-            raise ValueError("demo_error_rate must be in [0, 1)")
-        pairs = list(itertools.product(range(max_operand + 1), repeat=2))
-        if not 0 < num_eval < len(pairs):
-            raise ValueError(f"num_eval must be in (0, {len(pairs)}) for max_operand={max_operand}")
+    @dataclass
+    class Args(SingleTurnEnvironment.Args):
+        max_operand: int = bounded(99, ge=1)
+        """Largest operand: problems are all pairs in [0, max_operand]."""
+        num_eval: int = bounded(200, gt=0)
+        """Pairs held out for evaluation (fewer than all pairs)."""
+        demo_error_rate: float = bounded(0.0, ge=0, lt=1)
+        """Probability that a reference completion slips (by ±1 or ±10; worked: a column off by one)."""
+        worked: bool = False
+        """Ask for the work, column by column, before the sum (see the class docstring)."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            pairs = (self.max_operand + 1) ** 2
+            if self.num_eval >= pairs:
+                raise ValueError(f"num_eval: must be in (0, {pairs}) for max_operand={self.max_operand}")
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        pairs = list(itertools.product(range(self.args.max_operand + 1), repeat=2))
         random.Random(self.seed).shuffle(pairs)
         make = lambda a, b: Problem(id=f"{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b), fields={"a": a, "b": b})
-        self._eval = [make(a, b) for a, b in pairs[:num_eval]]
-        self._train = [make(a, b) for a, b in pairs[num_eval:]]
-        self.max_operand = max_operand
-        self.demo_error_rate = demo_error_rate
-        self.worked = bool(worked)
+        self._eval = [make(a, b) for a, b in pairs[: self.args.num_eval]]
+        self._train = [make(a, b) for a, b in pairs[self.args.num_eval :]]
         self._demo_rng = random.Random(self.seed + 1)
 
     def train_problems(self) -> list[Problem]:
@@ -61,21 +64,21 @@ class AdditionEnvironment(SingleTurnEnvironment):
         return self._eval
 
     def reference_completion(self, problem: Problem) -> str:
-        if self.worked:
+        if self.args.worked:
             a, b = problem.fields["a"], problem.fields["b"]
             columns = max(len(str(a)), len(str(b)))
             slip = None
-            if self._demo_rng.random() < self.demo_error_rate:
+            if self._demo_rng.random() < self.args.demo_error_rate:
                 slip = (self._demo_rng.randrange(columns), self._demo_rng.choice((-1, 1)))
             return worked_sum(a, b, slip)
-        if self._demo_rng.random() < self.demo_error_rate:
+        if self._demo_rng.random() < self.args.demo_error_rate:
             answer = int(problem.answer)
             slips = [answer + d for d in (-10, -1, 1, 10) if answer + d >= 0]
             return str(self._demo_rng.choice(slips))
         return problem.answer
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
-        answer = final_sum(completion) if self.worked else completion.strip()
+        answer = final_sum(completion) if self.args.worked else completion.strip()
         return {"correct": float(answer == problem.answer)}
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from marin_rl.bounds import bounded
+from marin_rl.bounds import bounded, field_errors
 from marin_rl.envs.rewards import (
     RewardFunction,
     aevaluate_rewards,
@@ -108,13 +110,80 @@ def inherit_keyword_parameters(cls: type) -> None:
     init.__signature__ = inspect.Signature([*own[:-1], *inherited], return_annotation=inspect.Signature.empty)
 
 
+@dataclass
+class EnvArgs:
+    """The arguments every environment takes. A built-in environment declares its own as a dataclass `Args`
+    nested in its class, inheriting its base class's `Args` (each field with a docstring; cross-field checks in
+    `__post_init__`, after `super().__post_init__()`, raising ValueError that starts with the field's name).
+
+    The environment's constructor builds `self.args` from its keyword arguments (an env's `args` in the config,
+    plus `name` and `seed` the run sets); `marin_rl.config` builds the same dataclass when it checks a config, so
+    an unknown name or a bad value is refused in one line before anything starts."""
+
+    name: str | None = None
+    """The environment's name (set by the run from `envs[*].name`; None: the class's `name`)."""
+    seed: int = 0
+    """Seed of the environment's problem generation and sampling (set by the run from `orchestrator.seed`)."""
+    reward_weights: dict[str, float] | None = None
+    """Weights of the named rewards in a turn's reward (None: the class's `reward_weights`)."""
+
+    def __post_init__(self):
+        problems = field_errors(self)  # int and float fields: type, finiteness, declared `bounded` ranges
+        try:
+            hints = typing.get_type_hints(type(self))
+        except Exception:  # annotations that do not resolve here: only the numeric checks
+            hints = {}
+        for f in dataclasses.fields(self):
+            kind, value = hints.get(f.name), getattr(self, f.name)
+            if kind in (str, bool) and not isinstance(value, kind):
+                problems.append(f"{f.name}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        if problems:
+            raise ValueError(problems[0])
+
+
+def declare_args(cls: type) -> None:
+    """Give the constructor of `cls`, a class that declares `Args`, the signature of those arguments:
+    `(self, tokenizer, *, <Args fields>)` (what `inspect.signature(cls)` and the config check see). The constructor
+    must be `__init__(self, tokenizer, **args)`, passing `args` on to its base class's."""
+    if not (isinstance(cls.__dict__["Args"], type) and issubclass(cls.Args, EnvArgs)):
+        raise TypeError(f"{cls.__name__}.Args must be a dataclass inheriting EnvArgs")
+    if not dataclasses.is_dataclass(cls.Args) or "__dataclass_fields__" not in cls.Args.__dict__:
+        raise TypeError(f"{cls.__name__}.Args must be decorated with @dataclass")
+    init = cls.__dict__.get("__init__")
+    params = list(inspect.signature(init).parameters.values()) if init is not None else []
+    if [p.kind for p in params] != [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2 + [inspect.Parameter.VAR_KEYWORD]:
+        raise TypeError(f"{cls.__name__} declares Args: its constructor must be __init__(self, tokenizer, **args)")
+
+    def default(f: dataclasses.Field) -> Any:
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        return inspect.Parameter.empty if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+    keywords = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default(f), annotation=f.type)
+        for f in dataclasses.fields(cls.Args)
+        if f.init
+    ]
+    init.__signature__ = inspect.Signature([*params[:2], *keywords])
+    init.__env_args__ = cls.Args
+
+
+def args_class(cls: type) -> type[EnvArgs] | None:
+    """The `Args` dataclass that takes all of the constructor arguments of `cls` (None when its constructor is a
+    plain signature, e.g. a user-written environment's `__init__(self, tokenizer, *, ..., **options)`)."""
+    args = getattr(cls.__init__, "__env_args__", None)
+    return args if args is not None and args is getattr(cls, "Args", None) else None
+
+
 class Environment(abc.ABC):
     """A task: training and held-out problems, and an episode that turns a problem into a scored `Rollout`.
 
-    Subclasses take the tokenizer and their own keyword arguments (from the env's `args` in the config). A
-    constructor that ends in `**options` passes them on to its base class's: its signature (what
-    `marin_rl.config` checks an env's `args` against) then names the base's keyword arguments too
-    (`inherit_keyword_parameters`), so an unknown one is still refused before anything starts.
+    Subclasses take the tokenizer and their own keyword arguments (from the env's `args` in the config), declared
+    one of two ways. The built-in environments declare them once as a dataclass `Args` nested in the class (see
+    `EnvArgs`), with a constructor `__init__(self, tokenizer, **args)` that passes them on: the base builds
+    `self.args` (checked) from them. Or a plain constructor names them, ending in `**options` passed on to its base
+    class's: its signature (what `marin_rl.config` checks an env's `args` against) then names the base's keyword
+    arguments too (`inherit_keyword_parameters`), so an unknown one is still refused before anything starts.
     `reward_weights` (a class attribute, or the `reward_weights` argument, which replaces it) combines a turn's
     named rewards into its reward: Σ weight · named reward, names without a weight counting 0.
 
@@ -140,19 +209,26 @@ class Environment(abc.ABC):
     added_rewards: dict[str, RewardFunction] = {}
     """Reward functions added with `add_reward_functions` (by name)."""
 
+    Args: ClassVar[type[EnvArgs]] = EnvArgs
+    """The dataclass of the constructor's arguments (`self.args`), for classes that declare theirs as one."""
+    args: EnvArgs
+    """This environment's arguments, checked: `Args` built from the constructor's keyword arguments."""
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        inherit_keyword_parameters(cls)
+        if "Args" in cls.__dict__:
+            declare_args(cls)
+        else:
+            inherit_keyword_parameters(cls)
 
-    def __init__(
-        self, tokenizer, *, name: str | None = None, seed: int = 0, reward_weights: dict[str, float] | None = None
-    ):
+    def __init__(self, tokenizer, **args):
         self.tokenizer = tokenizer
-        self.seed = seed
-        if name is not None:
-            self.name = name
-        if reward_weights is not None:
-            self.reward_weights = dict(reward_weights)
+        self.args = type(self).Args(**args)
+        self.seed = self.args.seed
+        if self.args.name is not None:
+            self.name = self.args.name
+        if self.args.reward_weights is not None:
+            self.reward_weights = dict(self.args.reward_weights)
         check_reward_weights(self.reward_weights, where=self.name)
 
     def add_reward_functions(self, functions: dict[str, RewardFunction]) -> None:
@@ -207,6 +283,9 @@ class Environment(abc.ABC):
         """`group_size` concurrent episodes of one problem."""
         rollouts = await asyncio.gather(*(self.run_episode(policy, problem, sampling) for _ in range(group_size)))
         return RolloutGroup(environment=self.name, problem_id=problem.id, rollouts=list(rollouts))
+
+
+declare_args(Environment)
 
 
 class SingleTurnEnvironment(Environment):

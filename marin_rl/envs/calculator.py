@@ -15,8 +15,10 @@ import math
 import operator
 import random
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Problem
 from marin_rl.envs.multi_turn import Conversation
 from marin_rl.envs.tools import ToolEnvironment, format_tool_call
@@ -137,42 +139,57 @@ class CalculatorEnvironment(ToolEnvironment):
     'correct' (exact final answer) and 'used_tool' (a calculate call succeeded; weight 0 unless `reward_weights`
     gives it one). The reference completion, for warm start, is a correct tool-using transcript.
 
-    Args (besides `ToolEnvironment`'s, whose defaults here are max_turns 3, tool_timeout_s 5, max_tool_calls_per_turn
-    2, max_tool_output_chars 200): min_digits, max_digits, operations, num_train, num_eval, prompt_template (with
-    `{expression}`).
+    Its arguments (`Args`) add the problems' to `ToolEnvironment`'s, with smaller defaults for the tool limits.
     """
 
     name = "calculator"
     reward_weights = {"correct": 1.0, "used_tool": 0.0}
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        seed: int = 0,
-        min_digits: int = 3,
-        max_digits: int = 4,
-        operations: str = "*",
-        num_train: int = 5000,
-        num_eval: int = 200,
-        prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
-        **options,
-    ):
-        defaults = {"max_turns": 3, "tool_timeout_s": 5.0, "max_tool_calls_per_turn": 2, "max_tool_output_chars": 200}
-        super().__init__(tokenizer, seed=seed, **{**defaults, **options})
-        if not 1 <= min_digits <= max_digits <= 12:
-            raise ValueError(f"need 1 <= min_digits <= max_digits <= 12, got {min_digits} and {max_digits}")
-        if not operations or any(op not in OPERATIONS for op in operations):
-            raise ValueError(f"operations must be a string of {''.join(OPERATIONS)}, got {operations!r}")
-        if num_train < 1 or num_eval < 1:
-            raise ValueError(f"num_train and num_eval must be >= 1, got {num_train} and {num_eval}")
-        if "{expression}" not in prompt_template:
-            raise ValueError(f"prompt_template must contain '{{expression}}', got {prompt_template!r}")
+    @dataclass
+    class Args(ToolEnvironment.Args):
+        # ToolEnvironment's limits, with defaults for short calculate calls
+        max_turns: int = bounded(3, ge=1)
+        tool_timeout_s: float = bounded(5.0, gt=0)
+        max_tool_calls_per_turn: int = bounded(2, ge=1)
+        max_tool_output_chars: int = bounded(200, ge=1)
+
+        min_digits: int = bounded(3, ge=1, le=12)
+        """Fewest digits of an operand."""
+        max_digits: int = bounded(4, ge=1, le=12)
+        """Most digits of an operand (at least min_digits)."""
+        operations: str = "*"
+        """The operations problems are drawn from, a string of '+', '-', '*'."""
+        num_train: int = bounded(5000, ge=1)
+        """Training problems."""
+        num_eval: int = bounded(200, ge=1)
+        """Held-out problems."""
+        prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+        """The prompt, with `{expression}` where the problem goes."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            if self.min_digits > self.max_digits:
+                raise ValueError(f"max_digits: must be >= min_digits ({self.min_digits}), got {self.max_digits}")
+            if not self.operations or any(op not in OPERATIONS for op in self.operations):
+                raise ValueError(f"operations: must be a string of {''.join(OPERATIONS)}, got {self.operations!r}")
+            if "{expression}" not in self.prompt_template:
+                raise ValueError(f"prompt_template: must contain '{{expression}}', got {self.prompt_template!r}")
+            lo, hi = 10 ** (self.min_digits - 1), 10**self.max_digits - 1
+            n_distinct = len(set(self.operations)) * (hi - lo + 1) ** 2
+            if self.num_train + self.num_eval > n_distinct // 2:
+                raise ValueError(
+                    f"num_train: num_train + num_eval = {self.num_train + self.num_eval} is too many for "
+                    f"{n_distinct} problems"
+                )
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        min_digits, max_digits, operations = self.args.min_digits, self.args.max_digits, self.args.operations
+        num_train, num_eval, prompt_template = self.args.num_train, self.args.num_eval, self.args.prompt_template
         lo, hi = 10 ** (min_digits - 1), 10**max_digits - 1
-        n_distinct = len(set(operations)) * (hi - lo + 1) ** 2
-        if num_train + num_eval > n_distinct // 2:
-            raise ValueError(f"num_train + num_eval = {num_train + num_eval} is too many for {n_distinct} problems")
-        rng = random.Random(seed)
+        rng = random.Random(self.seed)
         seen: set[str] = set()
         problems: list[Problem] = []
         while len(problems) < num_train + num_eval:

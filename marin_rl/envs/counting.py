@@ -10,7 +10,9 @@ generation dominates a step and asynchrony between generation and training shoul
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Problem, SingleTurnEnvironment
 
 
@@ -25,34 +27,35 @@ class CountingEnvironment(SingleTurnEnvironment):
 
     name = "counting"
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        length: int = 40,
-        max_start: int = 899,
-        num_eval: int = 100,
-        demo_error_rate: float = 0.0,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if length < 1 or max_start < 1:
-            raise ValueError("length and max_start must be >= 1")
-        if not 0 < num_eval <= max_start:
-            raise ValueError(f"num_eval must be in (0, {max_start}]")
-        if not 0.0 <= demo_error_rate < 1.0:
-            raise ValueError("demo_error_rate must be in [0, 1)")
-        starts = list(range(max_start + 1))
+    @dataclass
+    class Args(SingleTurnEnvironment.Args):
+        length: int = bounded(40, ge=1)
+        """Numbers to count on from the start."""
+        max_start: int = bounded(899, ge=1)
+        """Largest starting number: starts are drawn from [0, max_start]."""
+        num_eval: int = bounded(100, gt=0)
+        """Starting numbers held out for evaluation (at most max_start)."""
+        demo_error_rate: float = bounded(0.0, ge=0, lt=1)
+        """Probability that a number of a reference completion slips (±1, ±10, or a digit dropped)."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            if self.num_eval > self.max_start:
+                raise ValueError(f"num_eval: must be in (0, {self.max_start}] for max_start={self.max_start}")
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        starts = list(range(self.args.max_start + 1))
         random.Random(self.seed).shuffle(starts)
-        self.length = length
         make = lambda a: Problem(id=str(a), prompt=f"count {a}:", answer=self._count(a), fields={"start": a})
-        self._eval = [make(a) for a in starts[:num_eval]]
-        self._train = [make(a) for a in starts[num_eval:]]
-        self.demo_error_rate = demo_error_rate
+        self._eval = [make(a) for a in starts[: self.args.num_eval]]
+        self._train = [make(a) for a in starts[self.args.num_eval :]]
         self._demo_rng = random.Random(self.seed + 1)
 
     def _count(self, start: int) -> str:
-        return " " + " ".join(str(start + i) for i in range(1, self.length + 1))
+        return " " + " ".join(str(start + i) for i in range(1, self.args.length + 1))
 
     def train_problems(self) -> list[Problem]:
         return self._train
@@ -63,7 +66,7 @@ class CountingEnvironment(SingleTurnEnvironment):
     def reference_completion(self, problem: Problem) -> str:
         numbers = problem.answer.split()
         for i, n in enumerate(numbers):
-            if self._demo_rng.random() < self.demo_error_rate:
+            if self._demo_rng.random() < self.args.demo_error_rate:
                 value = int(n)
                 slips = [str(value + d) for d in (-10, -1, 1, 10) if value + d >= 0]
                 if len(n) > 1:

@@ -22,13 +22,15 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
 
-from marin_rl.envs.base import Problem, SingleTurnEnvironment
+from marin_rl.bounds import bounded
+from marin_rl.envs.base import EnvArgs, Problem, SingleTurnEnvironment
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -363,6 +365,33 @@ PROMPT_CHUNK = 4096
 """Prompts tokenized per call when `ProblemSetEnvironment` measures them at load."""
 
 
+@dataclass(kw_only=True)
+class ProblemSourceArgs(EnvArgs):
+    """The arguments of an environment that reads question/answer rows (`source_rows`): from a file or inline, and
+    its held-out problems likewise, else a seeded split. Mixed into an environment's `Args`."""
+
+    path: str | None = None
+    """A JSONL or Parquet file of problems (local or `gs://`); or `problems`."""
+    problems: list[dict[str, Any]] | None = None
+    """Problems inline, as rows."""
+    eval_path: str | None = None
+    """A file of held-out problems (at most one of `eval_path` and `eval_problems`; neither: `eval_fraction` of the
+    problems is held out after a shuffle seeded with `seed`)."""
+    eval_problems: list[dict[str, Any]] | None = None
+    """Held-out problems inline, as rows."""
+    eval_fraction: float = 0.1
+    """The share of the problems held out when there are no held-out ones, in (0, 1)."""
+    question_field: str = "question"
+    """The question's column."""
+    answer_field: str = "answer"
+    """The answer's column."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.eval_path is not None and self.eval_problems is not None:
+            raise ValueError("eval_problems: give at most one of `eval_path` and `eval_problems`")
+
+
 class ProblemSetEnvironment(SingleTurnEnvironment):
     """A single-turn environment over fixed lists of training and held-out problems.
 
@@ -378,20 +407,21 @@ class ProblemSetEnvironment(SingleTurnEnvironment):
 
     driver_check = True
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        skip_bad_rows: bool = False,
-        max_seq_len: int | None = None,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if not isinstance(skip_bad_rows, bool):
-            raise ValueError(f"skip_bad_rows must be true or false, got {skip_bad_rows!r}")
-        self.bad_rows = BadRows(skip=skip_bad_rows)
+    @dataclass(kw_only=True)
+    class Args(SingleTurnEnvironment.Args):
+        skip_bad_rows: bool = False
+        """Leave out (and count) malformed rows and problems whose prompt does not fit `max_seq_len`, instead of
+        refusing the data with an error naming the first one."""
+        max_seq_len: int | None = bounded(None, ge=1)
+        """Given by the run (its `batcher.max_seq_len`): longer prompts are refused (or skipped); None: no check."""
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        self.bad_rows = BadRows(skip=self.args.skip_bad_rows)
         """Malformed rows and over-long prompts: refused, or skipped and counted."""
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = self.args.max_seq_len
 
     def set_problems(
         self, train: list[Problem], held_out: list[Problem] | None, eval_fraction: float, source: str

@@ -9,6 +9,7 @@ simple expressions are compared as normalized text. Malformed output scores 0; t
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -169,47 +170,56 @@ def verify(completion: str, reference: str) -> float:
 class MathEnvironment(ProblemSetEnvironment):
     """Math word problems from JSONL/Parquet files (local or `gs://`), rewarded 1 for a correct final answer.
 
-    Args (the env's `args` in the config):
-      train_path: file (or glob) of training problems.
-      eval_path: file of held-out problems; if None, `eval_fraction` of `train_path` is held out after a shuffle
-        seeded with `seed`.
-      format: 'gsm8k' (rows `question`, `answer` = '<solution> #### 42') or 'jsonl' (the answer field is the final
-        answer itself; Parquet files are fine too).
-      question_field / answer_field: column names for format 'jsonl'.
-      prompt_template: filled with `{question}` (and any other field of the row).
-      storage_options: passed to fsspec (e.g. credentials for `gs://`).
-      skip_bad_rows: leave out (and count) malformed rows and problems whose prompt does not fit `max_seq_len`,
-        instead of refusing the data (`ProblemSetEnvironment`).
-      max_seq_len: given by the run (its `batcher.max_seq_len`): longer prompts are refused (or skipped).
-      demonstration: the warm-start completion: 'answer' (' ' + the final answer) or 'solution' (format 'gsm8k':
-        the row's worked solution, '... #### 42', with its '<<48/2=24>>' calculator annotations removed).
+    Its arguments are `Args` (the env's `args` in the config).
     """
 
     name = "math"
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        train_path: str,
-        eval_path: str | None = None,
-        eval_fraction: float = 0.1,
-        format: str = "gsm8k",
-        question_field: str = "question",
-        answer_field: str = "answer",
-        prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
-        storage_options: dict[str, Any] | None = None,
-        demonstration: str = "answer",
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        if demonstration not in DEMONSTRATIONS or (demonstration == "solution" and format != "gsm8k"):
-            raise ValueError(f"demonstration must be 'answer', or 'solution' (format gsm8k), got {demonstration!r}")
-        self.demonstration = demonstration
-        if format == "gsm8k" and (question_field, answer_field) != ("question", "answer"):
-            raise ValueError("question_field/answer_field apply to format 'jsonl'; GSM8K uses question/answer")
+    @dataclass(kw_only=True)
+    class Args(ProblemSetEnvironment.Args):
+        train_path: str
+        """File (or glob) of training problems."""
+        eval_path: str | None = None
+        """File of held-out problems; None: `eval_fraction` of `train_path` is held out after a shuffle seeded with
+        `seed`."""
+        eval_fraction: float = 0.1
+        """The share of `train_path` held out when there is no `eval_path`, in (0, 1)."""
+        format: str = "gsm8k"
+        """'gsm8k' (rows `question`, `answer` = '<solution> #### 42') or 'jsonl' (the answer field is the final
+        answer itself; Parquet files are fine too)."""
+        question_field: str = "question"
+        """The question's column, for format 'jsonl'."""
+        answer_field: str = "answer"
+        """The answer's column, for format 'jsonl'."""
+        prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+        """Filled with `{question}` (and any other field of the row)."""
+        storage_options: dict[str, Any] | None = None
+        """Passed to fsspec (e.g. credentials for `gs://`)."""
+        demonstration: str = "answer"
+        """The warm-start completion: 'answer' (' ' + the final answer) or 'solution' (format 'gsm8k': the row's
+        worked solution, '... #### 42', with its '<<48/2=24>>' calculator annotations removed)."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            if self.format not in FORMATS:
+                raise ValueError(f"format: must be one of {FORMATS}, got {self.format!r}")
+            if self.demonstration not in DEMONSTRATIONS or (
+                self.demonstration == "solution" and self.format != "gsm8k"
+            ):
+                raise ValueError(
+                    f"demonstration: must be 'answer', or 'solution' (format gsm8k), got {self.demonstration!r}"
+                )
+            if self.format == "gsm8k" and (self.question_field, self.answer_field) != ("question", "answer"):
+                which = "question_field" if self.question_field != "question" else "answer_field"
+                raise ValueError(f"{which}: applies to format 'jsonl'; GSM8K rows use question/answer")
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        a = self.args
+        format, prompt_template, storage_options = a.format, a.prompt_template, a.storage_options
+        train_path, eval_path = a.train_path, a.eval_path
 
         def load(path: str) -> list[Problem]:
             if format == "gsm8k":
@@ -218,8 +228,8 @@ class MathEnvironment(ProblemSetEnvironment):
                 )
             return load_qa(
                 path,
-                question_field=question_field,
-                answer_field=answer_field,
+                question_field=a.question_field,
+                answer_field=a.answer_field,
                 prompt_template=prompt_template,
                 storage_options=storage_options,
                 bad_rows=self.bad_rows,
@@ -228,13 +238,13 @@ class MathEnvironment(ProblemSetEnvironment):
         self.set_problems(
             load(train_path),
             None if eval_path is None else load(eval_path),
-            eval_fraction,
+            a.eval_fraction,
             train_path if eval_path is None else f"{train_path} and {eval_path}",
         )
 
     def reference_completion(self, problem: Problem) -> str:
         """The final answer (' 42'), or with `demonstration: solution` the worked solution without annotations."""
-        if self.demonstration == "solution":
+        if self.args.demonstration == "solution":
             return re.sub(r"<<[^<>]*>>", "", str(problem.fields["solution"]))
         return super().reference_completion(problem)
 

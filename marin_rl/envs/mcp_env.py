@@ -19,12 +19,14 @@ import json
 import shlex
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from mcp import Client, StdioServerParameters
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Problem
-from marin_rl.envs.data import BadRows, RowError, qa_problems, source_rows, train_eval_split
+from marin_rl.envs.data import BadRows, ProblemSourceArgs, RowError, qa_problems, source_rows, train_eval_split
 from marin_rl.envs.math import verify
 from marin_rl.envs.multi_turn import Conversation
 from marin_rl.envs.tools import Tool, ToolEnvironment
@@ -147,45 +149,35 @@ class McpConnection:
 class McpToolEnvironment(ToolEnvironment):
     """Questions answered with the tools of an MCP server; reward 1 for a correct final answer.
 
-    Args (besides `ToolEnvironment`'s):
-      mcp_command: argv (or a shell-style string) of a stdio MCP server to start, e.g. ['python', 'server.py'].
-      mcp_url: URL of a streamable-HTTP MCP server, e.g. 'http://localhost:8000/mcp' (instead of `mcp_command`).
-      mcp_env: extra environment variables for the stdio server.
-      tools: names of the server's tools to offer (default: all).
-      problems / path: inline `[{question, answer}, ...]` or a JSONL/Parquet file (local or `gs://`).
-      eval_problems / eval_path / eval_fraction: held-out problems, else a seeded `eval_fraction` split.
-      question_field / answer_field / prompt_template: as in the math env.
-      skip_bad_rows: leave out (and count, `data_report`) malformed rows instead of refusing the data.
+    Its arguments (`Args`) add the MCP server's and the problems' to `ToolEnvironment`'s.
     """
 
     name = "mcp"
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        seed: int = 0,
-        mcp_command: list[str] | str | None = None,
-        mcp_url: str | None = None,
-        mcp_env: dict[str, str] | None = None,
-        tools: list[str] | None = None,
-        problems: list[dict[str, Any]] | None = None,
-        path: str | None = None,
-        eval_problems: list[dict[str, Any]] | None = None,
-        eval_path: str | None = None,
-        eval_fraction: float = 0.1,
-        question_field: str = "question",
-        answer_field: str = "answer",
-        prompt_template: str = "{question}",
-        connect_timeout_s: float = 60.0,
-        skip_bad_rows: bool = False,
-        **options,
-    ):
-        super().__init__(tokenizer, seed=seed, **options)
-        self.bad_rows = BadRows(skip=bool(skip_bad_rows))
-        if eval_problems is not None and eval_path is not None:
-            raise ValueError(f"{self.name}: give at most one of `eval_problems` and `eval_path`")
-        fields = dict(question_field=question_field, answer_field=answer_field, prompt_template=prompt_template)
+    @dataclass
+    class Args(ToolEnvironment.Args, ProblemSourceArgs):
+        mcp_command: list[str] | str | None = None
+        """Argv (or a shell-style string) of a stdio MCP server to start, e.g. ['python', 'server.py']."""
+        mcp_url: str | None = None
+        """URL of a streamable-HTTP MCP server, e.g. 'http://localhost:8000/mcp' (instead of `mcp_command`)."""
+        mcp_env: dict[str, str] | None = None
+        """Extra environment variables for the stdio server."""
+        tools: list[str] | None = None
+        """Names of the server's tools to offer (None: all)."""
+        prompt_template: str = "{question}"
+        """Filled with `{question}` (and any other field of the row)."""
+        connect_timeout_s: float = bounded(60.0, gt=0)
+        """Seconds to wait for the MCP server to answer."""
+        skip_bad_rows: bool = False
+        """Leave out (and count, `data_report`) malformed rows instead of refusing the data."""
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        a = self.args
+        self.bad_rows = BadRows(skip=bool(a.skip_bad_rows))
+        fields = dict(question_field=a.question_field, answer_field=a.answer_field, prompt_template=a.prompt_template)
 
         def load(source_path: str | None, inline: list[dict] | None, what: str) -> list[Problem]:
             rows = source_rows(
@@ -194,16 +186,19 @@ class McpToolEnvironment(ToolEnvironment):
             return qa_problems(rows, source_path or what, bad_rows=self.bad_rows, **fields)
 
         held_out = (
-            None if eval_problems is None and eval_path is None else load(eval_path, eval_problems, "eval_problems")
+            None
+            if a.eval_problems is None and a.eval_path is None
+            else load(a.eval_path, a.eval_problems, "eval_problems")
         )
         self._train, self._eval = train_eval_split(
-            load(path, problems, "problems"), held_out, eval_fraction, seed, self.name, self.name
+            load(a.path, a.problems, "problems"), held_out, a.eval_fraction, self.seed, self.name, self.name
         )
 
         self.connection = McpConnection(
-            command=mcp_command, url=mcp_url, env=mcp_env, connect_timeout_s=connect_timeout_s
+            command=a.mcp_command, url=a.mcp_url, env=a.mcp_env, connect_timeout_s=a.connect_timeout_s
         )
         offered = {t["function"]["name"]: t for t in self.connection.tools}
+        tools = a.tools
         if tools is not None:
             missing = sorted(set(tools) - set(offered))
             if missing:

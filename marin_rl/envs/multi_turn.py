@@ -29,8 +29,10 @@ import abc
 import dataclasses
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import (  # the chat-template helpers are re-exported here, where they are documented
     _ANCHOR,
     ChatTemplateError,
@@ -218,25 +220,25 @@ class MultiTurnEnvironment(Environment):
 
     reward_functions: dict[str, RewardFunction] = {}
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        max_turns: int = 4,
-        max_episode_tokens: int | None = None,
-        system_prompt: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        if max_episode_tokens is not None and max_episode_tokens < 2:
-            raise ValueError(f"max_episode_tokens must be >= 2 (or None), got {max_episode_tokens}")
-        self.max_turns = max_turns
-        self.max_episode_tokens = max_episode_tokens
-        self.system_prompt = system_prompt
-        self.stop_token_ids = stop_token_ids
+    @dataclass
+    class Args(Environment.Args):
+        max_turns: int = bounded(4, ge=1)
+        """Policy turns after which an episode ends, truncated."""
+        max_episode_tokens: int | None = bounded(None, ge=2)
+        """Tokens of the whole conversation after which an episode ends, truncated (None: no limit)."""
+        system_prompt: str | None = None
+        """The system message that opens each episode (None: none)."""
+        stop_token_ids: list[int] | None = None
+        """Token ids that end a policy turn (None: EOS and the chat template's end-of-turn token)."""
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        self.max_turns = self.args.max_turns
+        self.max_episode_tokens = self.args.max_episode_tokens
+        self.system_prompt = self.args.system_prompt
+        self.stop_token_ids = self.args.stop_token_ids
 
     # ---- hooks for environment authors ------------------------------------------------------------------
     def initial_messages(self, problem: Problem) -> list[dict]:

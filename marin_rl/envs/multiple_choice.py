@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import string
+from dataclasses import dataclass
 from typing import Any
 
 from marin_rl.envs.base import Problem
 from marin_rl.envs.data import (
     BadRows,
     ProblemSetEnvironment,
+    ProblemSourceArgs,
     RowError,
     describe,
     problem_id,
@@ -111,30 +113,27 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
 
     name = "multiple_choice"
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        path: str | None = None,
-        problems: list[dict[str, Any]] | None = None,
-        eval_path: str | None = None,
-        eval_problems: list[dict[str, Any]] | None = None,
-        eval_fraction: float = 0.1,
-        question_field: str = "question",
-        choices_field: str = "choices",
-        answer_field: str = "answer",
-        prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
-        storage_options: dict[str, Any] | None = None,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if eval_path is not None and eval_problems is not None:
-            raise ValueError("give at most one of `eval_path` and `eval_problems`")
+    @dataclass(kw_only=True)
+    class Args(ProblemSetEnvironment.Args, ProblemSourceArgs):
+        choices_field: str = "choices"
+        """The column of the list of options."""
+        answer_field: str = "answer"
+        """The answer's column: the right option's index or letter."""
+        prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+        """Filled with `{question}` and `{options}` ('A. ...' lines)."""
+        storage_options: dict[str, Any] | None = None
+        """Passed to fsspec (e.g. credentials for `gs://`)."""
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        a = self.args
         fields = dict(
-            question_field=question_field,
-            choices_field=choices_field,
-            answer_field=answer_field,
-            prompt_template=prompt_template,
+            question_field=a.question_field,
+            choices_field=a.choices_field,
+            answer_field=a.answer_field,
+            prompt_template=a.prompt_template,
         )
 
         def load(source_path: str | None, inline: list[dict] | None, prefix: str) -> list[Problem]:
@@ -142,16 +141,18 @@ class MultipleChoiceEnvironment(ProblemSetEnvironment):
                 source_path,
                 inline,
                 prefix,
-                storage_options,
+                a.storage_options,
                 path_arg=prefix.replace("problems", "path"),
                 bad_rows=self.bad_rows,
             )
             return make_problems(rows, self.bad_rows, id_prefix=prefix, **fields)
 
         held_out = (
-            None if eval_path is None and eval_problems is None else load(eval_path, eval_problems, "eval_problems")
+            None
+            if a.eval_path is None and a.eval_problems is None
+            else load(a.eval_path, a.eval_problems, "eval_problems")
         )
-        self.set_problems(load(path, problems, "problems"), held_out, eval_fraction, self.name)
+        self.set_problems(load(a.path, a.problems, "problems"), held_out, a.eval_fraction, self.name)
 
     def score(self, problem: Problem, completion: str) -> dict[str, float]:
         num_choices = len(problem.fields.get("choices", LETTERS))

@@ -9,7 +9,9 @@ baseline spreads over the whole episode.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Problem
 from marin_rl.envs.multi_turn import Conversation, EnvResponse, MultiTurnEnvironment
 
@@ -23,27 +25,36 @@ class RunningSumEnvironment(MultiTurnEnvironment):
     name = "running_sum"
     reward_weights = {"correct": 1.0}
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        num_terms: int = 4,
-        max_term: int = 9,
-        num_train: int = 4000,
-        num_eval: int = 100,
-        demo_error_rate: float = 0.0,
-        **kwargs,
-    ):
-        kwargs.setdefault("max_turns", num_terms - 1)
-        super().__init__(tokenizer, **kwargs)
-        if num_terms < 2 or max_term < 1 or num_train < 1 or num_eval < 1:
-            raise ValueError("num_terms must be >= 2 and max_term, num_train, num_eval >= 1")
-        if not 0.0 <= demo_error_rate < 1.0:
-            raise ValueError("demo_error_rate must be in [0, 1)")
+    @dataclass
+    class Args(MultiTurnEnvironment.Args):
+        max_turns: int | None = bounded(None, ge=1)
+        """Policy turns after which an episode ends, truncated (None: `num_terms - 1`, the whole task)."""
+
+        num_terms: int = bounded(4, ge=2)
+        """Numbers per problem (`num_terms - 1` policy turns)."""
+        max_term: int = bounded(9, ge=1)
+        """Largest number: terms are drawn from [0, max_term]."""
+        num_train: int = bounded(4000, ge=1)
+        """Training problems."""
+        num_eval: int = bounded(100, ge=1)
+        """Held-out problems."""
+        demo_error_rate: float = bounded(0.0, ge=0, lt=1)
+        """Probability that a demonstration turn slips by ±1."""
+
+        def __post_init__(self):
+            if self.max_turns is None and isinstance(self.num_terms, int):
+                self.max_turns = self.num_terms - 1
+            super().__post_init__()
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        num_terms, max_term = self.args.num_terms, self.args.max_term
         rng = random.Random(self.seed)
         seen: set[tuple[int, ...]] = set()
         problems = []
-        while len(problems) < num_train + num_eval:
+        while len(problems) < self.args.num_train + self.args.num_eval:
             terms = tuple(rng.randint(0, max_term) for _ in range(num_terms))
             if terms in seen and len(seen) < (max_term + 1) ** num_terms:
                 continue
@@ -51,8 +62,7 @@ class RunningSumEnvironment(MultiTurnEnvironment):
             totals = [sum(terms[: i + 1]) for i in range(1, num_terms)]
             fields = {"terms": list(terms), "totals": totals}
             problems.append(Problem("+".join(map(str, terms)), f"{terms[0]}+{terms[1]}=", str(totals[-1]), fields))
-        self._eval, self._train = problems[:num_eval], problems[num_eval:]
-        self.demo_error_rate = demo_error_rate
+        self._eval, self._train = problems[: self.args.num_eval], problems[self.args.num_eval :]
         self._demo_rng = random.Random(self.seed + 1)
 
     def train_problems(self) -> list[Problem]:
@@ -74,7 +84,7 @@ class RunningSumEnvironment(MultiTurnEnvironment):
         totals, terms = problem.fields["totals"], problem.fields["terms"]
         messages = []
         for i, total in enumerate(totals):
-            slip = self._demo_rng.random() < self.demo_error_rate
+            slip = self._demo_rng.random() < self.args.demo_error_rate
             messages.append(
                 {
                     "role": "assistant",

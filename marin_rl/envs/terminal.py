@@ -26,7 +26,9 @@ import random
 import shlex
 import string
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import PolicyClient, Problem, SamplingParams
 from marin_rl.envs.calculator import extract_final_number
 from marin_rl.envs.code_tools import format_result, make_shell
@@ -164,43 +166,53 @@ class TerminalEnvironment(ToolEnvironment):
     destroyed after its verdict; constructing the environment checks that sandboxes can be made here. The reference
     completion, for warm start, runs the task's solution command and answers with its output.
 
-    Args (besides `ToolEnvironment`'s, whose defaults here are max_turns 3, max_tool_calls_per_turn 1,
-    max_tool_output_chars 400 and tool_timeout_s 30): kinds (task kinds, default all), num_train, num_eval,
-    shell_timeout_s (wall-time limit of a command), memory_mb (per process), disk_mb (the workspace's size).
+    Its arguments (`Args`) add the tasks' and the sandbox's to `ToolEnvironment`'s, with smaller defaults for the
+    turn and tool-call limits.
     """
 
     name = "terminal"
     reward_weights = {"correct": 1.0, "used_tool": 0.0}
     needs_sandbox = True
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        seed: int = 0,
-        kinds: Sequence[str] = KINDS,
-        num_train: int = 2000,
-        num_eval: int = 100,
-        shell_timeout_s: float = 5.0,
-        memory_mb: int = 256,
-        disk_mb: int = 16,
-        **options,
-    ):
-        defaults = {"max_turns": 3, "max_tool_calls_per_turn": 1, "max_tool_output_chars": 400, "tool_timeout_s": 30}
-        super().__init__(tokenizer, seed=seed, **{**defaults, **options})
-        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-        if not kinds or any(k not in KINDS for k in kinds):
-            raise ValueError(f"kinds must be a non-empty list of {', '.join(KINDS)}, got {kinds!r}")
-        if num_train < 1 or num_eval < 1:
-            raise ValueError(f"num_train and num_eval must be >= 1, got {num_train} and {num_eval}")
-        if shell_timeout_s <= 0 or shell_timeout_s >= self.tool_timeout_s:
-            raise ValueError(
-                f"shell_timeout_s must be in (0, tool_timeout_s={self.tool_timeout_s:g}), got {shell_timeout_s}"
-            )
+    @dataclass
+    class Args(ToolEnvironment.Args):
+        # ToolEnvironment's limits, with defaults for one shell command a turn
+        max_turns: int = bounded(3, ge=1)
+        max_tool_calls_per_turn: int = bounded(1, ge=1)
+        max_tool_output_chars: int = bounded(400, ge=1)
+
+        kinds: Sequence[str] = KINDS
+        """The task kinds problems are drawn from (a list of them, or one name)."""
+        num_train: int = bounded(2000, ge=1)
+        """Training problems."""
+        num_eval: int = bounded(100, ge=1)
+        """Held-out problems."""
+        shell_timeout_s: float = bounded(5.0, gt=0)
+        """Wall-time limit of a shell command (seconds; below `tool_timeout_s`)."""
+        memory_mb: int = bounded(256, ge=1)
+        """Memory limit of each process in the sandbox."""
+        disk_mb: int = bounded(16, ge=1)
+        """Size of the sandbox's workspace."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            self.kinds = [self.kinds] if isinstance(self.kinds, str) else list(self.kinds)
+            if not self.kinds or any(k not in KINDS for k in self.kinds):
+                raise ValueError(f"kinds: must be a non-empty list of {', '.join(KINDS)}, got {self.kinds!r}")
+            if self.shell_timeout_s >= self.tool_timeout_s:
+                limit = f"tool_timeout_s={self.tool_timeout_s:g}"
+                raise ValueError(f"shell_timeout_s: must be in (0, {limit}), got {self.shell_timeout_s}")
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        kinds, num_train, num_eval = self.args.kinds, self.args.num_train, self.args.num_eval
+        shell_timeout_s, memory_mb = self.args.shell_timeout_s, self.args.memory_mb
         check_sandbox_available()
-        self.limits = SandboxLimits(timeout_s=shell_timeout_s, memory_mb=memory_mb, disk_mb=disk_mb)
+        self.limits = SandboxLimits(timeout_s=shell_timeout_s, memory_mb=memory_mb, disk_mb=self.args.disk_mb)
         """Limits of the episode's sandbox and of each shell command."""
-        rng = random.Random(seed)
+        rng = random.Random(self.seed)
         seen: set[str] = set()
         problems: list[Problem] = []
         while len(problems) < num_train + num_eval:

@@ -30,6 +30,7 @@ from typing import Any
 import pydantic
 from transformers.utils import get_json_schema
 
+from marin_rl.bounds import bounded
 from marin_rl.envs.base import Problem
 from marin_rl.envs.multi_turn import Conversation, EnvResponse, MultiTurnEnvironment
 from marin_rl.tool_calls import (  # noqa: F401 - the format's names, re-exported for environments
@@ -120,34 +121,28 @@ class ToolEnvironment(MultiTurnEnvironment):
     results come back as 'tool' turns. A policy turn without tool calls ends the episode; `final_answer` gives its
     text to `episode_rewards`.
 
-    Args (besides `MultiTurnEnvironment`'s):
-      tool_timeout_s: wall-time limit of a tool call unless the tool sets its own.
-      max_tool_calls_per_turn: calls beyond this many in one turn are answered with an error.
-      max_tool_output_chars: longer tool results are cut to this many characters (with a note).
-      show_tools: render the tool schemas into the prompt through the chat template's `tools`.
+    Its arguments (`Args`) add the tool limits and `show_tools` to `MultiTurnEnvironment`'s.
     """
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        tool_timeout_s: float = 30.0,
-        max_tool_calls_per_turn: int = 4,
-        max_tool_output_chars: int = 2000,
-        show_tools: bool = True,
-        **options,
-    ):
-        super().__init__(tokenizer, **options)
-        if tool_timeout_s <= 0:
-            raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
-        if max_tool_calls_per_turn < 1:
-            raise ValueError(f"max_tool_calls_per_turn must be >= 1, got {max_tool_calls_per_turn}")
-        if max_tool_output_chars < 1:
-            raise ValueError(f"max_tool_output_chars must be >= 1, got {max_tool_output_chars}")
-        self.tool_timeout_s = float(tool_timeout_s)
-        self.max_tool_calls_per_turn = max_tool_calls_per_turn
-        self.max_tool_output_chars = max_tool_output_chars
-        self.show_tools = show_tools
+    @dataclass
+    class Args(MultiTurnEnvironment.Args):
+        tool_timeout_s: float = bounded(30.0, gt=0)
+        """Wall-time limit of a tool call (seconds) unless the tool sets its own."""
+        max_tool_calls_per_turn: int = bounded(4, ge=1)
+        """Calls beyond this many in one turn are answered with an error."""
+        max_tool_output_chars: int = bounded(2000, ge=1)
+        """Longer tool results are cut to this many characters (with a note)."""
+        show_tools: bool = True
+        """Render the tool schemas into the prompt through the chat template's `tools`."""
+
+    args: Args
+
+    def __init__(self, tokenizer, **args):
+        super().__init__(tokenizer, **args)
+        self.tool_timeout_s = float(self.args.tool_timeout_s)
+        self.max_tool_calls_per_turn = self.args.max_tool_calls_per_turn
+        self.max_tool_output_chars = self.args.max_tool_output_chars
+        self.show_tools = self.args.show_tools
         self._tools: dict[str, Tool] = {}
 
     # ---- registry ---------------------------------------------------------------------------------------

@@ -5,9 +5,11 @@ keep-alive rule between our clients and servers."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -64,6 +66,40 @@ def resolve_futures(answers: list[tuple[asyncio.Future, object]]) -> None:
 
     for loop, pairs in by_loop.items():
         loop.call_soon_threadsafe(done, pairs)
+
+
+BATCH_WINDOW_CAP = 10
+"""A batch stops growing this many batch timeouts after its first request arrived (`next_batch`)."""
+
+
+def next_batch(
+    requests: queue.Queue,
+    stop: threading.Event,
+    timeout: float,
+    capacity: int,
+    size: Callable[[Any], int] = lambda request: 1,
+) -> list | None:
+    """The next batch of queued requests for a server's batching thread: waits for a first one (None once `stop` is
+    set), then grows while requests keep arriving less than `timeout` seconds apart, up to `capacity` (the requests'
+    summed `size`) or `BATCH_WINDOW_CAP` timeouts in all."""
+    while not stop.is_set():
+        try:
+            batch = [requests.get(timeout=0.1)]
+        except queue.Empty:
+            continue
+        filled = size(batch[0])
+        deadline = time.monotonic() + BATCH_WINDOW_CAP * timeout
+        while filled < capacity:
+            wait = min(timeout, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                batch.append(requests.get(timeout=wait))
+            except queue.Empty:
+                break
+            filled += size(batch[-1])
+        return batch
+    return None
 
 
 def bind_and_advertise(setting: str) -> tuple[str, str]:

@@ -48,7 +48,7 @@ from marin_rl.inference.completion_request import GREEDY_BELOW, InvalidRequest, 
 from marin_rl.inference.config import InferenceConfig
 from marin_rl.inference.dense_engine import DenseDecodeParams, DenseEngine
 from marin_rl.inference.engine_support import check_paged_supported
-from marin_rl.inference.http_server import HttpServerThread, resolve_future, resolve_futures
+from marin_rl.inference.http_server import HttpServerThread, next_batch, resolve_future, resolve_futures
 from marin_rl.inference.openai_api import (
     Completion,
     CompletionBackend,
@@ -65,8 +65,6 @@ from marin_rl.model.lora import AdapterMerger
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-BATCH_WINDOW_CAP = 10
-"""A batch stops growing this many `inference.levanter.batch_timeout_s` after its first request arrived."""
 
 
 class _FullDistributionSampler(Sampler):
@@ -222,20 +220,7 @@ class _VersionedContext(InferenceContext):
         """
         timeout = self.config.batch_timeout
         max_seqs = self._engine_max_seqs() if self.engine is not None else 1
-        while not self.shutdown_event.is_set():
-            try:
-                batch = [self.request_queue.get(timeout=0.1)]
-            except queue.Empty:
-                continue
-            deadline = time.monotonic() + BATCH_WINDOW_CAP * timeout
-            while len(batch) < max_seqs:
-                wait = min(timeout, deadline - time.monotonic())
-                if wait <= 0:
-                    break
-                try:
-                    batch.append(self.request_queue.get(timeout=wait))
-                except queue.Empty:
-                    break
+        while (batch := next_batch(self.request_queue, self.shutdown_event, timeout, max_seqs)) is not None:
             self.batch_queue.put(batch)
 
     # ---- decoding -------------------------------------------------------------------------------------------

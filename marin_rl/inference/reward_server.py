@@ -40,14 +40,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from marin_rl.inference.config import RewardModelConfig
-from marin_rl.inference.http_server import HttpServerThread, client_limits, resolve_future
+from marin_rl.inference.http_server import HttpServerThread, client_limits, next_batch, resolve_future
 from marin_rl.model.reward import RewardModelSpec, load_reward_model, sequence_rewards
 from marin_rl.model.value import ValueModel
 
 logger = logging.getLogger(__name__)
-
-BATCH_WINDOW_CAP = 10
-"""A batch stops growing this many `batch_timeout_s` after its first request arrived."""
 
 
 class RewardItem(BaseModel):
@@ -195,24 +192,10 @@ class RewardServer:
         return out
 
     def _batch_loop(self) -> None:
+        """Score queued jobs in batches of up to `max_batch_rows` sequences (`next_batch`)."""
         timeout = self.config.batch_timeout_s
         cap = self.config.max_batch_rows
-        while not self._shutdown.is_set():
-            try:
-                jobs = [self._queue.get(timeout=0.1)]
-            except queue.Empty:
-                continue
-            rows = len(jobs[0].sequences)
-            deadline = time.monotonic() + BATCH_WINDOW_CAP * timeout
-            while rows < cap:
-                wait = min(timeout, deadline - time.monotonic())
-                if wait <= 0:
-                    break
-                try:
-                    jobs.append(self._queue.get(timeout=wait))
-                except queue.Empty:
-                    break
-                rows += len(jobs[-1].sequences)
+        while (jobs := next_batch(self._queue, self._shutdown, timeout, cap, _rows)) is not None:
             try:
                 self._run(jobs)
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error
@@ -420,3 +403,8 @@ class RewardClient:
         self._http.clear()
         if client is not None:
             await client.aclose()
+
+
+def _rows(job: _Job) -> int:
+    """The sequences of a queued job (a batch's size is counted in them)."""
+    return len(job.sequences)

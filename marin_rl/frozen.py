@@ -100,57 +100,54 @@ def _frozen_class(cls: type) -> type:
     return _FROZEN_CLASSES[cls]
 
 
-def _refuse_change(self, *args, **kwargs):
-    raise FrozenConfigError(
-        f"this {type(self).__bases__[0].__name__} is part of a config that is resolved and frozen; derive a changed "
-        "config with dataclasses.replace(...) (or thaw(config)) and resolve that"
-    )
+class _FrozenContainer:
+    """What `FrozenList` and `FrozenDict` share: the plain type they read as (`_plain`), every method of it that
+    changes it in place refused (`_changes`), pickling and deep copies that stay frozen, and a no-argument
+    construction that gives a plain, empty container (code that builds a new container of an object's own type and
+    fills it, as draccus's encoder does, gets one it can fill)."""
 
+    _plain: type
+    _changes: tuple[str, ...]
+    __hash__ = None  # type: ignore[assignment]
 
-_LIST_CHANGES = (
-    "__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove", "clear",
-    "sort", "reverse",
-)  # fmt: skip
-_DICT_CHANGES = ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault")
-
-
-class FrozenList(list):
-    """A list inside a frozen config: reads as a list (equal to one, a `list` for `isinstance`), refuses changes.
-
-    `FrozenList()` with no argument is a plain, empty list: code that builds a new container of an object's own type
-    and fills it (draccus's encoder does) gets one it can fill."""
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls._changes:
+            setattr(cls, name, cls._refuse_change)
 
     def __new__(cls, *args, **kwargs):
-        return list() if not args and not kwargs else super().__new__(cls)
+        return cls._plain() if not args and not kwargs else super().__new__(cls)
+
+    def _refuse_change(self, *args, **kwargs):
+        raise FrozenConfigError(
+            f"this {self._plain.__name__} is part of a config that is resolved and frozen; derive a changed config "
+            "with dataclasses.replace(...) (or thaw(config)) and resolve that"
+        )
 
     def __reduce_ex__(self, protocol: int):
-        return FrozenList, (list(self),)
+        return type(self), (self._plain(self),)
 
-    def __deepcopy__(self, memo: dict) -> FrozenList:
-        return FrozenList(copy.deepcopy(list(self), memo))
-
-
-class FrozenDict(dict):
-    """A dict inside a frozen config: reads as a dict (equal to one, a `dict` for `isinstance`), refuses changes.
-
-    `FrozenDict()` with no argument is a plain, empty dict (see `FrozenList`)."""
-
-    def __new__(cls, *args, **kwargs):
-        return dict() if not args and not kwargs else super().__new__(cls)
-
-    def __reduce_ex__(self, protocol: int):
-        return FrozenDict, (dict(self),)
-
-    def __deepcopy__(self, memo: dict) -> FrozenDict:
-        return FrozenDict(copy.deepcopy(dict(self), memo))
+    def __deepcopy__(self, memo: dict):
+        return type(self)(copy.deepcopy(self._plain(self), memo))
 
 
-for _name in _LIST_CHANGES:
-    setattr(FrozenList, _name, _refuse_change)
-for _name in _DICT_CHANGES:
-    setattr(FrozenDict, _name, _refuse_change)
-FrozenList.__hash__ = None  # type: ignore[assignment]
-FrozenDict.__hash__ = None  # type: ignore[assignment]
+class FrozenList(_FrozenContainer, list):
+    """A list inside a frozen config: reads as a list (equal to one, a `list` for `isinstance`), refuses changes;
+    `FrozenList()` is a plain, empty list."""
+
+    _plain = list
+    _changes = (
+        "__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove", "clear",
+        "sort", "reverse",
+    )  # fmt: skip
+
+
+class FrozenDict(_FrozenContainer, dict):
+    """A dict inside a frozen config: reads as a dict (equal to one, a `dict` for `isinstance`), refuses changes;
+    `FrozenDict()` is a plain, empty dict."""
+
+    _plain = dict
+    _changes = ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault")
 
 
 def freeze(obj: Any) -> Any:

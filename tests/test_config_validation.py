@@ -287,7 +287,7 @@ def test_validation_does_not_change_the_config_and_resolved_derives_the_rest(tmp
 def test_the_run_entry_points_use_the_resolved_config():
     import inspect
 
-    from marin_rl import marin
+    from marin_rl.programs import marin
     from marin_rl.orchestrator import orchestrator
 
     for fn in (orchestrator.run, orchestrator.Orchestrator.__init__, marin.resolve):

@@ -19,6 +19,7 @@ from marin_rl.learner.learner import Learner
 from marin_rl.learner.train_state import TrainState
 from marin_rl.model.config import ModelConfig, tiny_llama
 from marin_rl.model.precision import cast_to_compute, resolve_compute_dtype
+from marin_rl.model.value import token_values, value_model_from
 from marin_rl.replay.packing import Sequence, pack
 from marin_rl.tokenizer import build_char_tokenizer
 
@@ -90,6 +91,22 @@ def test_an_rl_step_at_bfloat16_matches_float32_to_its_rounding(learners):
         assert np.isfinite(b) and abs(a - b) <= 0.05 * abs(a) + 1e-3, (key, a, b)
     for learner in (f32, bf16):
         learner.load_state(_copy(state))
+
+
+def test_the_critic_computes_values_in_the_compute_dtype_and_returns_float32(learners):
+    tok, env, f32, bf16, examples = learners
+    critic = value_model_from(f32.model)  # its head starts at zero: give it weights
+    noise = lambda x: x + 0.1 * jax.random.normal(jax.random.PRNGKey(0), x.shape, x.dtype)  # noqa: E731
+    critic = eqx.tree_at(lambda m: m.head, critic, jax.tree_util.tree_map(noise, critic.head))
+    batch, _ = pack([Sequence.supervised(p, c) for p, c in examples[:32]], 16, 64)
+    ex = f32.place_batch(batch)
+    args = (ex.input_ids, ex.position_ids, ex.segment_ids)
+    v32, _ = token_values(critic, *args, "float32")
+    v16, _ = token_values(critic, *args, "bfloat16")
+    assert v16.array.dtype == jnp.float32
+    diff = np.abs(np.asarray(v32.array) - np.asarray(v16.array))
+    scale = np.abs(np.asarray(v32.array)).max()
+    assert 0 < diff.max() <= 0.05 * max(scale, 1.0), (diff.max(), scale)
 
 
 def test_a_bfloat16_learner_learns_from_scratch(learners):

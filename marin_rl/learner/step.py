@@ -273,14 +273,16 @@ def critic_update(
     value_clip: float | None,
     shares_trunk: bool,
     shard: Callable[[Any], Any] = _unchanged,
+    compute_dtype: str | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step of the critic (`state.critic`, `state.critic_opt_state`; with `shares_trunk` its head on
-    `state.model`'s trunk) of PPO's clipped value loss on `ex`, towards `returns` from `old_values`. Traceable."""
+    `state.model`'s trunk) of PPO's clipped value loss on `ex`, towards `returns` from `old_values`, computing in
+    `compute_dtype`. Traceable."""
     policy = state.model if shares_trunk else None
 
     def loss_fn(m):
         full = head_on(policy, m.head) if policy is not None else m
-        values, _ = token_values(full, ex.input_ids, ex.position_ids, ex.segment_ids)
+        values, _ = token_values(full, ex.input_ids, ex.position_ids, ex.segment_ids, compute_dtype)
         return value_loss(values.array, old_values.array, returns.array, ex.loss_mask.array, value_clip)
 
     (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(state.critic)
@@ -291,7 +293,11 @@ def critic_update(
 
 
 def critic_step(
-    optimizer: optax.GradientTransformation, value_clip: float | None, shares_trunk: bool, shard=_unchanged
+    optimizer: optax.GradientTransformation,
+    value_clip: float | None,
+    shares_trunk: bool,
+    shard=_unchanged,
+    compute_dtype: str | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled `critic_update`: `step(state, ex, old_values, returns) -> (state, metrics)`, the critic's
     optimizer state donated (the driver counts `critic_steps`)."""
@@ -300,6 +306,7 @@ def critic_step(
         model, policy, ex, old_values, returns = inputs
         state = TrainState(policy, None, critic=model, critic_opt_state=opt_state)
         kw = dict(optimizer=optimizer, value_clip=value_clip, shares_trunk=shares_trunk, shard=shard)
+        kw["compute_dtype"] = compute_dtype
         new, metrics = critic_update(state, ex, old_values, returns, **kw)
         return new.critic, new.critic_opt_state, metrics
 

@@ -121,6 +121,31 @@ def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
     assert all(abs((r["time/unix"] - r["time/elapsed_s"]) - (timed[0]["time/unix"] - elapsed[0])) < 1 for r in timed)
 
 
+@pytest.mark.slow
+def test_quickstart_local_learns_in_bfloat16(tmp_path):
+    """experiments/quickstart_local.yaml at `model.compute_dtype: bfloat16` (mixed precision: float32 parameters,
+    bfloat16 forward and backward passes in the learner, the engine serving the bfloat16 cast), 100 RL steps: the
+    held-out reward rises as at float32, and every hand-over casts the learner's arrays for the engine."""
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    args = ["--config", str(ROOT / "experiments" / "quickstart_local.yaml"), "--output_dir", str(out)]
+    args += ["--orchestrator.num_steps", "100", "--model.compute_dtype", "bfloat16"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "marin_rl.run", *args],
+        cwd=ROOT,
+        env=_without_ray(tmp_path),
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    _finish(proc, log, 900)
+    summary = json.loads((out / "summary.json").read_text())
+    gain = summary["eval_reward_end"] - summary["eval_reward_start"]
+    assert gain >= 0.15, f"held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}"
+    handed = [r for r in read_metrics(str(out / "metrics.jsonl")) if "broadcast/bytes" in r]
+    assert len(handed) == 101 and all(0 < r["broadcast/bytes"] < r["broadcast/policy_bytes"] for r in handed[1:])
+
+
 @pytest.mark.gate_run  # SIGKILL + resume equals the uninterrupted run
 def test_local_run_killed_with_sigkill_resumes_exactly(tmp_path):
     """Deterministic local runs, without Ray: one uninterrupted; one SIGKILLed after a checkpoint and a later step,

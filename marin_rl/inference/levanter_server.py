@@ -61,6 +61,7 @@ from marin_rl.inference.prompt_scores import PromptScores
 from marin_rl.model.config import LoraConfig
 from marin_rl.model.logprobs import token_logprobs, top_k_logprobs
 from marin_rl.model.lora import AdapterMerger
+from marin_rl.model.precision import cast_to_compute
 
 logger = logging.getLogger(__name__)
 
@@ -498,8 +499,14 @@ class LevanterInferenceServer(CompletionBackend):
         *,
         share_weights: bool = False,
         lora: LoraConfig | None = None,
+        compute_dtype: str | None = None,
     ):
         self.config = config
+        self.compute_dtype = compute_dtype
+        """The dtype the engine computes in (`model.compute_dtype` resolved, e.g. 'bfloat16'): the served weights are
+        cast to it once here, and every later version to theirs (`apply_weights`, `serve_model`). None: the model's
+        own dtype."""
+        model = cast_to_compute(model, compute_dtype)
         self.adapters = AdapterMerger(lora) if lora is not None and lora.enabled else None
         """With LoRA: the base and the merge of each version's adapters into it (`marin_rl.model.lora`)."""
         self.name = name

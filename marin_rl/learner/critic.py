@@ -66,7 +66,11 @@ class Critic:
         self._set(self._initial(trunk))
         self._values = eqx.filter_jit(self._values_impl)
         self._gae = eqx.filter_jit(self._gae_impl)
-        self._train = critic_step(self.optimizer, config.value_clip, self.shares_policy_trunk, self.sharding.params)
+        self.compute_dtype = learner.policy_setup.compute_dtype
+        """The learner's compute dtype, the critic's too (`marin_rl.model.precision`)."""
+        self._train = critic_step(
+            self.optimizer, config.value_clip, self.shares_policy_trunk, self.sharding.params, self.compute_dtype
+        )
 
     def _initial(self, policy) -> ValueModel:
         if self.shares_policy_trunk:
@@ -90,7 +94,7 @@ class Critic:
             self._set(value_model_from(policy))
 
     def _values_impl(self, model: ValueModel, ex):
-        values, after = token_values(model, ex.input_ids, ex.position_ids, ex.segment_ids)
+        values, after = token_values(model, ex.input_ids, ex.position_ids, ex.segment_ids, self.compute_dtype)
         return values.array, after.array
 
     def values(self, ex) -> tuple[jax.Array, jax.Array]:

@@ -38,6 +38,7 @@ from marin_rl.learner.train_state import TrainState, train_state_field
 from marin_rl.model import lora
 from marin_rl.model.build import build_model, parameter_count
 from marin_rl.model.config import ModelConfig
+from marin_rl.model.precision import resolve_compute_dtype
 from marin_rl.types import PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,9 @@ class Learner:
         """Where parameters, optimizer states and batches live (shared with the critic)."""
         self.optimizer = config.optimizer.build()
         """The RL optimizer (`learner.optimizer`); each compiled policy step takes it, so it may be replaced."""
-        self.policy_setup = PolicySetup(config.loss, self.temperature, config.microbatches, self.sharding)
-        """What the policy's RL step is compiled for (`marin_rl.learner.step.policy_step`)."""
+        dtype = resolve_compute_dtype(model_config.compute_dtype, self.sharding.platform)
+        self.policy_setup = PolicySetup(config.loss, self.temperature, config.microbatches, self.sharding, dtype)
+        """What the policy's RL step is compiled for, its compute dtype too (`marin_rl.learner.step.policy_step`)."""
         self.model = build_model(model_config, vocab_size)
         self.num_params = parameter_count(self.model)
         with self.sharding.context():
@@ -159,10 +161,10 @@ class Learner:
         """Set from another thread to end a warm start in progress after its current step (it raises
         KeyboardInterrupt): a run stopped during a long warm start stops within a step, not at its end."""
         self._policy_step = policy_step(self.policy_setup)
-        self._supervised_step = compiled_supervised_step(self.sharding.params)
+        self._supervised_step = compiled_supervised_step(self.sharding.params, dtype)
         self._prepare = eqx.filter_jit(lambda *a: prepare_logprobs(self.policy_setup, *a))
-        self._logprobs = eqx.filter_jit(lambda model, ex: policy_logprobs(model, ex, self.temperature)[0].array)
-        self._supervised_nll = eqx.filter_jit(supervised_nll)
+        self._logprobs = eqx.filter_jit(lambda model, ex: policy_logprobs(model, ex, self.temperature, dtype)[0].array)
+        self._supervised_nll = eqx.filter_jit(lambda model, ex: supervised_nll(model, ex, dtype))
         logger.debug("learner: %s parameters", f"{self.num_params:,}")  # the driver and the programs say it
         if self.mesh is not None:
             logger.info("learner: mesh %s over %s devices", dict(self.mesh.shape), self.mesh.devices.size)
@@ -339,9 +341,8 @@ class Learner:
         """A state shaped like `state()` (the current arrays as exemplars) for loading a checkpoint into; with
         `has_reference` it has a reference-model slot even if this learner has not frozen one yet."""
         template = self.state()
-        if not has_reference:
-            return template.replace(reference_model=None)
-        return template if template.has_reference else template.replace(reference_model=self.model)
+        reference = (template.reference_model if template.has_reference else self.model) if has_reference else None
+        return template.replace(reference_model=reference)
 
     def load_state(self, state: TrainState) -> None:
         """Continue from a `state()` (e.g. loaded from a checkpoint): arrays are laid out by the parameter mapping."""

@@ -30,6 +30,11 @@ class Sharding:
         self.config = config
         """The mesh configuration (its `compute_axis_mapping` and `param_axis_mapping`)."""
 
+    @property
+    def platform(self) -> str:
+        """The platform of the learner's devices ('cpu', 'gpu', 'tpu', ...): the mesh's, else JAX's first device's."""
+        return (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform
+
     def context(self) -> contextlib.AbstractContextManager:
         """Context in which arrays are placed and steps traced and run: the mesh and the compute axis mapping."""
         if self.mesh is None:

@@ -112,6 +112,9 @@ class PolicySetup:
     """Row chunks each optimizer step accumulates its gradient over."""
     sharding: Sharding
     """Where parameters and chunks live."""
+    compute_dtype: str | None = None
+    """The forward and backward passes' dtype (`model.compute_dtype` resolved for the devices, e.g. 'bfloat16'); the
+    parameters, logprobs and loss stay float32. None: the parameters' own dtype."""
 
     def loss_config_for(self, loss: LossSpec) -> LossConfig:
         """The `LossConfig` a loss sees: the run's, with a built-in objective's name when `loss` is one."""
@@ -136,16 +139,17 @@ class PolicySetup:
         return self.microbatches > 1 and self.kept_depends_on_proximal(loss)
 
 
-def policy_logprobs(model, ex: RlExample, temperature: float):
-    """(logprobs, entropies) of every token of `ex` under `model` at `temperature`."""
-    return token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=temperature)
+def policy_logprobs(model, ex: RlExample, temperature: float, compute_dtype: str | None = None):
+    """(logprobs, entropies) of every token of `ex` under `model` at `temperature`, computed in `compute_dtype`."""
+    args = (ex.input_ids, ex.position_ids, ex.segment_ids)
+    return token_logprobs(model, *args, temperature=temperature, compute_dtype=compute_dtype)
 
 
 def policy_grads(setup: PolicySetup, model, reference, ex: RlExample, normalizers, loss: LossSpec):
     """The RL loss's gradient over `model`'s trainable parameters (with LoRA the adapters) on `ex`, with the
     reference logprobs filled in from `reference` when the batch lacks them; returns (grads, metrics)."""
     if reference is not None and ex.reference_logprobs is None:
-        ref_lp, _ = policy_logprobs(reference, ex, setup.temperature)
+        ref_lp, _ = policy_logprobs(reference, ex, setup.temperature, setup.compute_dtype)
         ex = dataclasses.replace(ex, reference_logprobs=jax.lax.stop_gradient(ref_lp))
     config = setup.loss_config_for(loss)
     trainable, frozen = lora.split(model)  # with LoRA only the adapters get gradients
@@ -156,10 +160,12 @@ def policy_grads(setup: PolicySetup, model, reference, ex: RlExample, normalizer
             if ex.teacher_top_ids is None:
                 raise ValueError(f"loss {loss.name!r} needs the teacher's top-k in the batch: set teacher.top_k > 0")
             args = (ex.input_ids, ex.position_ids, ex.segment_ids, ex.teacher_top_ids)
-            lp, ent, top = token_logprobs_at(lora.join(t, frozen), *args, temperature=setup.temperature)
+            lp, ent, top = token_logprobs_at(
+                lora.join(t, frozen), *args, temperature=setup.temperature, compute_dtype=setup.compute_dtype
+            )
             extra["student_top_logprobs"] = top
         else:
-            lp, ent = policy_logprobs(lora.join(t, frozen), ex, setup.temperature)
+            lp, ent = policy_logprobs(lora.join(t, frozen), ex, setup.temperature, setup.compute_dtype)
         value, metrics = loss(lp, ent, ex, config=config, normalizers=normalizers, **extra)
         return value, {**metrics, "loss": value}
 
@@ -219,9 +225,11 @@ def prepare_logprobs(setup: PolicySetup, model, reference, ex: RlExample, num_ch
         chunk = from_raw(raw)
         out = {}
         if want_prox:
-            out["proximal_logprobs"] = policy_logprobs(model, chunk, setup.temperature)[0].array
+            out["proximal_logprobs"] = policy_logprobs(model, chunk, setup.temperature, setup.compute_dtype)[0].array
         if want_ref:
-            out["reference_logprobs"] = policy_logprobs(reference, chunk, setup.temperature)[0].array
+            out["reference_logprobs"] = policy_logprobs(reference, chunk, setup.temperature, setup.compute_dtype)[
+                0
+            ].array
         return out
 
     if not (want_prox or want_ref):
@@ -265,14 +273,16 @@ def critic_update(
     value_clip: float | None,
     shares_trunk: bool,
     shard: Callable[[Any], Any] = _unchanged,
+    compute_dtype: str | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step of the critic (`state.critic`, `state.critic_opt_state`; with `shares_trunk` its head on
-    `state.model`'s trunk) of PPO's clipped value loss on `ex`, towards `returns` from `old_values`. Traceable."""
+    `state.model`'s trunk) of PPO's clipped value loss on `ex`, towards `returns` from `old_values`, computing in
+    `compute_dtype`. Traceable."""
     policy = state.model if shares_trunk else None
 
     def loss_fn(m):
         full = head_on(policy, m.head) if policy is not None else m
-        values, _ = token_values(full, ex.input_ids, ex.position_ids, ex.segment_ids)
+        values, _ = token_values(full, ex.input_ids, ex.position_ids, ex.segment_ids, compute_dtype)
         return value_loss(values.array, old_values.array, returns.array, ex.loss_mask.array, value_clip)
 
     (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(state.critic)
@@ -283,7 +293,11 @@ def critic_update(
 
 
 def critic_step(
-    optimizer: optax.GradientTransformation, value_clip: float | None, shares_trunk: bool, shard=_unchanged
+    optimizer: optax.GradientTransformation,
+    value_clip: float | None,
+    shares_trunk: bool,
+    shard=_unchanged,
+    compute_dtype: str | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled `critic_update`: `step(state, ex, old_values, returns) -> (state, metrics)`, the critic's
     optimizer state donated (the driver counts `critic_steps`)."""
@@ -292,6 +306,7 @@ def critic_step(
         model, policy, ex, old_values, returns = inputs
         state = TrainState(policy, None, critic=model, critic_opt_state=opt_state)
         kw = dict(optimizer=optimizer, value_clip=value_clip, shares_trunk=shares_trunk, shard=shard)
+        kw["compute_dtype"] = compute_dtype
         new, metrics = critic_update(state, ex, old_values, returns, **kw)
         return new.critic, new.critic_opt_state, metrics
 
@@ -308,23 +323,29 @@ def critic_step(
 
 # ---- the supervised step (the warm start, `learner.mode: sft`) ------------------------------------------------------
 def supervised_update(
-    state: TrainState, ex: RlExample, optimizer: optax.GradientTransformation, shard: Callable[[Any], Any] = _unchanged
+    state: TrainState,
+    ex: RlExample,
+    optimizer: optax.GradientTransformation,
+    shard: Callable[[Any], Any] = _unchanged,
+    compute_dtype: str | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step of the supervised loss (the mean negative log-likelihood at temperature 1 of the tokens
     where `loss_mask` is true, over the whole batch) of `state.model` (with LoRA its adapters) with
-    `state.opt_state`, a state of `optimizer`. Metrics: `loss`, `grad_norm`, `tokens`. Traceable."""
+    `state.opt_state`, a state of `optimizer`, computing in `compute_dtype`. Metrics: `loss`, `grad_norm`, `tokens`.
+    Traceable."""
     trainable, frozen = lora.split(state.model)  # with LoRA only the adapters are trained
 
     def loss_fn(t):
-        m = lora.join(t, frozen)
-        lp, _ = token_logprobs(m, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
+        lp, _ = policy_logprobs(lora.join(t, frozen), ex, 1.0, compute_dtype)
         return sft_loss(lp, ex.loss_mask), {"tokens": jnp.sum(ex.loss_mask.array)}
 
     trainable, opt_state, metrics = loss_step(loss_fn, trainable, state.opt_state, optimizer, shard)
     return state.replace(model=lora.join(trainable, frozen), opt_state=opt_state), metrics
 
 
-def supervised_step(shard: Callable[[Any], Any] = _unchanged) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+def supervised_step(
+    shard: Callable[[Any], Any] = _unchanged, compute_dtype: str | None = None
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled `supervised_update`: `step(state, ex, optimizer) -> (state, metrics)` (`optimizer` must stay the
     same object between steps: it is part of the compiled step). The optimizer state is donated; the policy is not
     (the reference model or a published copy may share it). Counters are left alone (a supervised step makes no
@@ -332,7 +353,7 @@ def supervised_step(shard: Callable[[Any], Any] = _unchanged) -> Callable[..., t
 
     def body(inputs, opt_state, optimizer):
         model, ex = inputs
-        new, metrics = supervised_update(TrainState(model, opt_state), ex, optimizer, shard)
+        new, metrics = supervised_update(TrainState(model, opt_state), ex, optimizer, shard, compute_dtype)
         return new.model, new.opt_state, metrics
 
     compiled = eqx.filter_jit(body, donate="all-except-first")
@@ -344,9 +365,9 @@ def supervised_step(shard: Callable[[Any], Any] = _unchanged) -> Callable[..., t
     return step
 
 
-def supervised_nll(model, ex: RlExample) -> tuple[jax.Array, jax.Array]:
-    """Sum of the negative log-likelihoods (temperature 1) of `ex`'s loss-masked tokens under `model`, and their
-    number. Traceable."""
-    lp, _ = token_logprobs(model, ex.input_ids, ex.position_ids, ex.segment_ids, temperature=1.0)
+def supervised_nll(model, ex: RlExample, compute_dtype: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """Sum of the negative log-likelihoods (temperature 1) of `ex`'s loss-masked tokens under `model` (computed in
+    `compute_dtype`), and their number. Traceable."""
+    lp, _ = policy_logprobs(model, ex, 1.0, compute_dtype)
     mask = ex.loss_mask.array
     return -jnp.sum(jnp.where(mask, lp.array, 0.0)), jnp.sum(mask)

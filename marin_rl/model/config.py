@@ -46,6 +46,8 @@ GRADIENT_CHECKPOINTING_POLICIES = ("offload", "recompute", "full", "save_all", "
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
 """JAX's names for the precision of float32 matrix products (`jax_default_matmul_precision`)."""
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+"""Values of `model.compute_dtype`."""
 
 
 @dataclass
@@ -81,6 +83,12 @@ class ModelConfig:
     contraction, the operand order whose inputs and output need the fewest transposed copies (XLA:CPU transposes a
     dot's operands into a canonical layout; the default order copies the (tokens × mlp) activation gradients). The
     values are those of `jax.lax.dot_general`'s own rule, up to float summation order."""
+    compute_dtype: str = "auto"
+    """Mixed precision (`marin_rl.model.precision`): parameters and optimizer state stay float32, the forward and
+    backward passes compute in this dtype, and logits, logprobs, the loss and its reductions in float32. 'bfloat16',
+    'float32', or 'auto': bfloat16 on GPUs and TPUs, float32 on CPUs (whose bfloat16 matrix products are not faster).
+    The engines serve the weights cast to the same dtype, so the sampler computes as the learner does (their logprob
+    gap at bfloat16 is larger than at float32; the loss's importance-ratio corrections account for it)."""
     matmul_precision: str | None = None
     """JAX's default precision of float32 matrix products in every process of the run (learner and embedded
     engines alike, so sampler and learner still agree): null keeps JAX's default, which on NVIDIA GPUs multiplies in
@@ -99,6 +107,8 @@ class ModelConfig:
             )
         if self.init_from_hf is not None and not self.init_from_hf.strip():
             raise ValueError("model.init_from_hf must be a directory path or URL, or null; got an empty string")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"model.compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(
                 f"model.matmul_precision must be null or one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}"

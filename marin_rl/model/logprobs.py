@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl.model.precision import cast_to_compute
+
 
 def packed_attention_mask(segment_ids: hax.NamedArray) -> AttentionMask:
     """Causal mask that also blocks attention across segments (several rollouts per row)."""
@@ -22,13 +24,15 @@ def token_logprobs(
     segment_ids: hax.NamedArray,
     *,
     temperature: float = 1.0,
+    compute_dtype: str | None = None,
 ) -> tuple[hax.NamedArray, hax.NamedArray]:
     """Log-probability of each token given the previous tokens of its segment, and the entropy there.
 
     Returns arrays over the same axes as `input_ids`; the value at position t is about token t, computed from
-    the logits at t-1 scaled by 1/temperature (as the sampler did). Position 0 of each row gets 0.
+    the logits at t-1 scaled by 1/temperature (as the sampler did). Position 0 of each row gets 0. `compute_dtype`
+    ('bfloat16'): the forward pass in that dtype, the logits and everything after them in float32.
     """
-    logits, log_z = _scaled_logits(model, input_ids, position_ids, segment_ids, temperature)
+    logits, log_z = _scaled_logits(model, input_ids, position_ids, segment_ids, temperature, compute_dtype)
     return _token_logprobs(model, input_ids, logits, log_z)
 
 
@@ -40,12 +44,13 @@ def token_logprobs_at(
     candidate_ids: hax.NamedArray,
     *,
     temperature: float = 1.0,
+    compute_dtype: str | None = None,
 ) -> tuple[hax.NamedArray, hax.NamedArray, hax.NamedArray]:
     """`token_logprobs`, and from the same forward pass the logprobs of other tokens at each position:
     `candidate_ids` over `(*input_ids.axes, K)`, whose value at position t names tokens that could stand at t (e.g.
     a teacher's top-k there); their logprobs under the distribution that predicts token t come back over the same
     axes (0 at position 0)."""
-    logits, log_z = _scaled_logits(model, input_ids, position_ids, segment_ids, temperature)
+    logits, log_z = _scaled_logits(model, input_ids, position_ids, segment_ids, temperature, compute_dtype)
     lp, ent = _token_logprobs(model, input_ids, logits, log_z)
     Pos = input_ids.resolve_axis("position")
     shifted = jnp.roll(candidate_ids.array, -1, axis=candidate_ids.axes.index(Pos))  # at t-1: tokens that may be t
@@ -63,11 +68,12 @@ def top_k_logprobs(
     k: int,
     *,
     temperature: float = 1.0,
+    compute_dtype: str | None = None,
 ) -> tuple[hax.NamedArray, jnp.ndarray, jnp.ndarray]:
     """`token_logprobs`'s logprob of each token, and the k most likely tokens at each position with their logprobs
     (raw arrays `(*input_ids.shape, k)`, most likely first; the value at position t is the distribution that
     predicts token t, at `temperature`; 0 at position 0)."""
-    logits, log_z = _scaled_logits(model, input_ids, position_ids, segment_ids, temperature)
+    logits, log_z = _scaled_logits(model, input_ids, position_ids, segment_ids, temperature, compute_dtype)
     lp, _ = _token_logprobs(model, input_ids, logits, log_z)
     top_logits, top_ids = jax.lax.top_k(logits.array, k)
     top_lps = top_logits - log_z.array[..., None]
@@ -77,9 +83,11 @@ def top_k_logprobs(
     return lp, jnp.where(first, 0, top_ids), jnp.where(first, 0.0, top_lps)
 
 
-def _scaled_logits(model, input_ids, position_ids, segment_ids, temperature):
-    """Logits over `(*input_ids.axes, Vocab)` in float32 divided by `temperature`, and their log-normaliser."""
+def _scaled_logits(model, input_ids, position_ids, segment_ids, temperature, compute_dtype):
+    """Logits over `(*input_ids.axes, Vocab)` in float32 divided by `temperature`, and their log-normaliser; the
+    forward pass in `compute_dtype` (`marin_rl.model.precision`; None: the parameters' own dtype)."""
     Vocab = model.Vocab
+    model = cast_to_compute(model, compute_dtype)
     logits = model(input_ids, attn_mask=packed_attention_mask(segment_ids), pos_ids=position_ids)
     logits = logits.astype(jnp.float32).rearrange((*input_ids.axes, Vocab))
     if temperature != 1.0:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl.model.logprobs import packed_attention_mask
+from marin_rl.model.precision import cast_to_compute
 
 ValueOut = hax.Axis("value", 1)
 
@@ -59,12 +60,18 @@ def head_on(trunk: LmHeadModel, head: hnn.Linear) -> ValueModel:
 
 
 def token_values(
-    model: ValueModel, input_ids: hax.NamedArray, position_ids: hax.NamedArray, segment_ids: hax.NamedArray
+    model: ValueModel,
+    input_ids: hax.NamedArray,
+    position_ids: hax.NamedArray,
+    segment_ids: hax.NamedArray,
+    compute_dtype: str | None = None,
 ) -> tuple[hax.NamedArray, hax.NamedArray]:
     """(values, after): `values[t]` = V(state before token t) = the value after token t-1, aligned like the
     learner's logprobs (0 at each row's first position); `after[t]` = V(state after token t), which at an episode's
-    last position is its bootstrap value when it was truncated."""
-    after = model.hidden_values(input_ids, position_ids, segment_ids)
+    last position is its bootstrap value when it was truncated. The forward pass in `compute_dtype`
+    (`marin_rl.model.precision`), the values in float32."""
+    model = cast_to_compute(model, compute_dtype)
+    after = model.hidden_values(input_ids, position_ids, segment_ids).astype(jnp.float32)
     Pos = input_ids.resolve_axis("position")
     first = hax.arange(Pos) == 0
     return hax.where(first, 0.0, hax.roll(after, 1, Pos)), after

@@ -37,9 +37,17 @@ def make_policy_server(run_config: RunConfig, tokenizer, name: str, *, hf_checkp
             model, hf_checkpoint, tokenizer, inference, name=name, scratch_dir=scratch, lora=run_config.learner.lora
         )
     from marin_rl.inference.levanter_server import LevanterInferenceServer
+    from marin_rl.model.precision import compute_dtype_here
 
     model = build_model(run_config.model, len(tokenizer))
-    return LevanterInferenceServer(model, tokenizer, inference, name=name, lora=run_config.learner.lora)
+    return LevanterInferenceServer(
+        model,
+        tokenizer,
+        inference,
+        name=name,
+        lora=run_config.learner.lora,
+        compute_dtype=compute_dtype_here(run_config.model.compute_dtype),
+    )
 
 
 @dataclass

@@ -140,7 +140,12 @@ class LocalBackend:
         self.vocab_size = vocab_size = len(self.tokenizer)
         self.learner = LocalLearner(cfg, self.tokenizer)
         self.server = LevanterInferenceServer(
-            self.learner.model, self.tokenizer, cfg.inference, name="colocated-0", share_weights=True
+            self.learner.model,
+            self.tokenizer,
+            cfg.inference,
+            name="colocated-0",
+            share_weights=True,
+            compute_dtype=self.learner.compute_dtype,
         )
         if jax.process_count() > 1:  # several hosts: the followers run the same device work, in the same order
             stream = CommandStream()

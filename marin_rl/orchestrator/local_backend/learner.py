@@ -65,6 +65,11 @@ class LocalLearner(LearnerMethods):
         """The learner's current policy (its device arrays)."""
         return self.engine.learner.model
 
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the learner computes in (`model.compute_dtype` resolved); the colocated engine samples in it."""
+        return self.engine.learner.policy_setup.compute_dtype
+
     # ---- the LearnerGroup surface ---------------------------------------------------------------------------
     def call(self, method: str, *args) -> list[concurrent.futures.Future]:
         """Run `method` on the learner's thread; its handle (a one-element list, like one call per process)."""

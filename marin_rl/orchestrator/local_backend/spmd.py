@@ -119,7 +119,12 @@ def follow(config: RunConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(config.tokenizer)
     learner = LocalLearner(config, tokenizer)
     server = LevanterInferenceServer(
-        learner.model, tokenizer, config.inference, name=f"colocated-{jax.process_index()}", share_weights=True
+        learner.model,
+        tokenizer,
+        config.inference,
+        name=f"colocated-{jax.process_index()}",
+        share_weights=True,
+        compute_dtype=learner.compute_dtype,
     )
     engine = server.context.engine
     published = {-1: learner.model}  # version -> the policy the leader's engine serves as it

@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     if server is None:
         from marin_rl.inference.levanter_server import LevanterInferenceServer
         from marin_rl.model.build import build_model
+        from marin_rl.model.precision import compute_dtype_here
 
         tokenizer = load_tokenizer(config.tokenizer)
         if args.checkpoint:
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"policy: model.init_from_hf = {config.model.init_from_hf}", file=sys.stderr)
             model = build_model(config.model, len(tokenizer))
         print("starting an embedded server (the first request compiles)...", file=sys.stderr)
-        embedded = LevanterInferenceServer(model, tokenizer, config.inference)
+        dtype = compute_dtype_here(config.model.compute_dtype)  # the run's engine samples in it too
+        embedded = LevanterInferenceServer(model, tokenizer, config.inference, compute_dtype=dtype)
         embedded.apply_weights(0, [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))])
         server = embedded.start()
     try:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import Any
 
 import numpy as np
@@ -122,22 +122,35 @@ class Turn:
     def from_dict(d: dict[str, Any]) -> Turn:
         """Inverse of `to_dict`; also reads dicts written before the field was named `sampler_logprobs` ('logprobs')."""
         meta = d.get("inference_metadata")
-        lp = d["sampler_logprobs"] if "sampler_logprobs" in d else d.get("logprobs")
-        teacher = d.get("teacher_logprobs")
-        top_ids, top_lps = d.get("teacher_top_ids"), d.get("teacher_top_logprobs")
+        d = {**d, "sampler_logprobs": d["sampler_logprobs"] if "sampler_logprobs" in d else d.get("logprobs")}
         return Turn(
             role=d["role"],
             message=d["message"],
             token_ids=[int(t) for t in d["token_ids"]],
-            sampler_logprobs=None if lp is None else [float(x) for x in lp],
             reward=float(d.get("reward", 0.0)),
             rewards={str(k): float(v) for k, v in (d.get("rewards") or {}).items()},
             inference_metadata=None if meta is None else InferenceMetadata(**meta),
             timestamp=float(d.get("timestamp", 0.0)),
-            teacher_logprobs=None if teacher is None else [float(x) for x in teacher],
-            teacher_top_ids=None if top_ids is None else [[int(x) for x in row] for row in top_ids],
-            teacher_top_logprobs=None if top_lps is None else [[float(x) for x in row] for row in top_lps],
+            **{name: _token_list(d.get(name), dtype, top_k) for name, (dtype, top_k) in TURN_TOKEN_LISTS.items()},
         )
+
+
+TURN_TOKEN_LISTS: dict[str, tuple[type, bool]] = {
+    "sampler_logprobs": (np.float64, False),
+    "teacher_logprobs": (np.float64, False),
+    "teacher_top_ids": (np.int32, True),
+    "teacher_top_logprobs": (np.float32, True),
+}
+"""The optional per-token lists of a `Turn` (None when absent): element dtype (as stored, `marin_rl.replay.store`) and
+whether each token has a list of k (the teacher's top-k). `Turn.from_dict` and the Parquet turn struct follow it."""
+
+
+def _token_list(value: Any, dtype: type, top_k: bool) -> list | None:
+    """A per-token list read back as plain Python numbers (lists of k of them with `top_k`), or None."""
+    if value is None:
+        return None
+    cast = int if np.dtype(dtype).kind in "iu" else float
+    return [[cast(x) for x in row] for row in value] if top_k else [cast(x) for x in value]
 
 
 @dataclass
@@ -524,10 +537,10 @@ TOKEN_FIELDS: tuple[TokenField, ...] = (
         top_k=True,
     ),
 )
-"""The per-token fields of a packed batch, in `PackedBatch`'s order. Adding one: declare it here, add the attribute
-to `PackedBatch`, `RlExample` (and `Sequence` unless it is `layout`), produce it in `Sequence.from_rollout`, consume it
-in a loss; copying, truncating, padding, packing and placing on the devices follow from the declaration (a class
-whose attributes disagree with it fails at import, `check_token_fields`)."""
+"""The per-token fields of a packed batch, in `PackedBatch`'s order. Adding one: declare it here (`PackedBatch` is made
+from the declaration), add the attribute to `RlExample` (and to `Sequence` unless it is `layout`), produce it in
+`Sequence.from_rollout`, consume it in a loss; copying, truncating, padding, packing and placing on the devices follow
+from the declaration (a class whose attributes disagree with it fails at import, `check_token_fields`)."""
 
 SEQUENCE_FIELDS: tuple[TokenField, ...] = tuple(f for f in TOKEN_FIELDS if not f.layout)
 """The fields a `marin_rl.replay.packing.Sequence` carries per token and `pack` copies into its rows as they are."""
@@ -546,28 +559,7 @@ def check_token_fields(cls: type, fields: tuple[TokenField, ...] = TOKEN_FIELDS)
             raise TypeError(f"{cls.__name__}.{f.name} is optional in TOKEN_FIELDS and needs a None default")
 
 
-@dataclass
-class PackedBatch:
-    """Host-side (NumPy) packed training batch; `marin_rl.learner.batch.RlExample.from_packed` puts it on devices.
-
-    Every array has shape `(rows, max_seq_len)` (`(rows, max_seq_len, k)` for the teacher's top-k). Token t of a row
-    is predicted from tokens `< t` of the same segment. The fields, their dtypes, padding and meaning are declared in
-    `TOKEN_FIELDS`.
-    """
-
-    input_ids: np.ndarray
-    position_ids: np.ndarray
-    segment_ids: np.ndarray
-    loss_mask: np.ndarray
-    advantages: np.ndarray
-    sampler_logprobs: np.ndarray
-    token_versions: np.ndarray
-    rewards: np.ndarray | None = None
-    truncated: np.ndarray | None = None
-    teacher_logprobs: np.ndarray | None = None
-    teacher_top_ids: np.ndarray | None = None
-    teacher_top_logprobs: np.ndarray | None = None
-
+class _PackedBatchViews:
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
@@ -577,4 +569,17 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
 
-check_token_fields(PackedBatch)
+PackedBatch = make_dataclass(
+    "PackedBatch",
+    [(f.name, np.ndarray | None, field(default=None)) if f.optional else (f.name, np.ndarray) for f in TOKEN_FIELDS],
+    bases=(_PackedBatchViews,),
+    namespace={
+        "__doc__": """Host-side (NumPy) packed training batch; `marin_rl.learner.batch.RlExample.from_packed` puts it on
+    devices. A dataclass with one attribute per field of `TOKEN_FIELDS` (in its order; an optional one defaults to
+    None), and the views `num_rows` and `seq_len`.
+
+    Every array has shape `(rows, max_seq_len)` (`(rows, max_seq_len, k)` for the teacher's top-k). Token t of a row
+    is predicted from tokens `< t` of the same segment."""
+    },
+)
+PackedBatch.__module__ = __name__  # pickles and prints as `marin_rl.types.PackedBatch`

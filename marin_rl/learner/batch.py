@@ -24,7 +24,9 @@ class RlExample(eqx.Module):
     """A packed training batch of named arrays over `(batch, position)`.
 
     `sampler_logprobs[b, t]` is the sampler's log-probability of `input_ids[b, t]`; `loss_mask` is true only on
-    tokens that the policy sampled. Several rollouts share a row, separated by `segment_ids`.
+    tokens that the policy sampled. Several rollouts share a row, separated by `segment_ids`. Every field but
+    `reference_logprobs` and `proximal_logprobs` is a packed one, declared (dtype, padding, meaning) in
+    `marin_rl.types.TOKEN_FIELDS`.
     """
 
     input_ids: hax.NamedArray

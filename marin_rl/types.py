@@ -3,7 +3,29 @@
 Rollouts cross process boundaries (env actor -> replay buffer) and go to disk as plain JSON-compatible
 dicts (`to_dict` / `from_dict`), never as pickles: `from_dict` validates what it reads and names what is
 wrong. The packed training batch is a host-side `PackedBatch` of NumPy arrays; the learner puts it on its devices as
-an `RlExample` (`marin_rl.learner.batch`). Nothing here imports JAX.
+an `RlExample` (`marin_rl.learner.batch`). Its per-token fields are declared once, in `TOKEN_FIELDS`. Nothing here
+imports JAX.
+
+A rollout's tokens from the engine to the loss, one representation after the other (the forms that only carry
+another across a boundary are marked "wire"; the Parquet rows of `marin_rl.replay.store` are a side branch to disk):
+
+1. `marin_rl.inference.openai_api.Completion` — one sampled choice, as the engine's backend returns it.
+   (wire: the OpenAI-compatible JSON choice over HTTP; absent with `InProcessPolicyClient`, which reads the
+   `Completion` directly.)
+2. `marin_rl.inference.client.Sample` — the client's token-exact sample, with the versions that sampled it.
+3. `Turn` / `Rollout` / `RolloutGroup` (here) — the environment's episode and group; the same classes on the driver.
+   (wire, Ray backend only: `marin_rl.rollouts.worker.GroupResult.to_dict()`, the group's `to_dict()` with its
+   request counters, parsed and validated again by the replay buffer with `RolloutGroup.from_dict`.)
+4. `marin_rl.replay.buffer.ReplayItem` — an accepted rollout (the `Rollout` itself, not a copy) with its advantage.
+5. `marin_rl.replay.packing.Sequence` — the rollout's per-token training fields as NumPy arrays (`SEQUENCE_FIELDS`).
+6. `PackedBatch` (here) — sequences packed into `(rows, max_seq_len)` arrays (`TOKEN_FIELDS`).
+7. `marin_rl.learner.batch.RlExample` — the batch as named arrays on the devices, which the losses read.
+   (wire, inside the jitted step: `marin_rl.learner.batch.chunked`'s raw arrays per microbatch, each turned back
+   into an `RlExample` by `from_raw` for the loss.)
+
+Seven typed representations (six that copy the tokens: a `ReplayItem` holds its `Rollout`); with the wire forms,
+ten on the longest path (a Ray run with an HTTP server and microbatches), seven on a local run in one process
+without microbatches.
 """
 
 from __future__ import annotations
@@ -11,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import Any
 
 import numpy as np
@@ -100,22 +122,35 @@ class Turn:
     def from_dict(d: dict[str, Any]) -> Turn:
         """Inverse of `to_dict`; also reads dicts written before the field was named `sampler_logprobs` ('logprobs')."""
         meta = d.get("inference_metadata")
-        lp = d["sampler_logprobs"] if "sampler_logprobs" in d else d.get("logprobs")
-        teacher = d.get("teacher_logprobs")
-        top_ids, top_lps = d.get("teacher_top_ids"), d.get("teacher_top_logprobs")
+        d = {**d, "sampler_logprobs": d["sampler_logprobs"] if "sampler_logprobs" in d else d.get("logprobs")}
         return Turn(
             role=d["role"],
             message=d["message"],
             token_ids=[int(t) for t in d["token_ids"]],
-            sampler_logprobs=None if lp is None else [float(x) for x in lp],
             reward=float(d.get("reward", 0.0)),
             rewards={str(k): float(v) for k, v in (d.get("rewards") or {}).items()},
             inference_metadata=None if meta is None else InferenceMetadata(**meta),
             timestamp=float(d.get("timestamp", 0.0)),
-            teacher_logprobs=None if teacher is None else [float(x) for x in teacher],
-            teacher_top_ids=None if top_ids is None else [[int(x) for x in row] for row in top_ids],
-            teacher_top_logprobs=None if top_lps is None else [[float(x) for x in row] for row in top_lps],
+            **{name: _token_list(d.get(name), dtype, top_k) for name, (dtype, top_k) in TURN_TOKEN_LISTS.items()},
         )
+
+
+TURN_TOKEN_LISTS: dict[str, tuple[type, bool]] = {
+    "sampler_logprobs": (np.float64, False),
+    "teacher_logprobs": (np.float64, False),
+    "teacher_top_ids": (np.int32, True),
+    "teacher_top_logprobs": (np.float32, True),
+}
+"""The optional per-token lists of a `Turn` (None when absent): element dtype (as stored, `marin_rl.replay.store`) and
+whether each token has a list of k (the teacher's top-k). `Turn.from_dict` and the Parquet turn struct follow it."""
+
+
+def _token_list(value: Any, dtype: type, top_k: bool) -> list | None:
+    """A per-token list read back as plain Python numbers (lists of k of them with `top_k`), or None."""
+    if value is None:
+        return None
+    cast = int if np.dtype(dtype).kind in "iu" else float
+    return [[cast(x) for x in row] for row in value] if top_k else [cast(x) for x in value]
 
 
 @dataclass
@@ -422,38 +457,109 @@ class RolloutGroup:
         return group
 
 
-@dataclass
-class PackedBatch:
-    """Host-side (NumPy) packed training batch; `marin_rl.learner.batch.RlExample.from_packed` puts it on devices.
+@dataclass(frozen=True)
+class TokenField:
+    """One per-token field of a packed training batch: declared once here (`TOKEN_FIELDS`), iterated over by the
+    packing (`marin_rl.replay.packing`) and the learner's batch (`marin_rl.learner.batch.RlExample.from_packed`)."""
 
-    Every array has shape `(rows, max_seq_len)`. Token t of a row is predicted from tokens `< t` of the same
-    segment. `segment_ids` is -1 on padding.
-    """
+    name: str
+    """Attribute name on `PackedBatch` and `RlExample` (and on `marin_rl.replay.packing.Sequence`, unless `layout`)."""
+    dtype: type
+    """NumPy dtype of the packed array."""
+    fill: Any
+    """Value of padding, and of tokens that the field does not cover."""
+    doc: str
+    """What the field holds."""
+    optional: bool = False
+    """None when absent (a batch has it when its sequences do)."""
+    top_k: bool = False
+    """A trailing `[k]` axis (the teacher's top-k; `marin_rl.learner.batch.TEACHER_TOP_K` on the devices)."""
+    layout: bool = False
+    """Derived by `pack` from where a sequence lands (ids, positions, segments; `truncated` from the sequence's
+    `episode_truncated`), not carried per token by a `Sequence`."""
 
-    input_ids: np.ndarray
-    position_ids: np.ndarray
-    segment_ids: np.ndarray
-    loss_mask: np.ndarray
-    advantages: np.ndarray
-    sampler_logprobs: np.ndarray
-    """The sampler's log-probability of each token (0 where the policy did not sample)."""
-    token_versions: np.ndarray
-    """Policy version that sampled each token; -1 where the policy did not sample."""
-    rewards: np.ndarray | None = None
-    """Reward credited to each sampled token (`marin_rl.replay.gae.token_rewards`); present when the replay buffers
-    leave advantages to a critic (`replay.advantage_estimator: gae`), None otherwise."""
-    truncated: np.ndarray | None = None
-    """With `rewards`: true on every token of an episode cut off by a length limit (its last step bootstraps from
-    the critic's value instead of ending)."""
-    teacher_logprobs: np.ndarray | None = None
-    """A teacher's log-probability of each sampled token (0 elsewhere), when every packed rollout was scored by one
-    (on-policy distillation); None otherwise."""
-    teacher_top_ids: np.ndarray | None = None
-    """Top-k distillation: `[rows, positions, k]` ids of the teacher's k most likely tokens at each sampled position
-    (0 elsewhere); None when the teacher returned no top-k."""
-    teacher_top_logprobs: np.ndarray | None = None
-    """The teacher's logprobs of `teacher_top_ids` (`[rows, positions, k]`, 0 elsewhere), or None."""
 
+TOKEN_FIELDS: tuple[TokenField, ...] = (
+    TokenField("input_ids", np.int32, 0, "Token ids (a `Sequence`'s `token_ids`).", layout=True),
+    TokenField("position_ids", np.int32, 0, "Position of each token within its segment.", layout=True),
+    TokenField("segment_ids", np.int32, -1, "Sequence number within the row; -1 on padding.", layout=True),
+    TokenField("loss_mask", np.bool_, False, "True exactly on tokens that the policy sampled."),
+    TokenField("advantages", np.float32, 0.0, "Advantage of each sampled token (0 elsewhere)."),
+    TokenField(
+        "sampler_logprobs",
+        np.float32,
+        0.0,
+        "The sampler's log-probability of each token (0 where the policy did not sample).",
+    ),
+    TokenField(
+        "token_versions", np.int32, -1, "Policy version that sampled each token; -1 where the policy did not sample."
+    ),
+    TokenField(
+        "rewards",
+        np.float32,
+        0.0,
+        "Reward credited to each sampled token (`marin_rl.replay.gae.token_rewards`); present when the replay buffers "
+        "leave advantages to a critic (`replay.advantage_estimator: gae`), None otherwise.",
+        optional=True,
+    ),
+    TokenField(
+        "truncated",
+        np.bool_,
+        False,
+        "With `rewards`: true on every token of an episode cut off by a length limit (its last step bootstraps from "
+        "the critic's value instead of ending).",
+        optional=True,
+        layout=True,
+    ),
+    TokenField(
+        "teacher_logprobs",
+        np.float32,
+        0.0,
+        "A teacher's log-probability of each sampled token (0 elsewhere), when every packed rollout was scored by one "
+        "(on-policy distillation); None otherwise.",
+        optional=True,
+    ),
+    TokenField(
+        "teacher_top_ids",
+        np.int32,
+        0,
+        "Top-k distillation: `[..., k]` ids of the teacher's k most likely tokens at each sampled position (0 "
+        "elsewhere); None when the teacher returned no top-k.",
+        optional=True,
+        top_k=True,
+    ),
+    TokenField(
+        "teacher_top_logprobs",
+        np.float32,
+        0.0,
+        "The teacher's logprobs of `teacher_top_ids` (`[..., k]`, 0 elsewhere), or None.",
+        optional=True,
+        top_k=True,
+    ),
+)
+"""The per-token fields of a packed batch, in `PackedBatch`'s order. Adding one: declare it here (`PackedBatch` is made
+from the declaration), add the attribute to `RlExample` (and to `Sequence` unless it is `layout`), produce it in
+`Sequence.from_rollout`, consume it in a loss; copying, truncating, padding, packing and placing on the devices follow
+from the declaration (a class whose attributes disagree with it fails at import, `check_token_fields`)."""
+
+SEQUENCE_FIELDS: tuple[TokenField, ...] = tuple(f for f in TOKEN_FIELDS if not f.layout)
+"""The fields a `marin_rl.replay.packing.Sequence` carries per token and `pack` copies into its rows as they are."""
+
+
+def check_token_fields(cls: type, fields: tuple[TokenField, ...] = TOKEN_FIELDS) -> None:
+    """Raise TypeError when `cls` (a dataclass or equinox module) lacks an attribute for a declared field, or has an
+    optional one without a None default."""
+    import dataclasses
+
+    have = {f.name: f for f in dataclasses.fields(cls)}
+    for f in fields:
+        if f.name not in have:
+            raise TypeError(f"{cls.__name__} has no attribute for the per-token field {f.name!r} (TOKEN_FIELDS)")
+        if f.optional and have[f.name].default is not None:
+            raise TypeError(f"{cls.__name__}.{f.name} is optional in TOKEN_FIELDS and needs a None default")
+
+
+class _PackedBatchViews:
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
@@ -461,3 +567,19 @@ class PackedBatch:
     @property
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
+
+
+PackedBatch = make_dataclass(
+    "PackedBatch",
+    [(f.name, np.ndarray | None, field(default=None)) if f.optional else (f.name, np.ndarray) for f in TOKEN_FIELDS],
+    bases=(_PackedBatchViews,),
+    namespace={
+        "__doc__": """Host-side (NumPy) packed training batch; `marin_rl.learner.batch.RlExample.from_packed` puts it on
+    devices. A dataclass with one attribute per field of `TOKEN_FIELDS` (in its order; an optional one defaults to
+    None), and the views `num_rows` and `seq_len`.
+
+    Every array has shape `(rows, max_seq_len)` (`(rows, max_seq_len, k)` for the teacher's top-k). Token t of a row
+    is predicted from tokens `< t` of the same segment."""
+    },
+)
+PackedBatch.__module__ = __name__  # pickles and prints as `marin_rl.types.PackedBatch`

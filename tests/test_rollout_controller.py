@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
 from marin_rl.rollouts.controller import RolloutController, WorkerPool
 from marin_rl.rollouts.local_pool import LocalWorkerPool
 from marin_rl.rollouts.staleness import RolloutsPerBatch
-from marin_rl.rollouts.worker import RolloutWorker
+from marin_rl.rollouts.worker import GroupResult, RolloutWorker
 
 KINDS = ["valid", "logprob_count", "valid", "token_out_of_vocab", "valid", "missing_metadata", "valid", "valid"]
 
@@ -53,8 +54,18 @@ class FlakyWorkflow(ScriptedWorkflow):
         return await super().run_group(policy, problem, group_size, sampling)
 
 
-def controller(loop, workflow, max_staleness=1, deterministic=False, rows=4):
-    pool = LocalWorkerPool(
+class AcrossProcesses(LocalWorkerPool):
+    """The local pool with each result sent as the Ray env actors send theirs: `GroupResult.to_dict()`, read back
+    with `GroupResult.from_dict` (the group stays a dict for the replay buffer to validate)."""
+
+    async def _run(self, problem, seed):
+        sent = (await super()._run(problem, seed)).to_dict()
+        assert isinstance(sent["group"], dict)
+        return GroupResult.from_dict(sent)
+
+
+def controller(loop, workflow, max_staleness=1, deterministic=False, rows=4, pool_class=LocalWorkerPool):
+    pool = pool_class(
         workflow,
         RolloutWorker(["127.0.0.1:1"], timeout_s=5.0),
         loop,
@@ -87,13 +98,16 @@ def drive(rollouts: RolloutController, steps: int, timeout_s: float = 30.0):
     return batches, checks
 
 
-def test_malformed_groups_are_refused_with_the_replay_reasons_and_batches_hold_only_valid_rollouts(loop):
+@pytest.mark.parametrize("pool_class", [LocalWorkerPool, AcrossProcesses])
+def test_malformed_groups_are_refused_with_the_replay_reasons_and_batches_hold_only_valid_rollouts(loop, pool_class):
     rng = np.random.default_rng(0)
     groups = {f"p{i}": make_group(kind, f"p{i}", rng) for i, kind in enumerate(KINDS)}
     valid_uids = {
         r.rollout_uid for g, k in zip(groups.values(), KINDS, strict=True) if k == "valid" for r in g.rollouts
     }
-    rollouts, pool = controller(loop, ScriptedWorkflow(groups))
+    rollouts, pool = controller(loop, ScriptedWorkflow(groups), pool_class=pool_class)
+    profile = Counter()
+    rollouts.count = profile.update
     batches, checks = drive(rollouts, steps=6)
     assert all(checks), "in flight + buffered stayed within the gate's capacity (plus one starved group)"
     trained = {item.rollout.rollout_uid for b in batches for item, _ in b.placed}
@@ -102,6 +116,18 @@ def test_malformed_groups_are_refused_with_the_replay_reasons_and_batches_hold_o
     for reason in ("logprob_count", "token_out_of_vocab", "missing_metadata"):
         assert metrics[f"replays/{ENV}/rejected/{reason}"] >= 1, metrics
     assert pool.failed_groups == 0  # a refused group is not a failed one: its problem is done
+    assert profile["groups"] >= 6 and profile["group_s"] > 0 and profile["requests"] == 0, profile
+
+
+def test_a_group_result_round_trips_as_plain_data():
+    group = make_group("valid", "p0", np.random.default_rng(2))
+    result = GroupResult(group, retried_requests=2, profile={"group_s": 0.5, "requests": 3.0})
+    sent = result.to_dict()
+    assert sent["group"] == group.to_dict() and sent["retried_requests"] == 2
+    back = GroupResult.from_dict(sent)
+    assert back.group == group.to_dict() and back.profile == result.profile and back.retried_requests == 2
+    assert back.rollout_tokens == result.rollout_tokens == [r.num_tokens for r in group.rollouts]
+    assert GroupResult.from_dict({"group": {"rollouts": [{}]}}).rollout_tokens == [], "malformed: the buffer says why"
 
 
 def test_a_failed_group_is_handed_out_again_and_the_state_round_trips(loop):

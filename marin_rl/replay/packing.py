@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from marin_rl.replay.gae import token_rewards
-from marin_rl.types import PackedBatch, Rollout
+from marin_rl.types import SEQUENCE_FIELDS, TOKEN_FIELDS, PackedBatch, Rollout, TokenField, check_token_fields
 
 
 @dataclass
 class Sequence:
-    """One sequence to pack: a rollout's tokens with per-token training fields."""
+    """One sequence to pack: a rollout's tokens with per-token training fields (`SEQUENCE_FIELDS`: dtypes, padding and
+    meaning are declared in `marin_rl.types.TOKEN_FIELDS`)."""
 
     token_ids: np.ndarray
     loss_mask: np.ndarray
@@ -25,19 +27,29 @@ class Sequence:
     sampler_logprobs: np.ndarray
     token_versions: np.ndarray
     rewards: np.ndarray | None = None
-    """Reward credited to each token (GAE batches; see `PackedBatch.rewards`), or None."""
     episode_truncated: bool = False
     """The episode was cut off by a length limit (GAE bootstraps its last step)."""
     teacher_logprobs: np.ndarray | None = None
-    """A teacher's logprob of each sampled token (0 elsewhere), or None when no teacher scored the rollout."""
     teacher_top_ids: np.ndarray | None = None
-    """Top-k distillation: `[tokens, k]` ids of the teacher's k most likely tokens at each sampled token (0
-    elsewhere), or None."""
     teacher_top_logprobs: np.ndarray | None = None
-    """The teacher's logprobs of `teacher_top_ids` (`[tokens, k]`), or None."""
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
+
+    def per_token(self) -> dict[str, np.ndarray | None]:
+        """The declared per-token fields (`SEQUENCE_FIELDS`) by name; None for an absent optional one."""
+        return {f.name: getattr(self, f.name) for f in SEQUENCE_FIELDS}
+
+    @staticmethod
+    def of(token_ids: Any, episode_truncated: bool = False, **fields: Any) -> Sequence:
+        """A sequence with each per-token field as an array of its declared dtype (None stays None)."""
+        unknown = set(fields) - {f.name for f in SEQUENCE_FIELDS}
+        if unknown:
+            raise TypeError(f"not per-token fields of a sequence: {sorted(unknown)}")
+        typed = {
+            f.name: None if fields.get(f.name) is None else np.asarray(fields[f.name], f.dtype) for f in SEQUENCE_FIELDS
+        }
+        return Sequence(np.asarray(token_ids, np.int32), episode_truncated=episode_truncated, **typed)
 
     @staticmethod
     def from_rollout(
@@ -53,52 +65,46 @@ class Sequence:
         if token_advantages is not None and len(token_advantages) != len(mask):
             raise ValueError(f"token_advantages has {len(token_advantages)} entries for {len(mask)} tokens")
         per_token = np.float32(advantage) if token_advantages is None else np.asarray(token_advantages, np.float32)
-        rewards = None
         top_ids = top_lps = None
         if rollout.has_teacher_logprobs and rollout.teacher_top_k:
             top_ids, top_lps = rollout.teacher_top(rollout.teacher_top_k)
-        if reward_credit is not None:
-            rewards = token_rewards(rollout, per_turn=reward_credit == "per_turn").astype(np.float32)
-        return Sequence(
-            token_ids=np.asarray(rollout.token_ids, dtype=np.int32),
+        return Sequence.of(
+            rollout.token_ids,
+            episode_truncated=rollout.truncated,
             loss_mask=mask,
             advantages=np.where(mask, per_token, np.float32(0.0)),
             sampler_logprobs=rollout.sampler_logprobs(),
             token_versions=rollout.token_versions(),
-            rewards=rewards,
-            episode_truncated=rollout.truncated,
+            rewards=None if reward_credit is None else token_rewards(rollout, per_turn=reward_credit == "per_turn"),
             teacher_logprobs=rollout.teacher_logprobs() if rollout.has_teacher_logprobs else None,
             teacher_top_ids=top_ids,
             teacher_top_logprobs=top_lps,
         )
 
     def truncated(self, max_len: int) -> Sequence:
-        """The first `max_len` tokens (loss stays only on the sampled tokens that survive); a sequence that loses
-        tokens counts as truncated (rewards after the cut are dropped: the critic's value stands in for them)."""
+        """The first `max_len` tokens of every per-token field (loss stays only on the sampled tokens that survive); a
+        sequence that loses tokens counts as truncated (rewards after the cut are dropped: the critic's value stands in
+        for them)."""
         return Sequence(
-            token_ids=self.token_ids[:max_len],
-            loss_mask=self.loss_mask[:max_len],
-            advantages=self.advantages[:max_len],
-            sampler_logprobs=self.sampler_logprobs[:max_len],
-            token_versions=self.token_versions[:max_len],
-            rewards=None if self.rewards is None else self.rewards[:max_len],
+            self.token_ids[:max_len],
             episode_truncated=self.episode_truncated or len(self) > max_len,
-            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[:max_len],
-            teacher_top_ids=None if self.teacher_top_ids is None else self.teacher_top_ids[:max_len],
-            teacher_top_logprobs=None if self.teacher_top_logprobs is None else self.teacher_top_logprobs[:max_len],
+            **{name: None if v is None else v[:max_len] for name, v in self.per_token().items()},
         )
 
     @staticmethod
     def supervised(prompt_ids: list[int], completion_ids: list[int]) -> Sequence:
         """A prompt/completion pair for supervised training (loss on the completion)."""
         n_p, n_c = len(prompt_ids), len(completion_ids)
-        return Sequence(
-            token_ids=np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int32),
+        return Sequence.of(
+            list(prompt_ids) + list(completion_ids),
             loss_mask=np.r_[np.zeros(n_p, bool), np.ones(n_c, bool)],
-            advantages=np.zeros(n_p + n_c, np.float32),
-            sampler_logprobs=np.zeros(n_p + n_c, np.float32),
-            token_versions=np.full(n_p + n_c, -1, np.int32),
+            advantages=np.zeros(n_p + n_c),
+            sampler_logprobs=np.zeros(n_p + n_c),
+            token_versions=np.full(n_p + n_c, -1),
         )
+
+
+check_token_fields(Sequence, SEQUENCE_FIELDS)
 
 
 def first_fit_decreasing(lengths: list[int], num_rows: int, row_len: int) -> list[int | None]:
@@ -152,37 +158,22 @@ def pack(
     """Pack sequences into a `(num_rows, row_len)` batch, by `pack_rows` unless `assignment` gives rows.
 
     Returns the batch and the indices of the sequences that were placed (in input order); the others did not
-    fit. Segment ids number the sequences within each row from 0; padding has segment id -1 and no loss. The batch
-    carries teacher logprobs (and the teacher's top-k) when the sequences do (ValueError when only some of them do,
-    or with different k).
+    fit. Segment ids number the sequences within each row from 0; padding holds each field's declared fill
+    (`TOKEN_FIELDS`: segment id -1, no loss). The batch carries an optional field (rewards, teacher logprobs, the
+    teacher's top-k) when the placed sequences do (ValueError when only some of them do, or with different k).
     """
     if assignment is None:
         assignment = pack_rows([len(s) for s in sequences], num_rows, row_len)
-    scored = [s.teacher_logprobs is not None for s, row in zip(sequences, assignment, strict=True) if row is not None]
-    with_teacher = any(scored)
-    if with_teacher and not all(scored):
-        raise ValueError(
-            f"{scored.count(False)} of {len(scored)} packed rollouts have no teacher logprobs: a batch is scored "
-            "by a teacher whole or not at all"
-        )
-    teacher_logprobs = np.zeros((num_rows, row_len), np.float32) if with_teacher else None
     placed_seqs = [s for s, row in zip(sequences, assignment, strict=True) if row is not None]
-    top_ks = {0 if s.teacher_top_ids is None else s.teacher_top_ids.shape[1] for s in placed_seqs}
-    if len(top_ks) > 1:
-        raise ValueError(f"packed rollouts carry the teacher's top-k for different k {sorted(top_ks)}: one k a batch")
-    top_k = top_ks.pop() if top_ks else 0
-    top_ids = np.zeros((num_rows, row_len, top_k), np.int32) if top_k else None
-    top_lps = np.zeros((num_rows, row_len, top_k), np.float32) if top_k else None
-    input_ids = np.zeros((num_rows, row_len), np.int32)
-    position_ids = np.zeros((num_rows, row_len), np.int32)
-    segment_ids = np.full((num_rows, row_len), -1, np.int32)
-    loss_mask = np.zeros((num_rows, row_len), bool)
-    advantages = np.zeros((num_rows, row_len), np.float32)
-    sampler_logprobs = np.zeros((num_rows, row_len), np.float32)
-    token_versions = np.full((num_rows, row_len), -1, np.int32)
-    with_rewards = any(s.rewards is not None for s in sequences)
-    rewards = np.zeros((num_rows, row_len), np.float32) if with_rewards else None
-    truncated = np.zeros((num_rows, row_len), bool) if with_rewards else None
+    present = {f.name: _present(f, placed_seqs) for f in SEQUENCE_FIELDS}
+    present["truncated"] = present["rewards"]  # the critic's bootstrap flag goes with its rewards
+    arrays: dict[str, np.ndarray | None] = {}
+    for f in TOKEN_FIELDS:
+        if f.optional and not present[f.name]:
+            arrays[f.name] = None
+            continue
+        k = (present[f.name],) if f.top_k else ()
+        arrays[f.name] = np.full((num_rows, row_len, *k), f.fill, f.dtype)
     fill = [0] * num_rows
     nseg = [0] * num_rows
     placed = []
@@ -192,37 +183,33 @@ def pack(
         a, b = fill[row], fill[row] + len(seq)
         if b > row_len:
             raise ValueError(f"row {row} overflows: sequence {i} needs {len(seq)} tokens, {row_len - a} left")
-        input_ids[row, a:b] = seq.token_ids
-        position_ids[row, a:b] = np.arange(len(seq))
-        segment_ids[row, a:b] = nseg[row]
-        loss_mask[row, a:b] = seq.loss_mask
-        advantages[row, a:b] = seq.advantages
-        sampler_logprobs[row, a:b] = seq.sampler_logprobs
-        token_versions[row, a:b] = seq.token_versions
-        if with_rewards:
-            if seq.rewards is not None:
-                rewards[row, a:b] = seq.rewards
-            truncated[row, a:b] = seq.episode_truncated
-        if with_teacher:
-            teacher_logprobs[row, a:b] = seq.teacher_logprobs
-        if top_k:
-            top_ids[row, a:b] = seq.teacher_top_ids
-            top_lps[row, a:b] = seq.teacher_top_logprobs
+        layout = {
+            "input_ids": seq.token_ids,
+            "position_ids": np.arange(len(seq)),
+            "segment_ids": nseg[row],
+            "truncated": seq.episode_truncated,
+        }
+        for name, v in {**seq.per_token(), **layout}.items():
+            if arrays[name] is not None:
+                arrays[name][row, a:b] = v
         fill[row] = b
         nseg[row] += 1
         placed.append(i)
-    batch = PackedBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        segment_ids=segment_ids,
-        loss_mask=loss_mask,
-        advantages=advantages,
-        sampler_logprobs=sampler_logprobs,
-        token_versions=token_versions,
-        rewards=rewards,
-        truncated=truncated,
-        teacher_logprobs=teacher_logprobs,
-        teacher_top_ids=top_ids,
-        teacher_top_logprobs=top_lps,
-    )
-    return batch, placed
+    return PackedBatch(**arrays), placed
+
+
+def _present(f: TokenField, seqs: list[Sequence]) -> bool | int:
+    """Whether the placed sequences carry field `f` (its k for a top-k field, 0 when absent): all of them or none,
+    and one k a batch (ValueError otherwise)."""
+    have = [getattr(s, f.name) is not None for s in seqs]
+    if f.top_k:
+        ks = {getattr(s, f.name).shape[1] if h else 0 for s, h in zip(seqs, have, strict=True)}
+        if len(ks) > 1:
+            raise ValueError(f"packed rollouts carry {f.name} for different k {sorted(ks)}: one k a batch")
+        return ks.pop() if ks else 0
+    if any(have) and not all(have):
+        raise ValueError(
+            f"{have.count(False)} of {len(have)} packed rollouts have no {f.name.replace('_', ' ')}: a batch carries "
+            "it whole or not at all"
+        )
+    return any(have)

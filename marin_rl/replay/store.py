@@ -21,6 +21,7 @@ surviving.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from marin_rl.atomic_files import write_atomically
-from marin_rl.types import Rollout, RolloutFormatError
+from marin_rl.types import TURN_TOKEN_LISTS, InferenceMetadata, Rollout, RolloutFormatError
 
 logger = logging.getLogger(__name__)
 
@@ -46,32 +47,28 @@ OPTIONAL_COLUMNS = ("token_advantages", "segment", "group_index")
 """Columns added without a version bump: files written before them lack them and read as None (so do the turns'
 `teacher_logprobs`, `teacher_top_ids` and `teacher_top_logprobs`, fields of the turn struct added the same way)."""
 
-_META = pa.struct(
-    [
-        ("server", pa.string()),
-        ("model", pa.string()),
-        ("temperature", pa.float64()),
-        ("max_tokens", pa.int64()),
-        ("version_start", pa.int64()),
-        ("version_end", pa.int64()),
-        ("token_versions", pa.list_(pa.int64())),
-        ("finish_reason", pa.string()),
-        ("latency_s", pa.float64()),
-    ]
-)
+_ARROW_TYPES = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "list[int] | None": pa.list_(pa.int64())}
+_META = pa.struct([(f.name, _ARROW_TYPES[f.type]) for f in dataclasses.fields(InferenceMetadata)])
+"""`InferenceMetadata` as an Arrow struct, field by field."""
+
+
+def _token_list_type(dtype: type, top_k: bool) -> pa.DataType:
+    element = pa.list_(pa.from_numpy_dtype(dtype))
+    return pa.list_(element) if top_k else element
+
+
+_TURN_LISTS = {name: _token_list_type(dtype, top_k) for name, (dtype, top_k) in TURN_TOKEN_LISTS.items()}
 _TURN = pa.struct(
     [
         ("role", pa.string()),
         ("message", pa.string()),
         ("token_ids", pa.list_(pa.int32())),
-        ("sampler_logprobs", pa.list_(pa.float64())),
+        ("sampler_logprobs", _TURN_LISTS.pop("sampler_logprobs")),
         ("reward", pa.float64()),
         ("rewards", pa.map_(pa.string(), pa.float64())),
         ("inference_metadata", _META),
         ("timestamp", pa.float64()),
-        ("teacher_logprobs", pa.list_(pa.float64())),
-        ("teacher_top_ids", pa.list_(pa.list_(pa.int32()))),
-        ("teacher_top_logprobs", pa.list_(pa.list_(pa.float32()))),
+        *_TURN_LISTS.items(),  # the teacher's, added later (`TURN_TOKEN_LISTS`)
     ]
 )
 ROLLOUT_SCHEMA = pa.schema(
@@ -148,23 +145,7 @@ def rollout_to_row(
     """The Parquet row of a rollout (plain Python values matching `ROLLOUT_SCHEMA`); `token_advantages`: per-token
     advantages, when the estimator gives them; `segment` and `group_index`: where its group is in the run's
     timelines (module docstring)."""
-    turns = []
-    for t in rollout.turns:
-        turns.append(
-            {
-                "role": t.role,
-                "message": t.message,
-                "token_ids": list(t.token_ids),
-                "sampler_logprobs": None if t.sampler_logprobs is None else list(t.sampler_logprobs),
-                "reward": float(t.reward),
-                "rewards": list(t.rewards.items()),
-                "inference_metadata": None if t.inference_metadata is None else vars(t.inference_metadata).copy(),
-                "timestamp": float(t.timestamp),
-                "teacher_logprobs": None if t.teacher_logprobs is None else list(t.teacher_logprobs),
-                "teacher_top_ids": t.teacher_top_ids,
-                "teacher_top_logprobs": t.teacher_top_logprobs,
-            }
-        )
+    turns = [{**t.to_dict(), "rewards": list(t.rewards.items())} for t in rollout.turns]  # the turn struct's fields
     return {
         "environment": rollout.environment,
         "problem_id": rollout.problem_id,

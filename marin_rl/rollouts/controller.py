@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from marin_rl.envs.iteration import ProblemIterator, ProblemTicket
 from marin_rl.replay.batcher import Batcher, BatchWait, FormedBatch
 from marin_rl.replay.buffer import ReplayBuffer
 from marin_rl.rollouts.staleness import GateInputs, RolloutsPerBatch, StalenessGate
+from marin_rl.rollouts.worker import CLIENT_COUNTERS, GroupResult
 from marin_rl.types import RolloutGroup
 
 
@@ -90,8 +92,21 @@ class WorkerPool:
         raise NotImplementedError
 
     def collect(self) -> list[tuple[ProblemTicket, RolloutGroup | dict]]:
-        """Finished groups with their tickets (a group may be a `RolloutGroup.to_dict()`)."""
+        """Finished groups with their tickets (a group may be a `RolloutGroup.to_dict()`: `GroupResult.group`)."""
         raise NotImplementedError
+
+    def _took(self, result: GroupResult, launched: float | None) -> RolloutGroup | dict:
+        """Count a finished group's result (`launched`: when it was handed out, None when unknown) into the
+        counters and the batch-size estimate; returns its group."""
+        self.retried_requests += result.retried_requests
+        if launched is not None:
+            self._profile_counts["groups"] += 1
+            self._profile_counts["turnaround_s"] += time.perf_counter() - launched  # launch to collect
+            self._profile_counts["group_s"] += result.profile.get("group_s", 0.0)
+        for key in CLIENT_COUNTERS[1:]:
+            self._profile_counts[key] += result.profile.get(key, 0.0)
+        self.batch_size.observe_rollout_tokens(result.rollout_tokens)
+        return result.group
 
     def drop_in_flight(self) -> int:
         """Cancel and forget the groups in flight; returns how many."""

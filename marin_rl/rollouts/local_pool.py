@@ -20,7 +20,7 @@ from marin_rl.envs.rewards import OverlongPenalty
 from marin_rl.inference.teacher import TeacherScorer
 from marin_rl.rollouts.controller import WorkerPool
 from marin_rl.rollouts.staleness import RolloutsPerBatch
-from marin_rl.rollouts.worker import CLIENT_COUNTERS, RolloutWorker
+from marin_rl.rollouts.worker import GroupOptions, GroupResult, RolloutWorker
 from marin_rl.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -56,15 +56,12 @@ class LocalWorkerPool(WorkerPool):
         problems: Iterable[Problem] | None = None,
     ):
         self.env = env
-        self.teacher = teacher
-        self.overlong = overlong
+        self.options = GroupOptions(group_size, sampling, greedy_baseline, overlong, teacher)
         self.worker = worker
         self.loop = loop
         self.group_size = group_size
-        self.sampling = sampling
         self.concurrency = concurrency
         self.deterministic = deterministic
-        self.greedy_baseline = greedy_baseline
         if problems is not None:
             self.iterator = ProblemStream(problems)
             self._problem = self.iterator.problem
@@ -128,19 +125,8 @@ class LocalWorkerPool(WorkerPool):
                 lambda f, t=task: self.loop.call_soon_threadsafe(t.cancel) if f.cancelled() else None
             )
 
-    async def _run(self, problem, seed: int | None) -> tuple[RolloutGroup, float]:
-        start = time.perf_counter()
-        group = await self.worker.run_group(
-            self.env,
-            problem,
-            self.group_size,
-            self.sampling,
-            seed=seed,
-            greedy_baseline=self.greedy_baseline,
-            overlong=self.overlong,
-            teacher=self.teacher,
-        )
-        return group, time.perf_counter() - start
+    async def _run(self, problem, seed: int | None) -> GroupResult:
+        return await self.worker.sample_group(self.env, problem, self.options, seed)
 
     def wait(self, timeout_s: float) -> None:
         """Block until a group in flight finishes (deterministic: the oldest), at most `timeout_s`."""
@@ -163,18 +149,11 @@ class LocalWorkerPool(WorkerPool):
             ticket = self.inflight.pop(future)
             launched = self._launched_at.pop(future)
             try:
-                group, seconds = future.result()
+                result = future.result()
             except Exception as e:  # noqa: BLE001 - the episode raised: hand its problem out again
                 self._failed(ticket, e)
                 continue
-            counts = self.worker.take_counters()
-            self.retried_requests += int(counts["retried_requests"])
-            self._profile_counts["groups"] += 1
-            self._profile_counts["group_s"] += seconds
-            self._profile_counts["turnaround_s"] += time.perf_counter() - launched  # launch to collect
-            for key in CLIENT_COUNTERS[1:]:
-                self._profile_counts[key] += float(counts[key])
-            self.batch_size.observe_rollout_tokens([r.num_tokens for r in group.rollouts])
+            group = self._took(result, launched)
             out.append((ticket, group))
         return out
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +31,65 @@ CLIENT_COUNTERS = ("retried_requests", "requests", "request_s", "backend_s", "qu
 
 EVAL_SEED_STREAM = 1 << 20
 """Offset of evaluation seeds in a workflow's seed stream (training groups use the problem order's indices)."""
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """How an environment's training groups are sampled (`RolloutWorker.sample_group`; the arguments of
+    `RolloutWorker.run_group` other than the problem and the seed)."""
+
+    group_size: int
+    """Episodes per group."""
+    sampling: SamplingParams
+    """Sampling parameters of the policy's calls."""
+    greedy_baseline: bool = False
+    """ReMax: a greedy episode runs beside each group; its reward becomes the group's `baseline_reward`."""
+    overlong: OverlongPenalty | None = None
+    """The environment's soft overlong penalty (`add_overlong_penalty`)."""
+    teacher: TeacherScorer | None = None
+    """On-policy distillation: scores every group before it is handed over."""
+
+
+@dataclass
+class GroupResult:
+    """One sampled group as a worker hands it to the driver, with what its clients counted while it ran.
+
+    In process (`LocalWorkerPool`) `group` is the `RolloutGroup`. Across Ray (`EnvActor.run_group`) the result
+    travels as `to_dict()`, JSON-compatible data, and `from_dict` on the driver keeps `group` as the group's dict
+    (`RolloutGroup.to_dict()`): rollouts never cross a process as pickled objects. The replay buffer parses and
+    validates that dict (`RolloutGroup.from_dict`, then `Rollout.validate`), so a malformed group is rejected there
+    with its reason code."""
+
+    group: RolloutGroup | dict[str, Any]
+    """The group, or (from another process) its `RolloutGroup.to_dict()`, not yet validated."""
+    retried_requests: int = 0
+    """Requests sent again to another server while the group ran (`CLIENT_COUNTERS`)."""
+    profile: dict[str, float] = field(default_factory=dict)
+    """Seconds the group took in the worker (`group_s`) and its clients' other counters (`CLIENT_COUNTERS[1:]`)."""
+
+    @property
+    def rollout_tokens(self) -> list[int]:
+        """Tokens of each rollout (empty for a group dict too malformed to count: the replay buffer rejects it)."""
+        if isinstance(self.group, RolloutGroup):
+            return [r.num_tokens for r in self.group.rollouts]
+        try:
+            return [sum(len(t["token_ids"]) for t in r["turns"]) for r in self.group["rollouts"]]
+        except (KeyError, TypeError):
+            return []
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible form, to cross a process boundary."""
+        group = self.group.to_dict() if isinstance(self.group, RolloutGroup) else self.group
+        return {"group": group, "retried_requests": self.retried_requests, "profile": dict(self.profile)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> GroupResult:
+        """Inverse of `to_dict`; the group stays a dict, for the replay buffer to validate."""
+        return GroupResult(
+            group=d["group"],
+            retried_requests=int(d.get("retried_requests", 0)),
+            profile={str(k): float(v) for k, v in (d.get("profile") or {}).items()},
+        )
 
 
 def named_reward_means(groups: Sequence[RolloutGroup]) -> dict[str, float]:
@@ -220,6 +281,25 @@ class RolloutWorker:
     def _counted(self, key: str) -> float:
         roles = list(self._clients) if key == "retried_requests" else ["train"]
         return sum(getattr(self._clients[r], key) for r in roles if r in self._clients)
+
+    async def sample_group(
+        self, workflow: Environment, problem: Problem, options: GroupOptions, seed: int | None = None
+    ) -> GroupResult:
+        """`run_group` with `options`, timed, with the clients' counters since the last call (`take_counters`)."""
+        start = time.perf_counter()
+        group = await self.run_group(
+            workflow,
+            problem,
+            options.group_size,
+            options.sampling,
+            seed=seed,
+            greedy_baseline=options.greedy_baseline,
+            overlong=options.overlong,
+            teacher=options.teacher,
+        )
+        counts = self.take_counters()
+        profile = {"group_s": time.perf_counter() - start, **{k: float(counts[k]) for k in CLIENT_COUNTERS[1:]}}
+        return GroupResult(group, int(counts["retried_requests"]), profile)
 
     def take_counters(self) -> dict[str, float]:
         """What the clients counted (`CLIENT_COUNTERS`) since the last call. Requests of groups still running are

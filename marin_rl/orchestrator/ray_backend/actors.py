@@ -23,7 +23,7 @@ from marin_rl.logs import configure_logging
 from marin_rl.orchestrator.learner_methods import LearnerMethods
 from marin_rl.rollouts.reward_models import attach_run_reward_models
 from marin_rl.rollouts.servers import make_policy_server
-from marin_rl.rollouts.worker import CLIENT_COUNTERS, RolloutWorker
+from marin_rl.rollouts.worker import GroupOptions, RolloutWorker
 from marin_rl.tokenizer import load_tokenizer
 from marin_rl.types import PackedBatch
 
@@ -208,6 +208,10 @@ class EnvActor:
                 temperature=config.teacher.temperature,
                 top_k=config.teacher.top_k,
             )
+        cfg = self.env_config
+        self.options = GroupOptions(
+            cfg.group_size, cfg.sampling, self.greedy_baseline, cfg.overlong_penalty, self.teacher
+        )
         self.problems = self.env.train_problems()
         if not self.problems:
             raise ValueError(f"environment {self.env_config.name} has no training problems")
@@ -221,33 +225,19 @@ class EnvActor:
         return len(self.problems)
 
     async def run_group(self, problem_index: int, seed: int | None = None) -> dict:
-        """Sample one group of `group_size` episodes of training problem `problem_index`; returns it as a dict, with
-        the client's request counters since the last group (`CLIENT_COUNTERS`).
+        """Sample one group of `group_size` episodes of training problem `problem_index`; returns a `GroupResult`
+        as its `to_dict()` (the group as JSON-compatible data, with the client's request counters since the last
+        group), which the driver reads back with `GroupResult.from_dict`.
 
         `seed` (deterministic runs): the policy calls of the group are sampled with seeds derived from it.
         """
         if not 0 <= problem_index < len(self.problems):
             raise IndexError(f"problem index {problem_index} outside the {len(self.problems)} training problems")
-        cfg = self.env_config
-        start = time.perf_counter()
         try:
-            group = await self.worker.run_group(
-                self.env,
-                self.problems[problem_index],
-                cfg.group_size,
-                cfg.sampling,
-                seed=seed,
-                greedy_baseline=self.greedy_baseline,
-                overlong=cfg.overlong_penalty,
-                teacher=self.teacher,
-            )
+            result = await self.worker.sample_group(self.env, self.problems[problem_index], self.options, seed)
         except Exception as e:
             raise EpisodeError.wrapping(e) from None
-        out = group.to_dict()
-        counts = self.worker.take_counters()
-        out["retried_requests"] = int(counts["retried_requests"])
-        out["profile"] = {"group_s": time.perf_counter() - start, **{k: counts[k] for k in CLIENT_COUNTERS[1:]}}
-        return out
+        return result.to_dict()
 
     def warm_start_examples(self) -> list[tuple[list[int], list[int]]]:
         """(prompt_ids, completion_ids + EOS) pairs from the environment's reference completions."""

@@ -24,6 +24,7 @@ from marin_rl.orchestrator.restarts import RestartBudget, kill_quietly, start_re
 from marin_rl.placement import wait_for_actors
 from marin_rl.rollouts.controller import WorkerPool
 from marin_rl.rollouts.staleness import RolloutsPerBatch
+from marin_rl.rollouts.worker import GroupResult
 
 logger = logging.getLogger("marin_rl")
 
@@ -144,7 +145,7 @@ class EnvPool(WorkerPool):
             replica, ticket, actor = self.inflight.pop(ref)
             launched = self._launched_at.pop(ref, None)
             try:
-                group = ray.get(ref)
+                result = ray.get(ref)
             except RayActorError:
                 self._hand_out_again(replica, ticket)
                 self._new_failures += 1  # its node may be gone, and a server with it
@@ -156,17 +157,7 @@ class EnvPool(WorkerPool):
                 self._failed(replica, ticket, e)
                 continue
             self._failures_in_a_row = 0
-            self.retried_requests += int(group.pop("retried_requests", 0))
-            profile = group.pop("profile", None) or {}
-            if launched is not None:
-                self._profile_counts["groups"] += 1
-                self._profile_counts["turnaround_s"] += time.perf_counter() - launched
-                self._profile_counts["group_s"] += float(profile.get("group_s", 0.0))
-            for key in ("requests", "request_s", "backend_s", "queue_s"):
-                self._profile_counts[key] += float(profile.get(key, 0.0))
-            self.batch_size.observe_rollout_tokens(
-                [sum(len(t["token_ids"]) for t in r["turns"]) for r in group["rollouts"]]
-            )
+            group = self._took(GroupResult.from_dict(result), launched)
             out.append((ticket, group))
         return out
 

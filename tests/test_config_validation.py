@@ -287,8 +287,8 @@ def test_validation_does_not_change_the_config_and_resolved_derives_the_rest(tmp
 def test_the_run_entry_points_use_the_resolved_config():
     import inspect
 
-    from marin_rl.programs import marin
     from marin_rl.orchestrator import orchestrator
+    from marin_rl.programs import marin
 
     for fn in (orchestrator.run, orchestrator.Orchestrator.__init__, marin.resolve):
         assert ".resolve()" in inspect.getsource(fn), fn

@@ -323,11 +323,7 @@ def critic_step(
 
 # ---- the supervised step (the warm start, `learner.mode: sft`) ------------------------------------------------------
 def supervised_update(
-    state: TrainState,
-    ex: RlExample,
-    optimizer: optax.GradientTransformation,
-    shard: Callable[[Any], Any] = _unchanged,
-    compute_dtype: str | None = None,
+    state: TrainState, ex: RlExample, optimizer: optax.GradientTransformation, shard=_unchanged, compute_dtype=None
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step of the supervised loss (the mean negative log-likelihood at temperature 1 of the tokens
     where `loss_mask` is true, over the whole batch) of `state.model` (with LoRA its adapters) with

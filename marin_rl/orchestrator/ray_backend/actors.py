@@ -6,7 +6,6 @@ Each wraps a plain class that tests use in-process. Rollouts leave env actors as
 
 from __future__ import annotations
 
-import time
 import traceback
 
 import ray

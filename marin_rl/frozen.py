@@ -136,10 +136,8 @@ class FrozenList(_FrozenContainer, list):
     `FrozenList()` is a plain, empty list."""
 
     _plain = list
-    _changes = (
-        "__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove", "clear",
-        "sort", "reverse",
-    )  # fmt: skip
+    _changes = ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove")
+    _changes += ("clear", "sort", "reverse")
 
 
 class FrozenDict(_FrozenContainer, dict):

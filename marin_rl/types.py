@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 import numpy as np
@@ -116,7 +116,12 @@ class Turn:
         return self.sampler_logprobs is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON-compatible data: what `dataclasses.asdict` gives (lists, dicts and the metadata copied), without
+        its deep recursion, which costs as much as the rest of persisting a rollout."""
+        out = {name: _copied(getattr(self, name)) for name in _TURN_FIELDS}
+        meta = self.inference_metadata
+        out["inference_metadata"] = None if meta is None else {n: _copied(getattr(meta, n)) for n in _METADATA_FIELDS}
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Turn:
@@ -151,6 +156,19 @@ def _token_list(value: Any, dtype: type, top_k: bool) -> list | None:
         return None
     cast = int if np.dtype(dtype).kind in "iu" else float
     return [[cast(x) for x in row] for row in value] if top_k else [cast(x) for x in value]
+
+
+_TURN_FIELDS = tuple(f.name for f in fields(Turn))
+_METADATA_FIELDS = tuple(f.name for f in fields(InferenceMetadata))
+
+
+def _copied(value: Any) -> Any:
+    """A list (of numbers, or of lists of numbers) or a dict of a turn, copied; anything else as it is."""
+    if isinstance(value, list):
+        return [list(x) if isinstance(x, list) else x for x in value]
+    if isinstance(value, dict):
+        return dict(value)
+    return value
 
 
 @dataclass

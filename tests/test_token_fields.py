@@ -122,3 +122,30 @@ def test_an_optional_field_is_all_or_nothing_in_a_batch():
     # one left out of the batch does not count
     batch, placed = pack([gae, plain], 1, 2, assignment=[0, None])
     assert placed == [0] and batch.rewards is not None
+
+
+def test_a_turns_dict_is_asdicts_and_shares_nothing_with_the_turn():
+    """`Turn.to_dict` (what persistence and the Ray wire write) equals `dataclasses.asdict` and copies what it holds."""
+    import dataclasses
+
+    from marin_rl.types import InferenceMetadata, Turn
+
+    turn = Turn(
+        "assistant",
+        "x",
+        [1, 2, 3],
+        sampler_logprobs=[-0.1, -0.2, -0.3],
+        rewards={"correct": 1.0},
+        inference_metadata=InferenceMetadata("s", version_start=0, version_end=1, token_versions=[0, 0, 1]),
+        teacher_logprobs=[-1.0] * 3,
+        teacher_top_ids=[[1, 2]] * 3,
+        teacher_top_logprobs=[[-1.0, -2.0]] * 3,
+    )
+    out = turn.to_dict()
+    assert out == dataclasses.asdict(turn)
+    out["token_ids"].append(9)
+    out["teacher_top_ids"][0].append(5)
+    out["rewards"]["correct"] = 0.0
+    out["inference_metadata"]["token_versions"].append(3)
+    assert turn.token_ids == [1, 2, 3] and turn.teacher_top_ids[0] == [1, 2] and turn.rewards == {"correct": 1.0}
+    assert turn.inference_metadata.token_versions == [0, 0, 1]

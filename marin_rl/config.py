@@ -30,7 +30,7 @@ from marin_rl.envs.base import (
 )
 from marin_rl.envs.difficulty import PassRateConfig
 from marin_rl.envs.rewards import OverlongPenalty
-from marin_rl.frozen import freeze, is_frozen
+from marin_rl.frozen import FrozenDict, FrozenList, freeze, is_frozen
 from marin_rl.inference.config import InferenceConfig, RewardModelConfig
 from marin_rl.inference.engine_support import engine_refusal
 from marin_rl.inference.teacher import TeacherConfig
@@ -48,6 +48,11 @@ from marin_rl.tokenizer import TokenizerConfig
 # source does not change while the process runs, so each (class, field) is read once. draccus' modules call it
 # through the module attribute, which this replaces.
 draccus.wrappers.docstring.get_attribute_docstring = functools.cache(draccus.wrappers.docstring.get_attribute_docstring)
+
+
+# A frozen config's lists and dicts encode as lists and dicts wherever draccus meets them (also under `Any`).
+draccus.encode.register(FrozenList, lambda obj, declared_type=None: draccus.encode(list(obj), declared_type))
+draccus.encode.register(FrozenDict, lambda obj, declared_type=None: draccus.encode(dict(obj), declared_type))
 
 
 @dataclass

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from marin_rl.config import parse_config
+from marin_rl.frozen import thaw
 from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
 from marin_rl.inference.levanter_server import LevanterInferenceServer
 from marin_rl.inference.prompt_scores import top_logprobs_arrays
@@ -434,6 +435,7 @@ def test_a_short_top_k_distillation_run_carries_the_top_k_and_lowers_the_forward
         "--checkpoint.every",
         "0",
     )
+    cfg = thaw(cfg)  # a parsed config is resolved and frozen: change a copy
     cfg.teacher.path = _sharp_teacher(tmp_path, build_char_tokenizer(), cfg.model)
     cfg.teacher.recipe = None
     assert run(cfg)["steps"] == 12

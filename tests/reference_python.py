@@ -19,7 +19,7 @@ def _imports(python: str, modules: str) -> str | None:
     return None if probe.returncode == 0 else probe.stderr.strip()[-300:]
 
 
-REFERENCE_PACKAGES = {"peft": "peft==0.21.2", "gguf": "gguf==0.19.0"}
+REFERENCE_PACKAGES = {"peft": "peft==0.21.2", "gguf": "gguf==0.19.0", "accelerate": "accelerate==1.15.0"}
 """Libraries some references are computed with that vLLM's environment does not hold, at the versions that computed
 the shipped references: `reference_python` installs a missing one there (seconds; torch and transformers are vLLM's)."""
 

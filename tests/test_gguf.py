@@ -137,7 +137,7 @@ def test_the_shipped_reference_is_what_transformers_computes(tmp_path):
     reference the gate checks the converter against has not drifted from its source."""
     from reference_python import reference_python
 
-    python = reference_python("torch, transformers, gguf")
+    python = reference_python("torch, transformers, gguf, accelerate")  # transformers loads GGUF through accelerate
     script = Path(__file__).with_name("gguf_reference.py")
     out = tmp_path / "reference.json"
     done = subprocess.run([python, str(script), str(smollm2_file()), str(out)], capture_output=True, text=True)

@@ -75,34 +75,32 @@ def test_the_run_program_imports_where_ray_is_not_installed(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
-    """experiments/quickstart_local.yaml, shortened to 100 RL steps, in a process where `import ray` fails: held-out
-    reward rises, every version is handed over with 0 bytes copied and one resident copy of the policy."""
+def _local_quickstart_learns(tmp_path, timeout_s: float, *overrides: str):
+    """Run experiments/quickstart_local.yaml for 100 RL steps (with `overrides`) in a process where `import ray`
+    fails; assert the held-out reward rose by >= 0.15. Returns (output dir, log file, summary)."""
     out = tmp_path / "run"
     log = tmp_path / "run.log"
+    args = ["--config", str(ROOT / "experiments" / "quickstart_local.yaml"), "--output_dir", str(out)]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "marin_rl.run",
-            "--config",
-            str(ROOT / "experiments" / "quickstart_local.yaml"),
-            "--output_dir",
-            str(out),
-            "--orchestrator.num_steps",
-            "100",
-        ],
+        [sys.executable, "-m", "marin_rl.run", *args, "--orchestrator.num_steps", "100", *overrides],
         cwd=ROOT,
         env=_without_ray(tmp_path),
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    _finish(proc, log, 600)
+    _finish(proc, log, timeout_s)
     summary = json.loads((out / "summary.json").read_text())
     gain = summary["eval_reward_end"] - summary["eval_reward_start"]
     assert gain >= 0.15, f"held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}"
+    return out, log, summary
+
+
+@pytest.mark.slow
+def test_quickstart_local_learns_in_one_process_without_ray(tmp_path):
+    """experiments/quickstart_local.yaml, shortened to 100 RL steps, in a process where `import ray` fails: held-out
+    reward rises, every version is handed over with 0 bytes copied and one resident copy of the policy."""
+    out, log, summary = _local_quickstart_learns(tmp_path, 600)
     assert summary["broadcast_transport"] == "colocated" and summary["steps"] == 100
     rows = read_metrics(str(out / "metrics.jsonl"))
     handed = [r for r in rows if "broadcast/bytes" in r]
@@ -126,22 +124,7 @@ def test_quickstart_local_learns_in_bfloat16(tmp_path):
     """experiments/quickstart_local.yaml at `model.compute_dtype: bfloat16` (mixed precision: float32 parameters,
     bfloat16 forward and backward passes in the learner, the engine serving the bfloat16 cast), 100 RL steps: the
     held-out reward rises as at float32, and every hand-over casts the learner's arrays for the engine."""
-    out = tmp_path / "run"
-    log = tmp_path / "run.log"
-    args = ["--config", str(ROOT / "experiments" / "quickstart_local.yaml"), "--output_dir", str(out)]
-    args += ["--orchestrator.num_steps", "100", "--model.compute_dtype", "bfloat16"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "marin_rl.run", *args],
-        cwd=ROOT,
-        env=_without_ray(tmp_path),
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    _finish(proc, log, 900)
-    summary = json.loads((out / "summary.json").read_text())
-    gain = summary["eval_reward_end"] - summary["eval_reward_start"]
-    assert gain >= 0.15, f"held-out reward {summary['eval_reward_start']:.3f} -> {summary['eval_reward_end']:.3f}"
+    out, _, _ = _local_quickstart_learns(tmp_path, 900, "--model.compute_dtype", "bfloat16")
     handed = [r for r in read_metrics(str(out / "metrics.jsonl")) if "broadcast/bytes" in r]
     assert len(handed) == 101 and all(0 < r["broadcast/bytes"] < r["broadcast/policy_bytes"] for r in handed[1:])
 

@@ -116,11 +116,11 @@ def test_the_server_on_the_dense_engine_serves_new_weights_without_recompiling(s
     try:
         server.apply_weights(0, learner.weights())
         before = asyncio.run(sample())
-        compiled = server.context.engine._jitted._cached._cache_size()
+        compiled = server.context.engine.compiled_programs()
         learner.warm_start([(prompt, tok("99")["input_ids"] + [tok.eos_token_id])] * 8, 64)  # new weights
         server.apply_weights(1, learner.weights())
         after = asyncio.run(sample())
-        assert server.context.engine._jitted._cached._cache_size() == compiled, "new weights recompiled"
+        assert server.context.engine.compiled_programs() == compiled, "new weights recompiled"
         assert all(s.version_start == s.version_end == 1 for s in after)
         assert [s.token_ids for s in before] != [s.token_ids for s in after]
         assert server.stats()["batches"] >= 2

@@ -1,28 +1,38 @@
-"""A dense-cache sampler for the embedded server: every sequence of a batch decoded in one compiled loop.
+"""A dense-cache sampler for the embedded server that batches continuously: slots of a dense KV cache, prompts
+prefilled together (a group's samples share their prompt's prefill), every live slot decoded in compiled chunks, and a
+slot whose sequence finishes refilled with a waiting one.
 
 Levanter's engine (`levanter.inference.engine`) serves from a paged KV cache with a scheduler that admits, prefills,
-decodes and retires sequences in many small device programs; on a TPU its kernels make that fast. On a CPU, for the
-short sequences of small models, the bookkeeping and the reference attention (one sequence and one query token at a
-time) cost far more than the model: ~0.2 s for 200 prompts × 5 tokens of a 0.56M-parameter model, most of it outside
-the matrix products.
+decodes and retires sequences in many small device programs; on a TPU its kernels make that fast. On a CPU, and for
+the Llama-family models RL trains, the bookkeeping and the reference attention (one sequence and one query token at a
+time) cost more than the model.
 
-`DenseEngine` decodes a batch of up to `max_seqs` sequences position by position in a single `while_loop`: at step t
-every row feeds its token at position t through the model (its prompt's token, or the one it sampled), writes the
-key and value into a dense cache of `max_seq_len` positions per row, and rows past their prompt sample position t+1.
-The loop ends when every row has stopped (a stop sequence, its token limit). Prompts are read one token per step, so
-its cost is (longest prompt + longest completion) × rows: right for short prompts and completions, wrong for long
-contexts, where the paged engine's batched prefill wins (`inference.levanter.engine: paged`).
+`DenseEngine.run` holds up to `max_seqs` sequences at once in slots of a dense cache (`max_seq_len` positions per
+slot, keys [slot, kv_head, head_size, position], values [slot, kv_head, position, head_size], per layer):
+
+- **admission**: waiting sequences take free slots; their distinct prompts are prefilled in one forward over
+  [prompts, positions] (causal attention over each prompt, at most `prefill_tokens` prompt tokens per call), each
+  prompt's keys and values are copied into every slot that samples from it (the n samples of a request, a group), and
+  each slot samples its first token from its prompt's last logits;
+- **decoding**: one compiled loop feeds every slot its last token at its own position, writes the key and value there,
+  and samples the next, for up to `decode_steps` steps (to the end when nothing waits);
+- **retirement**: after each chunk the host reads which slots have finished (a stop sequence, their token limit) and
+  frees them for waiting sequences.
+
+So a batch of sequences whose lengths differ costs the sum of their lengths, not the longest times the count, and
+requests beyond `max_seqs` need no second engine call.
 
 Sampling is Levanter's: the same sampler module, and per token the key `fold_in(key(seed), position)` of the position
-whose logits are sampled, as the paged engine derives it, so a seeded request's samples do not depend on which
-other requests share its batch, and a generation continued in segments samples what one pass would. Supported
-models are Levanter's Llama family (Llama, Mistral, Qwen: `LlamaDecoderLayer`s with plain multi-head attention);
-`DenseEngine` raises ValueError for others.
+whose logits are sampled, as the paged engine derives it, so a seeded request's samples do not depend on which other
+requests share its batch, and a generation continued in segments samples what one pass would (up to the last bits of
+a prefilled key against a decoded one). Supported models are Levanter's Llama family (Llama, Mistral, Qwen:
+`LlamaDecoderLayer`s with plain multi-head attention); `DenseEngine` raises ValueError for others.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,30 +100,21 @@ def check_supported(model: LmHeadModel) -> None:
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
 
 
-def _layer_step(layer: LlamaDecoderLayer | QwenDecoderLayer, x: hax.NamedArray, cache, t, pos_ids: hax.NamedArray):
-    """One decoder layer on one token per row (`x`: [batch, position=1, embed]) at position `t`, reading and
-    extending the dense cache (keys [batch, kv_head, head_size, S], values [batch, kv_head, S, head_size]); mirrors
-    `LlamaDecoderLayer.decode` with `Attention.paged_decode`."""
-    keys, values = cache
-    attn: Attention = layer.self_attn
-    residual = x
-    h = layer.input_layernorm(x)
-    q, k, v = attn._compute_qkv(h, key=None, pos_ids=pos_ids)
-    new_k = k.rearrange(("batch", "kv_head", "head_size", "position")).array.astype(keys.dtype)
-    new_v = v.rearrange(("batch", "kv_head", "position", "head_size")).array.astype(values.dtype)
-    keys = jax.lax.dynamic_update_slice(keys, new_k, (0, 0, 0, t))
-    values = jax.lax.dynamic_update_slice(values, new_v, (0, 0, t, 0))
+def _attention_scale(attn: Attention) -> float:
     cfg = attn.config
-    scale = cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(cfg.HeadSize.size)
-    qa = q.rearrange(("batch", "kv_head", "q_heads_per_group", "head_size", "position")).array[..., 0]
-    scores = jnp.einsum("bhgd,bhds->bhgs", (qa * scale).astype(jnp.float32), keys.astype(jnp.float32))
-    if cfg.logits_soft_cap is not None:
-        scores = jnp.tanh(scores / cfg.logits_soft_cap) * cfg.logits_soft_cap
-    scores = jnp.where(jnp.arange(keys.shape[-1]) <= t, scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgs,bhsd->bhgd", weights, values.astype(jnp.float32))
-    out = hax.named(out[:, None], ("batch", "position", "kv_head", "q_heads_per_group", "head_size"))
-    out = out.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(x.dtype)
+    return cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(cfg.HeadSize.size)
+
+
+def _soft_cap(attn: Attention, scores: jnp.ndarray) -> jnp.ndarray:
+    cap = attn.config.logits_soft_cap
+    return scores if cap is None else jnp.tanh(scores / cap) * cap
+
+
+def _rest_of_layer(layer, residual: hax.NamedArray, out: jnp.ndarray, axes: tuple[str, ...]) -> hax.NamedArray:
+    """The layer after attention: output projection, residual, MLP (`out` [batch, position, kv_head, group,
+    head_size] as a plain array named by `axes`)."""
+    attn: Attention = layer.self_attn
+    out = hax.named(out, axes).flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(residual.dtype)
     attn_output = attn.o_proj(out, key=None)
     if getattr(layer, "post_attn_layernorm", None) is not None:
         attn_output = layer.post_attn_layernorm(attn_output)
@@ -122,78 +123,223 @@ def _layer_step(layer: LlamaDecoderLayer | QwenDecoderLayer, x: hax.NamedArray, 
     mlp_output = layer.mlp(layer.post_attention_layernorm(x), key=None)
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_output = layer.post_mlp_layernorm(mlp_output)
-    return residual + mlp_output, (keys, values)
+    return residual + mlp_output
 
 
-def _model_step(model: LmHeadModel, caches, tokens: jnp.ndarray, t):
-    """Logits [batch, vocab] after feeding `tokens` (one per row) at position `t`, and the extended caches."""
-    ids = hax.named(tokens[:, None], ("batch", "position"))
-    pos_ids = hax.named(jnp.full((tokens.shape[0], 1), t, jnp.int32), ("batch", "position"))
-    x = model.embeddings.embed(ids)
-    new_caches = []
-    for layer, cache in zip(model.transformer.layers.unstacked(), caches, strict=True):
-        x, cache = _layer_step(layer, x, cache, t, pos_ids)
-        new_caches.append(cache)
+_OUT_AXES = ("batch", "position", "kv_head", "q_heads_per_group", "head_size")
+
+
+def _layer_prefill(layer, x: hax.NamedArray, pos_ids: hax.NamedArray, cache_dtype):
+    """One decoder layer over whole prompts (`x` [batch, position, embed], causal attention); returns its output and
+    the prompts' keys [batch, kv_head, head_size, position] and values [batch, kv_head, position, head_size]."""
+    attn: Attention = layer.self_attn
+    q, k, v = attn._compute_qkv(layer.input_layernorm(x), key=None, pos_ids=pos_ids)
+    keys = k.rearrange(("batch", "kv_head", "head_size", "position")).array.astype(cache_dtype)
+    values = v.rearrange(("batch", "kv_head", "position", "head_size")).array.astype(cache_dtype)
+    qa = q.rearrange(("batch", "kv_head", "q_heads_per_group", "position", "head_size")).array
+    scores = jnp.einsum(
+        "bhgqd,bhdk->bhgqk", (qa * _attention_scale(attn)).astype(jnp.float32), keys.astype(jnp.float32)
+    )
+    scores = _soft_cap(attn, scores)
+    positions = qa.shape[3]
+    causal = jnp.arange(positions)[None, :] <= jnp.arange(positions)[:, None]
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhgqk,bhkd->bqhgd", weights, values.astype(jnp.float32))
+    return _rest_of_layer(layer, x, out, _OUT_AXES), (keys, values)
+
+
+def _layer_decode(layer, x: hax.NamedArray, cache, pos: jnp.ndarray, pos_ids: hax.NamedArray):
+    """One decoder layer on one token per slot (`x` [batch, position=1, embed]) at each slot's position `pos`,
+    writing its key and value into the slot's cache there and attending to the slot's positions up to it; mirrors
+    `LlamaDecoderLayer.decode` with `Attention.paged_decode`."""
+    keys, values = cache
+    attn: Attention = layer.self_attn
+    q, k, v = attn._compute_qkv(layer.input_layernorm(x), key=None, pos_ids=pos_ids)
+    rows = jnp.arange(keys.shape[0])
+    new_k = k.rearrange(("batch", "kv_head", "head_size", "position")).array[..., 0].astype(keys.dtype)
+    new_v = v.rearrange(("batch", "kv_head", "head_size", "position")).array[..., 0].astype(values.dtype)
+    keys = keys.at[rows, :, :, pos].set(new_k)
+    values = values.at[rows, :, pos, :].set(new_v)
+    qa = q.rearrange(("batch", "kv_head", "q_heads_per_group", "head_size", "position")).array[..., 0]
+    scores = jnp.einsum("bhgd,bhds->bhgs", (qa * _attention_scale(attn)).astype(jnp.float32), keys.astype(jnp.float32))
+    scores = _soft_cap(attn, scores)
+    visible = jnp.arange(keys.shape[-1])[None, :] <= pos[:, None]  # [slot, position]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgs,bhsd->bhgd", weights, values.astype(jnp.float32))
+    return _rest_of_layer(layer, x, out[:, None], _OUT_AXES), (keys, values)
+
+
+def _head(model: LmHeadModel, x: hax.NamedArray) -> hax.NamedArray:
+    """Logits of final hidden states `x` (the model's norm, then its head or tied embeddings)."""
     x = model.transformer.norm(x)
-    logits = model.lm_head(x, key=None) if model.lm_head is not None else model.embeddings.unembed(x)
-    return logits["position", 0], new_caches
+    return model.lm_head(x, key=None) if model.lm_head is not None else model.embeddings.unembed(x)
 
 
-def _ends_with_stop(tokens: jnp.ndarray, end, stops: jnp.ndarray) -> jnp.ndarray:
-    """Per row: whether tokens[:, :end + 1] ends with one of the row's stop sequences (`stops` [batch, K, L], left
+def _ends_with_stop(tokens: jnp.ndarray, end: jnp.ndarray, stops: jnp.ndarray) -> jnp.ndarray:
+    """Per row: whether tokens[r, :end[r] + 1] ends with one of the row's stop sequences (`stops` [batch, K, L], left
     padded with INVALID; an all-INVALID sequence never matches)."""
     length = stops.shape[-1]
-    padded = jnp.pad(tokens, ((0, 0), (length, 0)), constant_values=INVALID)
-    window = jax.lax.dynamic_slice_in_dim(padded, end + 1, length, axis=1)  # positions end-L+1 .. end
+    idx = end[:, None] - length + 1 + jnp.arange(length)[None, :]  # positions end-L+1 .. end
+    window = jnp.where(idx >= 0, jnp.take_along_axis(tokens, jnp.maximum(idx, 0), axis=1), INVALID)
     used = stops != INVALID
     match = jnp.all(~used | (window[:, None, :] == stops), axis=-1) & jnp.any(used, axis=-1)
     return jnp.any(match, axis=-1)
 
 
-def _generate(model, sampler: Sampler, tokens, lengths, limits, temperatures, keys, stops, cache_dtype):
-    """Decode every row of `tokens` [B, S] (its first `lengths` tokens given) up to `limits` tokens in all or a stop
-    sequence; returns (tokens, logprobs of the sampled positions, number sampled per row)."""
-    rows, positions = tokens.shape
+class _Slots(eqx.Module):
+    """The device state of the slots: every layer's cache and each slot's sequence and decoding parameters."""
+
+    caches: list
+    tokens: jnp.ndarray  # [slot, S] prompt and sampled tokens
+    logprobs: jnp.ndarray  # [slot, S] the sampled tokens' logprobs (0 elsewhere)
+    pos: jnp.ndarray  # [slot] position of the slot's last token (fed at its next decode step)
+    limits: jnp.ndarray  # [slot] tokens in all (prompt included) at which the slot stops
+    temperatures: jnp.ndarray
+    keys: jnp.ndarray  # [slot, 2] PRNG key data
+    stops: jnp.ndarray  # [slot, K, L]
+    done: jnp.ndarray  # [slot] finished or empty
+
+
+def _empty_slots(model: LmHeadModel, slots: int, positions: int, stops_shape: tuple[int, int], cache_dtype) -> _Slots:
     cfg = model.transformer.layers.unstacked()[0].self_attn.config
     heads, head_size = cfg.KVHeads.size, cfg.HeadSize.size
     caches = [
         (
-            jnp.zeros((rows, heads, head_size, positions), cache_dtype),
-            jnp.zeros((rows, heads, positions, head_size), cache_dtype),
+            jnp.zeros((slots, heads, head_size, positions), cache_dtype),
+            jnp.zeros((slots, heads, positions, head_size), cache_dtype),
         )
         for _ in model.transformer.layers.unstacked()
     ]
-    logprobs = jnp.zeros((rows, positions), jnp.float32)
-    sampled = jnp.zeros((rows,), jnp.int32)
-    done = lengths >= limits
+    return _Slots(
+        caches=caches,
+        tokens=jnp.zeros((slots, positions), jnp.int32),
+        logprobs=jnp.zeros((slots, positions), jnp.float32),
+        pos=jnp.zeros((slots,), jnp.int32),
+        limits=jnp.ones((slots,), jnp.int32),
+        temperatures=jnp.ones((slots,), jnp.float32),
+        keys=jnp.zeros((slots, 2), jnp.uint32),
+        stops=jnp.full((slots, *stops_shape), INVALID, jnp.int32),
+        done=jnp.ones((slots,), bool),
+    )
 
-    def cond(state):
-        t, _, _, _, _, done = state
-        return (t < positions - 1) & ~jnp.all(done)
 
-    def body(state):
-        t, caches, tokens, logprobs, sampled, done = state
-        logits, caches = _model_step(model, caches, tokens[:, t], t)
-        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
-        # top_ps=None: the whole distribution at the row's temperature (no nucleus filter to compute)
-        new, lp = hax.vmap(sampler, "batch")(logits, hax.named(temperatures, "batch"), top_ps=None, key=step_keys)
-        writes = (t + 1 >= lengths) & ~done  # rows sampling position t+1
-        tokens = tokens.at[:, t + 1].set(jnp.where(writes, new.array, tokens[:, t + 1]))
-        logprobs = logprobs.at[:, t + 1].set(jnp.where(writes, lp.array, 0.0))
-        sampled = sampled + writes
-        finished = (t + 2 >= limits) | _ends_with_stop(tokens, t + 1, stops)
-        return t + 1, caches, tokens, logprobs, sampled, done | (writes & finished)
+def _sample(sampler: Sampler, logits: hax.NamedArray, temperatures, keys, positions):
+    """Each row's token and logprob from its logits at its temperature, with the key of the sampled position's
+    logits (`fold_in(key, position)`)."""
+    step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
+    # top_ps=None: the whole distribution at the row's temperature (no nucleus filter to compute)
+    new, lp = hax.vmap(sampler, "batch")(logits, hax.named(temperatures, "batch"), top_ps=None, key=step_keys)
+    return new.array, lp.array
 
-    start = (jnp.int32(0), caches, tokens, logprobs, sampled, done)
-    _, _, tokens, logprobs, sampled, _ = jax.lax.while_loop(cond, body, start)
-    return tokens, logprobs, sampled
+
+def _admit(model, sampler: Sampler, state: _Slots, prompts, lengths, source, slot, limits, temperatures, keys, stops):
+    """Prefill `prompts` [U, P] (their first `lengths` tokens real) and start the rows that sample from them: row i
+    reads prompt `source[i]` into slot `slot[i]` (a slot index past the last: padding, dropped) and samples its first
+    token."""
+    cache_dtype = state.caches[0][0].dtype
+    ids = hax.named(prompts, ("batch", "position"))
+    pos_ids = hax.named(jnp.broadcast_to(jnp.arange(prompts.shape[1]), prompts.shape), ("batch", "position"))
+    x = model.embeddings.embed(ids)
+    caches = []
+    for layer, (keys_cache, values_cache) in zip(model.transformer.layers.unstacked(), state.caches, strict=True):
+        x, (k, v) = _layer_prefill(layer, x, pos_ids, cache_dtype)
+        width = k.shape[-1]
+        keys_cache = keys_cache.at[slot, :, :, :width].set(k[source], mode="drop")
+        values_cache = values_cache.at[slot, :, :width, :].set(v[source], mode="drop")
+        caches.append((keys_cache, values_cache))
+    last = lengths - 1
+    hidden = x.array[jnp.arange(x.array.shape[0]), last]  # [U, embed] each prompt's last position
+    logits = _head(model, hax.named(hidden[source], ("batch", x.axes[-1].name)))
+    row_last = last[source]
+    new, lp = _sample(sampler, logits, temperatures, keys, row_last)
+    positions = state.tokens.shape[1]
+    rows = jnp.pad(prompts[source], ((0, 0), (0, positions - prompts.shape[1])))
+    first = row_last + 1  # where the first sampled token goes
+    rows = rows.at[jnp.arange(rows.shape[0]), first].set(new, mode="drop")
+    row_lps = jnp.zeros(rows.shape, jnp.float32).at[jnp.arange(rows.shape[0]), first].set(lp, mode="drop")
+    done = (first + 1 >= limits) | _ends_with_stop(rows, first, stops)
+    put = lambda a, b: a.at[slot].set(b, mode="drop")  # noqa: E731
+    return _Slots(
+        caches=caches,
+        tokens=put(state.tokens, rows),
+        logprobs=put(state.logprobs, row_lps),
+        pos=put(state.pos, first),
+        limits=put(state.limits, limits),
+        temperatures=put(state.temperatures, temperatures),
+        keys=put(state.keys, keys),
+        stops=put(state.stops, stops),
+        done=put(state.done, done),
+    )
+
+
+def _decode(model, sampler: Sampler, state: _Slots, steps):
+    """Up to `steps` decode steps of every live slot (fewer when all finish): feed the slot's last token at its
+    position, sample the next. Returns (steps taken, live slot-steps among them, the new state)."""
+    rows = state.tokens.shape[0]
+    last = state.tokens.shape[1] - 1
+
+    def cond(carry):
+        i, _, state = carry
+        return (i < steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        i, live_slot_steps, s = carry
+        token = jnp.take_along_axis(s.tokens, s.pos[:, None], axis=1)[:, 0]
+        ids = hax.named(token[:, None], ("batch", "position"))
+        pos_ids = hax.named(s.pos[:, None], ("batch", "position"))
+        x = model.embeddings.embed(ids)
+        caches = []
+        for layer, cache in zip(model.transformer.layers.unstacked(), s.caches, strict=True):
+            x, cache = _layer_decode(layer, x, cache, s.pos, pos_ids)
+            caches.append(cache)
+        logits = _head(model, x)["position", 0]
+        new, lp = _sample(sampler, logits, s.temperatures, s.keys, s.pos)
+        live = ~s.done
+        at = jnp.minimum(s.pos + 1, last)
+        r = jnp.arange(rows)
+        tokens = s.tokens.at[r, at].set(jnp.where(live, new, s.tokens[r, at]))
+        logprobs = s.logprobs.at[r, at].set(jnp.where(live, lp, s.logprobs[r, at]))
+        pos = jnp.where(live, at, s.pos)
+        finished = (pos + 1 >= s.limits) | _ends_with_stop(tokens, pos, s.stops)
+        done = s.done | (live & finished)
+        state = dataclasses.replace(s, caches=caches, tokens=tokens, logprobs=logprobs, pos=pos, done=done)
+        return i + 1, live_slot_steps + jnp.sum(live, dtype=jnp.int32), state
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), state))
+
+
+def _bucket(n: int, floor: int, cap: int, base: int = 2) -> int:
+    """The smallest power of `base` times `floor` that holds `n`, capped at `cap`."""
+    size = floor
+    while size < n:
+        size *= base
+    return min(size, cap)
+
+
+@dataclass
+class DecodeStats:
+    """What `DenseEngine.run` did, summed over its calls."""
+
+    prefill_calls: int = 0
+    prefilled_prompts: int = 0
+    """Distinct prompts prefilled (a group's samples share one)."""
+    admitted: int = 0
+    """Sequences started in a slot."""
+    decode_calls: int = 0
+    decode_steps: int = 0
+    """Decode steps at which at least one slot was live."""
+    slot_steps: int = 0
+    """Slot-steps of those decode steps (slots × steps): live_slot_steps / slot_steps is the slots' occupancy."""
+    live_slot_steps: int = 0
 
 
 class DenseEngine:
-    """Decodes batches of Levanter `Request`s (one generation each) with a dense KV cache; `generate` returns a
-    Levanter `GenerationResult`, so it stands in for Levanter's engine in the embedded server. `model` may be
-    replaced between calls by one of the same structure and shardings (nothing recompiles). `batch_invariant`: every
-    batch padded to `max_seqs` rows, so a row's results are bit-identical whatever shares its batch."""
+    """Decodes Levanter `Request`s (one generation each) with a dense KV cache of `max_seqs` slots, batching
+    continuously; `generate` returns a Levanter `GenerationResult`, so it stands in for Levanter's engine in the
+    embedded server. `model` may be replaced between calls by one of the same structure and shardings (nothing
+    recompiles). `batch_invariant`: always `max_seqs` slots and one prefill shape, so a sequence's results are
+    bit-identical whatever shares its call."""
 
     def __init__(
         self,
@@ -206,8 +352,12 @@ class DenseEngine:
         max_stop_tokens: int,
         cache_dtype=jnp.float32,
         batch_invariant: bool = False,
+        decode_steps: int = 16,
+        prefill_tokens: int = 4096,
     ):
         check_supported(model)
+        if decode_steps < 1 or prefill_tokens < 1:
+            raise ValueError(f"decode_steps and prefill_tokens must be >= 1, got {decode_steps}, {prefill_tokens}")
         self.model = model
         self.sampler = sampler
         self.max_seqs = max_seqs
@@ -215,20 +365,33 @@ class DenseEngine:
         self.max_stop_seqs = max_stop_seqs
         self.max_stop_tokens = max_stop_tokens
         self.cache_dtype = cache_dtype
-        # batch_invariant: one row count, so no row's arithmetic depends on how many others share its batch
+        self.batch_invariant = batch_invariant
+        self.decode_steps = decode_steps
+        """Decode steps per device call while sequences wait for a slot (a finished slot refills after at most this
+        many); with nothing waiting a call decodes to the end."""
+        self.prefill_tokens = prefill_tokens
+        """Prompt tokens (distinct prompts × their padded length) one prefill call takes at most."""
+        # batch_invariant: one slot count, so no row's arithmetic depends on how many others share its call
         self.buckets = [max_seqs] if batch_invariant else sorted({min(b, max_seqs) for b in BATCH_BUCKETS} | {max_seqs})
-        self._jitted = eqx.filter_jit(_generate)
+        self._empty = eqx.filter_jit(_empty_slots)
+        self._admit = eqx.filter_jit(_admit, donate="all-except-first")
+        self._decode = eqx.filter_jit(_decode, donate="all-except-first")
+        self.stats = DecodeStats()
         self.model_version = -1
         """The policy version of `model` (its owner sets both)."""
         self.call_guard: Callable[[int, tuple], contextlib.AbstractContextManager] | None = None
         """Entered around every decode call with (`model_version`, the call's input arrays): a multi-process run
         orders its processes' device work with it (`marin_rl.orchestrator.local_backend.spmd`)."""
 
+    def compiled_programs(self) -> int:
+        """How many programs the engine has compiled (a new model of the same structure must not add any)."""
+        return sum(f._cached._cache_size() for f in (self._empty, self._admit, self._decode))
+
     def generate(self, requests: Sequence[Request]) -> GenerationResult:
         """Sample each request's generation (`n_generations` must be 1): tokens after its prompt up to
         `decode_params.max_num_tokens` tokens in all (prompt included) or one of its stop sequences (included), at
-        its temperature, with its key. Raises ValueError for more than `max_seqs` requests or a prompt that does not
-        fit."""
+        its temperature, with its key. Any number of requests: beyond `max_seqs` they wait for a free slot. Raises
+        ValueError for a prompt that does not fit."""
         inputs = self.prepare(requests)
         with self.call_guard(self.model_version, inputs) if self.call_guard is not None else contextlib.nullcontext():
             out, logprobs, sampled = self.run(inputs)
@@ -236,26 +399,23 @@ class DenseEngine:
         result_tokens, result_logprobs = [], []
         for i in range(len(requests)):
             a, b = lengths[i], lengths[i] + int(sampled[i])
-            result_tokens.append([int(x) for x in out[i, a:b]])
-            result_logprobs.append([float(x) for x in logprobs[i, a:b]])
+            result_tokens.append(out[i, a:b].tolist())
+            result_logprobs.append(logprobs[i, a:b].tolist())
         return GenerationResult(result_tokens, result_logprobs, int(sum(len(t) for t in result_tokens)))
 
     def prepare(self, requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
-        """The host arrays one decode call takes for `requests`: (tokens, lengths, limits, temperatures, keys, stops),
-        padded to the batch's row bucket."""
+        """The host arrays one `run` takes for `requests`, one row each: (tokens [n, max_seq_len], lengths, limits,
+        temperatures, keys, stops)."""
         n = len(requests)
-        if n > self.max_seqs:
-            raise ValueError(f"{n} requests exceed the dense engine's max_seqs={self.max_seqs}")
         if any(r.n_generations != 1 for r in requests):
             raise ValueError("the dense engine samples one generation per request (n_generations=1)")
-        rows = next(b for b in self.buckets if b >= n)
         S = self.max_seq_len
-        tokens = np.zeros((rows, S), np.int32)
-        lengths = np.ones(rows, np.int32)
-        limits = np.ones(rows, np.int32)  # padding rows: nothing to generate
-        temperatures = np.ones(rows, np.float32)
-        keys = np.zeros((rows, 2), np.uint32)
-        stops = np.full((rows, self.max_stop_seqs, self.max_stop_tokens), INVALID, np.int32)
+        tokens = np.zeros((n, S), np.int32)
+        lengths = np.ones(n, np.int32)
+        limits = np.ones(n, np.int32)
+        temperatures = np.ones(n, np.float32)
+        keys = np.zeros((n, 2), np.uint32)
+        stops = np.full((n, self.max_stop_seqs, self.max_stop_tokens), INVALID, np.int32)
         for i, r in enumerate(requests):
             prompt = list(r.prompt_tokens)
             if not 0 < len(prompt) < S:
@@ -272,10 +432,89 @@ class DenseEngine:
         return tokens, lengths, limits, temperatures, keys, stops
 
     def run(self, inputs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One decode call on `prepare`'s arrays with the current model: (tokens, logprobs, sampled per row) on the
-        host. Over several processes (a model sharded across hosts) every process must make the same call."""
-        outputs = self._jitted(self.model, self.sampler, *inputs, self.cache_dtype)
-        return tuple(_to_host(x) for x in outputs)
+        """Decode `prepare`'s rows with the current model, continuously batched: (tokens [n, max_seq_len], logprobs
+        of the sampled positions, number sampled per row) on the host. Over several processes (a model sharded
+        across hosts) every process must make the same call: every decision here follows from the inputs and the
+        gathered outputs."""
+        tokens, lengths, limits, temperatures, keys, stops = inputs
+        n = tokens.shape[0]
+        out_tokens, out_logprobs = tokens.copy(), np.zeros(tokens.shape, np.float32)
+        sampled = np.zeros(n, np.int32)
+        waiting = [i for i in range(n) if lengths[i] < limits[i]]  # the others sample nothing
+        if not waiting:
+            return out_tokens, out_logprobs, sampled
+        slots = (
+            self.buckets[-1] if len(waiting) > self.buckets[-1] else next(b for b in self.buckets if b >= len(waiting))
+        )
+        state = self._empty(self.model, slots, self.max_seq_len, stops.shape[1:], self.cache_dtype)
+        occupant = [-1] * slots  # request row in each slot
+        waiting.reverse()  # pop() takes them in order
+        while waiting or any(o >= 0 for o in occupant):
+            free = [s for s in range(slots) if occupant[s] < 0]
+            if waiting and free:
+                rows = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
+                for row, slot in zip(rows, free, strict=False):
+                    occupant[slot] = row
+                state = self._start(state, inputs, rows, free[: len(rows)], slots)
+            steps = self.decode_steps if waiting else self.max_seq_len
+            taken, live, state = self._decode(self.model, self.sampler, state, np.asarray(steps, np.int32))
+            taken, live, done, pos = (_to_host(x) for x in (taken, live, state.done, state.pos))
+            self.stats.decode_calls += 1
+            self.stats.decode_steps += int(taken)
+            self.stats.slot_steps += int(taken) * slots
+            self.stats.live_slot_steps += int(live)
+            finished = [s for s in range(slots) if occupant[s] >= 0 and done[s]]
+            if finished:
+                host_tokens, host_logprobs = _to_host(state.tokens), _to_host(state.logprobs)
+                for s in finished:
+                    row = occupant[s]
+                    out_tokens[row] = host_tokens[s]
+                    out_logprobs[row] = host_logprobs[s]
+                    sampled[row] = pos[s] + 1 - lengths[row]
+                    occupant[s] = -1
+        return out_tokens, out_logprobs, sampled
+
+    def _start(self, state: _Slots, inputs, rows: list[int], free: list[int], slots: int) -> _Slots:
+        """Admit request `rows` into slots `free`: prefill their distinct prompts (in calls of at most
+        `prefill_tokens` prompt tokens) and sample each one's first token."""
+        tokens, lengths, limits, temperatures, keys, stops = inputs
+        distinct: dict[bytes, int] = {}  # prompt -> index among the distinct prompts
+        source = []
+        for row in rows:
+            prompt = tokens[row, : lengths[row]]
+            source.append(distinct.setdefault(prompt.tobytes(), len(distinct)))
+        prompt_rows = [rows[source.index(u)] for u in range(len(distinct))]  # each prompt's first row
+        width = self.max_seq_len if self.batch_invariant else _bucket(int(lengths[rows].max()), 16, self.max_seq_len)
+        per_call = max(1, self.prefill_tokens // width)
+        for first in range(0, len(prompt_rows), per_call):
+            group = range(first, min(first + per_call, len(prompt_rows)))
+            members = [i for i, u in enumerate(source) if u in group]
+            u_rows = per_call if self.batch_invariant else _bucket(len(group), 1, per_call, base=4)
+            m_rows = slots if self.batch_invariant else _bucket(len(members), 1, slots, base=4)
+            prompts = np.zeros((u_rows, width), np.int32)
+            prompt_lengths = np.ones(u_rows, np.int32)
+            for j, u in enumerate(group):
+                prompts[j] = tokens[prompt_rows[u], :width]
+                prompt_lengths[j] = lengths[prompt_rows[u]]
+            pad = m_rows - len(members)
+            member_rows = [rows[i] for i in members] + [rows[members[0]]] * pad
+            state = self._admit(
+                self.model,
+                self.sampler,
+                state,
+                prompts,
+                prompt_lengths,
+                np.asarray([source[i] - first for i in members] + [0] * pad, np.int32),
+                np.asarray([free[i] for i in members] + [slots] * pad, np.int32),  # slot `slots`: padding, dropped
+                limits[member_rows],
+                temperatures[member_rows],
+                keys[member_rows],
+                stops[member_rows],
+            )
+            self.stats.prefill_calls += 1
+            self.stats.prefilled_prompts += len(group)
+            self.stats.admitted += len(members)
+        return state
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -317,11 +317,11 @@ class _VersionedContext(InferenceContext):
         """Sequences the engine holds at once."""
         return self.engine.max_seqs if isinstance(self.engine, DenseEngine) else self.engine.config.max_seqs
 
-    def _call_capacity(self) -> tuple[int, float]:
-        """(sequences, prompt tokens) one engine call takes: what the paged engine's prefill admits, or the dense
-        engine's rows."""
+    def _call_capacity(self) -> tuple[float, float]:
+        """(sequences, prompt tokens) one engine call takes: what the paged engine's prefill admits; the dense engine
+        takes any number (sequences beyond its slots wait inside the call for one to free)."""
         if isinstance(self.engine, DenseEngine):
-            return self.engine.max_seqs, float("inf")
+            return float("inf"), float("inf")
         cfg = self.engine.config
         return cfg.max_seqs_in_prefill, cfg.max_prefill_size
 
@@ -548,6 +548,8 @@ class LevanterInferenceServer(CompletionBackend):
                 max_stop_tokens=engine_config.max_stop_tokens,
                 cache_dtype=_DTYPES[lev.kv_cache_dtype],
                 batch_invariant=lev.batch_invariant,
+                decode_steps=lev.max_rounds,
+                prefill_tokens=lev.prefill_tokens,
             )
         else:
             check_paged_supported(model)

@@ -28,6 +28,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "model_size": "mfu",
     "packing": "packing_efficiency",
     "sampler_agreement": "max_abs_dlogprob",
+    "scale": "trained_tok_s_over_target",
     "server_load": "recovery_over_initial",
     "staleness": "async_over_sync",
 }

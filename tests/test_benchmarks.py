@@ -28,6 +28,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "model_size": "mfu",
     "packing": "packing_efficiency",
     "sampler_agreement": "max_abs_dlogprob",
+    "scale": "trained_tok_s_over_target",
     "server_load": "recovery_over_initial",
     "staleness": "async_over_sync",
 }
@@ -160,3 +161,33 @@ def test_the_distillation_benchmark_pairs_seeds_and_averages_curves():
     assert bench.paired_difference(per_seed[:1], label) == (pytest.approx(0.1), 0.0)
     curve = bench.mean_curve([[(0, 0.2), (10, 0.4)], [(0, 0.4), (10, 0.6), (20, 0.9)]])
     assert curve == [(0, pytest.approx(0.3)), (10, pytest.approx(0.5))]
+
+
+def test_the_scale_benchmark_plans_memory_draws_lengths_and_times_steady_steps(monkeypatch):
+    """The plan keeps every activation while microbatching alone fits, then checkpoints, and refuses what cannot fit;
+    the synthetic environment's lengths stay in [128, 512] around a 250-token median; the end-to-end rate counts
+    steps 2 -> N over the time between step 1's row and step N's."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    scale = _benchmark("scale")
+    model_size = _benchmark("model_size")
+    shape = model_size.PRESETS["qwen2.5-0.5b"]
+    work = scale.Workload()
+    assert scale.plan(shape, work, 80e9)[:2] == (False, 4)  # 8 rows of 4096: 8k tokens a microbatch fit
+    checkpointing, microbatches, p = scale.plan(shape, work, 32e9)  # no checkpointing would need 33 GB at 4k tokens
+    assert (checkpointing, microbatches) == (True, 8) and p["total"] <= 0.9 * 32e9
+    with pytest.raises(SystemExit, match="nothing fits"):
+        scale.plan(shape, work, 8e9)
+    import random
+
+    rng = random.Random(0)
+    lengths = [scale.completion_length(rng, 250.0, 0.4, 128, 512) for _ in range(20_000)]
+    assert min(lengths) >= 128 and max(lengths) <= 512
+    assert 230 <= float(np.median(lengths)) <= 270
+    rows = [
+        {"step": 0, "time/unix": 0.0},
+        {"step": 1, "time/unix": 10.0, "batches/tokens": 1000, "throughput/generated_tokens_per_s": 50.0},
+        {"step": 2, "time/unix": 12.0, "batches/tokens": 400, "throughput/generated_tokens_per_s": 100.0},
+        {"step": 3, "time/unix": 14.0, "batches/tokens": 600, "throughput/generated_tokens_per_s": 300.0},
+    ]
+    assert scale.end_to_end_rate(rows, "batches/tokens") == pytest.approx(250.0)
+    assert scale.end_to_end_rate(rows, "throughput/generated_tokens_per_s", per_window=True) == pytest.approx(200.0)

@@ -8,8 +8,9 @@ The model is the released SmolLM2-135M-Instruct (`models/SmolLM2-135M-Instruct.Q
 dequantised to float32 once, `marin_rl.gguf`), `--random` gives random weights of the same shape instead. The
 workload is `--prompts` prompts of about `--prompt-tokens` tokens (math questions in the model's chat template,
 repeated to length), each sampled `--n` times (one request per prompt, all in flight at once, as a rollout worker's
-groups arrive), exactly `--max-tokens` tokens per sample at temperature 1: the embedded server is given no stop token
-and vLLM is asked to `ignore_eos`, so both generate the same number of tokens. Both run on the CPU in float32.
+groups arrive; unseeded: vLLM's CPU build fails seeded requests, 'CPU Generator does not use offset'), exactly
+`--max-tokens` tokens per sample at temperature 1: the embedded server is given no stop token and vLLM is asked to
+`ignore_eos`, so both generate the same number of tokens. Both run on the CPU in float32.
 
 Servers, each through its OpenAI-compatible `/v1/completions` (token-id prompts, per-token logprobs returned), timed
 from the first request sent to the last answer, one warm-up run first (compilation), median of `--repeats`:
@@ -40,8 +41,6 @@ import time
 
 import httpx
 import numpy as np
-
-from marin_rl.inference.dense_engine import DecodeStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GGUF = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -129,7 +128,6 @@ async def _run(address: str, model_name: str, prompts, args, extra: dict) -> int
                         "n": args.n,
                         "max_tokens": args.max_tokens,
                         "temperature": 1.0,
-                        "seed": 1000 + i,
                         "logprobs": 0,
                         **extra,
                     },
@@ -161,9 +159,10 @@ def timed(address: str, model_name: str, prompts, args, extra: dict | None = Non
 
 
 def _counters(engine) -> dict[str, int]:
-    """The dense engine's `DecodeStats` as a dict (the paged engine keeps none: empty)."""
+    """The dense engine's `DecodeStats` as a dict (the paged engine, and the dense engine before it batched
+    continuously, keep none: empty)."""
     stats = getattr(engine, "stats", None)
-    return dataclasses.asdict(stats) if isinstance(stats, DecodeStats) else {}
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else {}
 
 
 def embedded(model, tok, prompts, args, engine: str) -> tuple[float, int, dict]:

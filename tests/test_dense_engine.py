@@ -4,6 +4,7 @@ sequences and token limits end generations, new weights are served without recom
 with a clear error."""
 
 import asyncio
+import dataclasses
 
 import haliax as hax
 import jax
@@ -156,3 +157,78 @@ def test_batch_invariant_engine_gives_bit_identical_logprobs_whatever_shares_the
     for i, p in enumerate(prompts[:4]):
         alone = engine.generate([_request(p, 100 + i, 5, eos)])
         assert alone.tokens[0] == together.tokens[i] and alone.logprobs[0] == together.logprobs[i]
+
+
+def test_continuous_batching_refills_freed_slots_and_shares_a_groups_prefill(setup):
+    """More sequences than slots, of different lengths: each samples what it samples alone (its seed decides), a slot
+    that frees takes a waiting sequence within the call (so the call's decode steps stay near the total work over the
+    slots, not waves of the longest), and a group's samples prefill their prompt once."""
+    tok, env, learner, _ = setup
+    engine = DenseEngine(
+        learner.model,
+        _FullDistributionSampler(learner.model.Vocab),
+        max_seqs=8,
+        max_seq_len=64,
+        max_stop_seqs=4,
+        max_stop_tokens=16,
+        decode_steps=2,
+    )
+    prompts = [env.encode_prompt(p) for p in env.train_problems()[:6]]
+    lengths = [1, 12, 3, 7, 2, 12]
+    requests = [
+        _request(prompts[i % 6], 500 + i, lengths[i % 6] + (i // 6), rid=i) for i in range(24)
+    ]  # no stop: each runs to its limit
+    wanted = [len(r.prompt_tokens) for r in requests]
+    before = dataclasses.replace(engine.stats)
+    together = engine.generate(requests)
+    stats = dataclasses.replace(engine.stats)  # after the call, before the calls below
+    for i, r in enumerate(requests):
+        assert len(together.tokens[i]) == r.decode_params.max_num_tokens - wanted[i]
+    for i in (0, 1, 9, 17, 23):
+        alone = engine.generate([requests[i]])
+        assert alone.tokens[0] == together.tokens[i]
+        assert np.allclose(alone.logprobs[0], together.logprobs[i], atol=1e-5)
+    admitted = stats.admitted - before.admitted
+    assert admitted == 24 > engine.max_seqs
+    # static batching: waves of 8, each as long as its longest (the first token of each comes from the prefill)
+    static = sum(max(len(t) for t in together.tokens[w : w + 8]) - 1 for w in range(0, 24, 8))
+    steps = stats.decode_steps - before.decode_steps
+    assert steps < static, (steps, static)
+    occupancy = (stats.live_slot_steps - before.live_slot_steps) / (stats.slot_steps - before.slot_steps)
+    assert occupancy > 0.7, occupancy
+    # a group: four samples of one prompt prefill it once
+    engine.stats = type(engine.stats)()
+    group = engine.generate([_request(prompts[0], 900 + k, 4, rid=k) for k in range(4)])
+    assert engine.stats.prefilled_prompts == 1 and engine.stats.admitted == 4
+    assert len({tuple(t) for t in group.tokens}) > 1, "the samples of a group differ (their seeds do)"
+
+
+def test_requests_that_arrive_during_a_call_join_it_and_each_is_told_as_it_ends(setup):
+    """`more` is asked between chunks while a slot is free: arrivals join the running call (no second call), sample
+    what they sample alone, and `finished` hears of each one as it ends, short ones before the long one."""
+    tok, env, learner, _ = setup
+    engine = DenseEngine(
+        learner.model,
+        _FullDistributionSampler(learner.model.Vocab),
+        max_seqs=16,
+        max_seq_len=64,
+        max_stop_seqs=4,
+        max_stop_tokens=16,
+        decode_steps=2,
+    )
+    prompts = [env.encode_prompt(p) for p in env.train_problems()[:4]]
+    long = _request(prompts[0], 1, 30, rid=0)
+    arrivals = [[_request(prompts[1], 2, 3, rid=1)], [], [_request(prompts[2], 3, 4), _request(prompts[3], 4, 40)]]
+    asked, order = [], []
+
+    def more(positions):
+        asked.append(positions)
+        return arrivals.pop(0) if arrivals else []
+
+    result = engine.generate([long], more=more, finished=lambda i, t, lp: order.append((i, len(t))))
+    assert len(result.tokens) == 4 and len(asked) >= 3
+    assert asked[0] >= len(prompts[3]) + 40, "the call's cache holds the longest arrival (more() must not give more)"
+    assert [len(t) for t in result.tokens] == [30, 3, 4, 40]
+    assert order[0][0] in (1, 2) and order.index((0, 30)) > order.index((1, 3)), order
+    for i, r in enumerate([long, _request(prompts[1], 2, 3), _request(prompts[2], 3, 4)]):
+        assert engine.generate([r]).tokens[0] == result.tokens[i]

@@ -7,8 +7,9 @@ decodes and retires sequences in many small device programs; on a TPU its kernel
 the Llama-family models RL trains, the bookkeeping and the reference attention (one sequence and one query token at a
 time) cost more than the model.
 
-`DenseEngine.run` holds up to `max_seqs` sequences at once in slots of a dense cache (`max_seq_len` positions per
-slot, keys [slot, kv_head, head_size, position], values [slot, kv_head, position, head_size], per layer):
+`DenseEngine.run` holds up to `max_seqs` sequences at once in slots of a dense cache (positions per slot: as many as
+the call's sequences can reach, rounded up to a power of two, at most `max_seq_len`; keys [slot, kv_head,
+head_size, position], values [slot, kv_head, position, head_size], per layer):
 
 - **admission**: waiting sequences take free slots; their distinct prompts are prefilled in one forward over
   [prompts, positions] (causal attention over each prompt, at most `prefill_tokens` prompt tokens per call), each
@@ -31,6 +32,7 @@ a prefilled key against a decoded one). Supported models are Levanter's Llama fa
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -387,18 +389,40 @@ class DenseEngine:
         """How many programs the engine has compiled (a new model of the same structure must not add any)."""
         return sum(f._cached._cache_size() for f in (self._empty, self._admit, self._decode))
 
-    def generate(self, requests: Sequence[Request]) -> GenerationResult:
+    def generate(
+        self,
+        requests: Sequence[Request],
+        more: Callable[[int], Sequence[Request]] | None = None,
+        finished: Callable[[int, list[int], list[float]], None] | None = None,
+    ) -> GenerationResult:
         """Sample each request's generation (`n_generations` must be 1): tokens after its prompt up to
         `decode_params.max_num_tokens` tokens in all (prompt included) or one of its stop sequences (included), at
         its temperature, with its key. Any number of requests: beyond `max_seqs` they wait for a free slot. Raises
-        ValueError for a prompt that does not fit."""
-        inputs = self.prepare(requests)
+        ValueError for a prompt that does not fit.
+
+        `more(positions)`: requests that arrived since, asked while a slot is free (each must reach at most
+        `positions` tokens in all); they join this call after `requests`, and the result covers them too.
+        `finished(i, tokens, logprobs)`: request i's generation as soon as it ends. `more` needs a single-process
+        engine (no `call_guard`: other processes could not replay the arrivals)."""
+        joined = list(requests)
+        inputs = self.prepare(joined)
+        arrivals = None
+        if more is not None:
+            if self.call_guard is not None:
+                raise ValueError("a multi-process engine (call_guard set) cannot take requests during a call")
+
+            def arrivals(positions: int):
+                new = list(more(positions))
+                joined.extend(new)
+                return self.prepare(new) if new else None
+
+        told = None if finished is None else (lambda row, t, lp: finished(row, t.tolist(), lp.tolist()))
         with self.call_guard(self.model_version, inputs) if self.call_guard is not None else contextlib.nullcontext():
-            out, logprobs, sampled = self.run(inputs)
-        lengths = inputs[1]
+            out, logprobs, sampled = self.run(inputs, arrivals, told)
         result_tokens, result_logprobs = [], []
-        for i in range(len(requests)):
-            a, b = lengths[i], lengths[i] + int(sampled[i])
+        for i, r in enumerate(joined):
+            a = len(r.prompt_tokens)
+            b = a + int(sampled[i])
             result_tokens.append(out[i, a:b].tolist())
             result_logprobs.append(logprobs[i, a:b].tolist())
         return GenerationResult(result_tokens, result_logprobs, int(sum(len(t) for t in result_tokens)))
@@ -431,48 +455,83 @@ class DenseEngine:
                 stops[i, : st.shape[0], self.max_stop_tokens - st.shape[1] :] = st
         return tokens, lengths, limits, temperatures, keys, stops
 
-    def run(self, inputs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run(
+        self,
+        inputs: tuple[np.ndarray, ...],
+        more: Callable[[int], tuple[np.ndarray, ...] | None] | None = None,
+        finished: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decode `prepare`'s rows with the current model, continuously batched: (tokens [n, max_seq_len], logprobs
-        of the sampled positions, number sampled per row) on the host. Over several processes (a model sharded
-        across hosts) every process must make the same call: every decision here follows from the inputs and the
-        gathered outputs."""
+        of the sampled positions, number sampled per row) on the host.
+
+        `more(positions)`, when given, is asked between decode chunks while a slot is free for rows that arrived
+        since (`prepare`'s arrays, each row reaching at most `positions` tokens in all; None or no rows: none); they
+        join the call as rows n, n+1, ... and the results cover them too. `finished(row, tokens, logprobs)` is told
+        each row's sampled tokens and their logprobs as soon as it finishes. Over several processes (a model sharded
+        across hosts) every process must make the same call, without `more`: every decision here follows from the
+        inputs and the gathered outputs."""
         tokens, lengths, limits, temperatures, keys, stops = inputs
         n = tokens.shape[0]
         out_tokens, out_logprobs = tokens.copy(), np.zeros(tokens.shape, np.float32)
         sampled = np.zeros(n, np.int32)
-        waiting = [i for i in range(n) if lengths[i] < limits[i]]  # the others sample nothing
+        waiting = collections.deque(i for i in range(n) if lengths[i] < limits[i])  # the others sample nothing
+        if finished is not None:
+            for i in range(n):
+                if lengths[i] >= limits[i]:
+                    finished(i, out_tokens[i, :0], out_logprobs[i, :0])
         if not waiting:
             return out_tokens, out_logprobs, sampled
         slots = (
             self.buckets[-1] if len(waiting) > self.buckets[-1] else next(b for b in self.buckets if b >= len(waiting))
         )
-        state = self._empty(self.model, slots, self.max_seq_len, stops.shape[1:], self.cache_dtype)
+        # the cache spans the positions this call's sequences can reach (rounded up to a power of two: few programs)
+        width = self.max_seq_len if self.batch_invariant else _bucket(int(limits.max()), 64, self.max_seq_len)
+        state = self._empty(self.model, slots, width, stops.shape[1:], self.cache_dtype)
         occupant = [-1] * slots  # request row in each slot
-        waiting.reverse()  # pop() takes them in order
-        while waiting or any(o >= 0 for o in occupant):
+        while True:
             free = [s for s in range(slots) if occupant[s] < 0]
+            if more is not None and free and len(waiting) < len(free):
+                arrived = more(width)
+                if arrived is not None and len(arrived[0]):
+                    if int(arrived[2].max()) > width:
+                        raise ValueError(f"more() gave a row of {int(arrived[2].max())} tokens; at most {width} fit")
+                    inputs = tuple(np.concatenate([a, b]) for a, b in zip(inputs, arrived, strict=True))
+                    tokens, lengths, limits = inputs[:3]
+                    out_tokens = np.concatenate([out_tokens, arrived[0]])
+                    out_logprobs = np.concatenate([out_logprobs, np.zeros(arrived[0].shape, np.float32)])
+                    sampled = np.concatenate([sampled, np.zeros(len(arrived[0]), np.int32)])
+                    for i in range(n, len(tokens)):
+                        if lengths[i] < limits[i]:
+                            waiting.append(i)
+                        elif finished is not None:
+                            finished(i, out_tokens[i, :0], out_logprobs[i, :0])
+                    n = len(tokens)
+            if not waiting and all(o < 0 for o in occupant):
+                return out_tokens, out_logprobs, sampled
             if waiting and free:
-                rows = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
+                rows = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                 for row, slot in zip(rows, free, strict=False):
                     occupant[slot] = row
                 state = self._start(state, inputs, rows, free[: len(rows)], slots)
-            steps = self.decode_steps if waiting else self.max_seq_len
+            steps = self.decode_steps if waiting or more is not None else width
             taken, live, state = self._decode(self.model, self.sampler, state, np.asarray(steps, np.int32))
             taken, live, done, pos = (_to_host(x) for x in (taken, live, state.done, state.pos))
             self.stats.decode_calls += 1
             self.stats.decode_steps += int(taken)
             self.stats.slot_steps += int(taken) * slots
             self.stats.live_slot_steps += int(live)
-            finished = [s for s in range(slots) if occupant[s] >= 0 and done[s]]
-            if finished:
+            ended = [s for s in range(slots) if occupant[s] >= 0 and done[s]]
+            if ended:
                 host_tokens, host_logprobs = _to_host(state.tokens), _to_host(state.logprobs)
-                for s in finished:
+                for s in ended:
                     row = occupant[s]
-                    out_tokens[row] = host_tokens[s]
-                    out_logprobs[row] = host_logprobs[s]
+                    out_tokens[row, :width] = host_tokens[s]
+                    out_logprobs[row, :width] = host_logprobs[s]
                     sampled[row] = pos[s] + 1 - lengths[row]
                     occupant[s] = -1
-        return out_tokens, out_logprobs, sampled
+                    if finished is not None:
+                        a, b = lengths[row], lengths[row] + sampled[row]
+                        finished(row, out_tokens[row, a:b], out_logprobs[row, a:b])
 
     def _start(self, state: _Slots, inputs, rows: list[int], free: list[int], slots: int) -> _Slots:
         """Admit request `rows` into slots `free`: prefill their distinct prompts (in calls of at most
@@ -484,7 +543,8 @@ class DenseEngine:
             prompt = tokens[row, : lengths[row]]
             source.append(distinct.setdefault(prompt.tobytes(), len(distinct)))
         prompt_rows = [rows[source.index(u)] for u in range(len(distinct))]  # each prompt's first row
-        width = self.max_seq_len if self.batch_invariant else _bucket(int(lengths[rows].max()), 16, self.max_seq_len)
+        positions = state.tokens.shape[1]
+        width = positions if self.batch_invariant else _bucket(int(lengths[rows].max()), 16, positions)
         per_call = max(1, self.prefill_tokens // width)
         for first in range(0, len(prompt_rows), per_call):
             group = range(first, min(first + per_call, len(prompt_rows)))

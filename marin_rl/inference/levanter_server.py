@@ -99,6 +99,7 @@ class _Sequence:
         self.logprobs: list[float] = []
         self.token_versions: list[int] = []  # the version that sampled each token
         self.done = False
+        self.answered = False  # its future resolved (the dense engine answers a sequence as soon as it ends)
         self.error: Exception | None = None
 
     @property
@@ -149,6 +150,7 @@ class _VersionedContext(InferenceContext):
         self._engine_idle = threading.Condition()
         self._in_engine_call = False
         self._stop_arrays: dict[tuple, Any] = {}
+        self._later: list[_Sequence] = []  # arrived during a dense call that they did not fit: the next call's
 
     def engine_scope(self) -> contextlib.AbstractContextManager:
         """The mesh and axis mapping that every engine call runs under (Levanter's batch thread enters them): a
@@ -287,23 +289,25 @@ class _VersionedContext(InferenceContext):
             while active:
                 # Levanter's engine prefills once per generate() call: requests beyond what one prefill admits
                 # (max_seqs_in_prefill, max_prefill_size) come back with no tokens. So every engine call gets only
-                # what one prefill admits.
+                # what one prefill admits. The dense engine takes them all, and more that arrive while it runs.
                 max_seqs, max_tokens = self._call_capacity()
                 chunk: list[_Sequence] = []
                 chunk_tokens = 0
+                joined: list[_Sequence] = []  # arrived during an engine call
                 for seq in active:
                     n = len(seq.req.prompt_tokens) + len(seq.tokens)
                     if chunk and (len(chunk) >= max_seqs or chunk_tokens + n > max_tokens):
                         self._wait_while_paused()
-                        self._decode_segment(chunk)
+                        joined += self._decode_segment(chunk)
                         self._apply_pending_weights()
                         chunk, chunk_tokens = [], 0
                     chunk.append(seq)
                     chunk_tokens += n
                 if chunk:
                     self._wait_while_paused()
-                    self._decode_segment(chunk)
+                    joined += self._decode_segment(chunk)
                     self._apply_pending_weights()
+                active += joined
                 self._respond([seq for seq in active if seq.done])
                 # Requests that arrived meanwhile join at the next segment; those whose caller has gone are dropped.
                 active = [s for s in active if not s.done and not s.req.future.done()]
@@ -325,39 +329,71 @@ class _VersionedContext(InferenceContext):
         cfg = self.engine.config
         return cfg.max_seqs_in_prefill, cfg.max_prefill_size
 
-    def _decode_segment(self, seqs: list[_Sequence]) -> None:
-        """One engine call: up to `segment_tokens` more tokens of each sequence, under the current weights."""
+    def _engine_request(self, seq: _Sequence, i: int, dense: bool) -> Request:
+        """The engine request for `seq`'s next segment: up to `segment_tokens` more tokens after its context."""
+        allow = seq.remaining if self.segment_tokens is None else min(self.segment_tokens, seq.remaining)
+        context = seq.context
+        # Host arrays only: the engine reads these with np.asarray, and an eager JAX op per request costs
+        # more than the decoding itself for short completions. seq.key is jax.random.PRNGKey(seed).
+        # The dense engine reads the same fields from a plain record: an equinox module's construction cost ~70 µs
+        # per sequence, most of this thread's time for short completions.
+        params = (DenseDecodeParams if dense else SeqDecodingParams)(
+            max_num_tokens=np.int32(len(context) + allow),
+            stop_tokens=seq.stop,
+            temperature=np.float32(seq.req.temperature),
+            top_p=np.float32(1.0),
+            key=seq.key,
+        )
+        return Request(prompt_tokens=context, request_id=i, decode_params=params, n_generations=1)
+
+    def _joining(self, members: list[_Sequence], positions: int) -> list[Request]:
+        """Sequences that arrived while the dense engine runs, to join its call (`members` grows by them): none once
+        new weights wait, the server is paused or stopping (the call then ends with its sequences' segments). One
+        whose segment would not fit the call's `positions` waits for the next call."""
+        if self._pending is not None or not self._running.is_set() or self.shutdown_event.is_set():
+            return []
+        joining = []
+        for seq in self._start(self._drain_batch_queue()):
+            request = self._engine_request(seq, len(members), dense=True)
+            if int(request.decode_params.max_num_tokens) > positions:
+                self._later.append(seq)
+                continue
+            members.append(seq)
+            joining.append(request)
+        return joining
+
+    def _decode_segment(self, seqs: list[_Sequence]) -> list[_Sequence]:
+        """One engine call: up to `segment_tokens` more tokens of each sequence, under the current weights. The
+        dense engine of a single process also takes sequences that arrive meanwhile, and answers each as it ends;
+        returns those that joined (beside `seqs`)."""
         version = self.version
-        service_requests = []
         dense = isinstance(self.engine, DenseEngine)
-        for i, seq in enumerate(seqs):
-            allow = seq.remaining if self.segment_tokens is None else min(self.segment_tokens, seq.remaining)
-            context = seq.context
-            # Host arrays only: the engine reads these with np.asarray, and an eager JAX op per request costs
-            # more than the decoding itself for short completions. seq.key is jax.random.PRNGKey(seed).
-            # The dense engine reads the same fields from a plain record: an equinox module's construction cost ~70 µs
-            # per sequence, most of this thread's time for short completions.
-            params = (DenseDecodeParams if dense else SeqDecodingParams)(
-                max_num_tokens=np.int32(len(context) + allow),
-                stop_tokens=seq.stop,
-                temperature=np.float32(seq.req.temperature),
-                top_p=np.float32(1.0),
-                key=seq.key,
-            )
-            service_requests.append(
-                Request(
-                    prompt_tokens=context,
-                    request_id=i,
-                    decode_params=params,
-                    n_generations=1,
-                )
-            )
+        members = list(seqs)
+        service_requests = [self._engine_request(seq, i, dense) for i, seq in enumerate(seqs)]
+        continuous = dense and self.engine.call_guard is None
+
+        def finished(i: int, new: list[int], lps: list[float]) -> None:
+            seq = members[i]
+            self._extend(seq, version, new, lps)
+            if seq.done:
+                self._respond([seq])
+
         with self._engine_idle:
             self._in_engine_call = True
         # The engine resets itself at the start of every generate(): nothing of this call leaks into the next.
         engine_start = time.perf_counter()
         try:
-            result = self.engine.generate(service_requests)
+            if continuous:
+                result = self.engine.generate(
+                    service_requests, more=lambda positions: self._joining(members, positions), finished=finished
+                )
+            else:
+                result = self.engine.generate(service_requests)
+        except Exception as e:  # the caller fails `seqs`; those that joined are known only here
+            for seq in [*members[len(seqs) :], *self._later]:
+                resolve_future(seq.req.future, error=e)
+            self._later = []
+            raise
         finally:
             self.engine_s += time.perf_counter() - engine_start
             with self._engine_idle:
@@ -365,26 +401,36 @@ class _VersionedContext(InferenceContext):
                 self._engine_idle.notify_all()
         self.num_batches += 1
         self.generated_tokens += int(result.total_generated)
-        for i, seq in enumerate(seqs):
-            new = list(result.tokens[i])
-            lps = list(result.logprobs[i]) if result.logprobs is not None else []
-            if len(lps) != len(new):
-                raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(new)} tokens")
-            seq.token_versions += [version] * len(new)
-            seq.tokens += new
-            seq.logprobs += lps
-            stopped = bool(new) and seq.ends_with_stop()
-            if stopped or seq.remaining <= 0:
-                seq.done = True
-            elif not new:
-                # The engine finishes a sequence only at a stop sequence or at max_num_tokens; one that ran out of
-                # decode rounds (max_seq_len // max_rounds per call) comes back short and continues in the next
-                # call, but one that made no progress at all would loop forever.
-                seq.error = RuntimeError(f"generation of {seq.req.request_id} made no progress; retry the request")
-                seq.done = True
+        if not continuous:
+            for i, seq in enumerate(seqs):
+                lps = list(result.logprobs[i]) if result.logprobs is not None else []
+                self._extend(seq, version, list(result.tokens[i]), lps)
+        later, self._later = self._later, []
+        return members[len(seqs) :] + later
+
+    def _extend(self, seq: _Sequence, version: int, new: list[int], lps: list[float]) -> None:
+        """Add a segment's tokens and logprobs (sampled under `version`) to `seq`; mark it done at a stop sequence
+        or its token limit."""
+        if len(lps) != len(new):
+            raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(new)} tokens")
+        seq.token_versions += [version] * len(new)
+        seq.tokens += new
+        seq.logprobs += lps
+        stopped = bool(new) and seq.ends_with_stop()
+        if stopped or seq.remaining <= 0:
+            seq.done = True
+        elif not new:
+            # The engine finishes a sequence only at a stop sequence or at max_num_tokens; one that ran out of
+            # decode rounds (max_seq_len // max_rounds per call) comes back short and continues in the next
+            # call, but one that made no progress at all would loop forever.
+            seq.error = RuntimeError(f"generation of {seq.req.request_id} made no progress; retry the request")
+            seq.done = True
 
     def _respond(self, seqs: list[_Sequence]) -> None:
-        """Answer the finished `seqs` (their texts decoded in one call)."""
+        """Answer the finished `seqs` (their texts decoded in one call); each is answered once."""
+        seqs = [s for s in seqs if not s.answered]
+        for seq in seqs:
+            seq.answered = True
         failed = [s for s in seqs if s.error is not None]
         for seq in failed:
             resolve_future(seq.req.future, error=seq.error)

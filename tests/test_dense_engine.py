@@ -124,7 +124,7 @@ def test_the_server_on_the_dense_engine_serves_new_weights_without_recompiling(s
         assert server.context.engine.compiled_programs() == compiled, "new weights recompiled"
         assert all(s.version_start == s.version_end == 1 for s in after)
         assert [s.token_ids for s in before] != [s.token_ids for s in after]
-        assert server.stats()["batches"] >= 2
+        assert server.stats()["batches"] >= 2, server.stats()
     finally:
         server.stop()
 

@@ -380,6 +380,7 @@ class _VersionedContext(InferenceContext):
 
         with self._engine_idle:
             self._in_engine_call = True
+        self.num_batches += 1  # counted as it starts: its sequences may be answered before it returns
         # The engine resets itself at the start of every generate(): nothing of this call leaks into the next.
         engine_start = time.perf_counter()
         try:
@@ -399,8 +400,6 @@ class _VersionedContext(InferenceContext):
             with self._engine_idle:
                 self._in_engine_call = False
                 self._engine_idle.notify_all()
-        self.num_batches += 1
-        self.generated_tokens += int(result.total_generated)
         if not continuous:
             for i, seq in enumerate(seqs):
                 lps = list(result.logprobs[i]) if result.logprobs is not None else []
@@ -413,6 +412,7 @@ class _VersionedContext(InferenceContext):
         or its token limit."""
         if len(lps) != len(new):
             raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(new)} tokens")
+        self.generated_tokens += len(new)
         seq.token_versions += [version] * len(new)
         seq.tokens += new
         seq.logprobs += lps

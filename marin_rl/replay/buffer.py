@@ -49,7 +49,7 @@ import numpy as np
 from marin_rl.bounds import bounded, check_fields
 from marin_rl.replay.advantages import GroupAdvantages, GroupScores, get_estimator
 from marin_rl.replay.packing import Sequence
-from marin_rl.replay.store import RolloutWriter, read_timeline, record_segment, rollout_to_row
+from marin_rl.replay.store import RolloutWriter, read_timeline, record_segment
 from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.types import DROP_REASON, Rollout, RolloutFormatError, RolloutGroup
 
@@ -431,12 +431,14 @@ class ReplayBuffer:
         the group's place among the accepted groups (`accepted_groups`, which already counts it)."""
         if self.writer is None:
             return
-        token_advantages = _token_advantages(group, scores)
-        self.writer.append(
-            [
-                rollout_to_row(r, group.group_id, float(a), now, ta, self.segment, self.accepted_groups)
-                for r, a, ta in zip(group.rollouts, scores.advantages, token_advantages, strict=True)
-            ]
+        self.writer.append_rollouts(
+            group.rollouts,
+            group.group_id,
+            scores.advantages,
+            now,
+            _token_advantages(group, scores),
+            self.segment,
+            self.accepted_groups,
         )
 
     # ---- run segments ---------------------------------------------------------------------------------

@@ -137,3 +137,29 @@ def test_nothing_placed_gives_an_empty_batch():
     seq = Sequence.of([1] * 9, loss_mask=[1] * 9, advantages=[0] * 9, sampler_logprobs=[0] * 9, token_versions=[0] * 9)
     batch, placed = pack([seq], 2, 8)
     assert placed == [] and (batch.segment_ids == -1).all() and not batch.loss_mask.any()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sequences_built_together_equal_those_built_one_by_one(seed):
+    """`Sequence.from_rollouts` (one conversion per field for all the rollouts) against `from_rollout` on each: plain
+    rollouts, some with per-token advantages, some with rewards for a critic or a teacher's logprobs (those go one by
+    one), mixed in one call."""
+    rng = np.random.default_rng(100 + seed)
+    rollouts = [
+        _random_rollout(rng, teacher=seed % 3 == 2 and rng.random() < 0.5) for _ in range(int(rng.integers(1, 30)))
+    ]
+    advantages = rng.normal(size=len(rollouts)).tolist()
+    credits = [(None, "per_turn", "episode_end")[int(rng.integers(3))] if seed % 2 else None for _ in rollouts]
+    token_adv = [rng.normal(size=r.num_tokens) if seed >= 3 and rng.random() < 0.5 else None for r in rollouts]
+    together = Sequence.from_rollouts(rollouts, advantages, credits, token_adv)
+    for r, a, c, ta, seq in zip(rollouts, advantages, credits, token_adv, together, strict=True):
+        alone = Sequence.from_rollout(r, a, c, ta)
+        assert seq.episode_truncated == alone.episode_truncated
+        for name, want in alone.per_token().items():
+            got = getattr(seq, name)
+            assert (got is None) == (want is None), name
+            if want is not None:
+                assert got.dtype == want.dtype and np.array_equal(got, want), name
+    assert Sequence.from_rollouts([], []) == []
+    with pytest.raises(ValueError, match="token_advantages"):
+        Sequence.from_rollouts(rollouts[:1], [0.0], None, [np.zeros(rollouts[0].num_tokens + 1)])

@@ -245,6 +245,18 @@ class ReplayItem:
         return int(self.rollout.loss_mask()[: self.max_len].sum())
 
 
+def item_sequences(items: list[ReplayItem]) -> list[Sequence]:
+    """`ReplayItem.sequence()` of each item, built together: one conversion per field for all of them
+    (`Sequence.from_rollouts`), then each cut to its `max_len`."""
+    seqs = Sequence.from_rollouts(
+        [it.rollout for it in items],
+        [it.advantage for it in items],
+        [it.reward_credit for it in items],
+        [it.token_advantages for it in items],
+    )
+    return [s if it.max_len is None else s.truncated(it.max_len) for s, it in zip(seqs, items, strict=True)]
+
+
 FUTURE_VERSION = "future_version"
 """Rejection reason of a group sampled by a policy version newer than the learner's (see `ReplayBuffer.admit`)."""
 TOO_LONG_POLICIES = ("drop", "truncate")

@@ -102,6 +102,90 @@ class Sequence:
             teacher_top_logprobs=top_lps,
         )
 
+    @staticmethod
+    def from_rollouts(
+        rollouts: list[Rollout],
+        advantages: list[float],
+        reward_credits: list[str | None] | None = None,
+        token_advantages: list[np.ndarray | None] | None = None,
+    ) -> list[Sequence]:
+        """`from_rollout` of each rollout (same arguments, one per rollout; None for all: none), in one pass over all
+        their turns and one conversion per field for all of them; the sequences are views of the batch-wide arrays.
+        Rollouts with per-token rewards or a teacher's logprobs go through `from_rollout` one by one."""
+        n = len(rollouts)
+        credits = reward_credits or [None] * n
+        token_adv = token_advantages or [None] * n
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        sampled: list[bool] = []
+        turn_lengths: list[int] = []
+        lengths: list[int] = []
+        truncated: list[bool] = []
+        plain: list[int] = []  # the rollouts converted together
+        for i, r in enumerate(rollouts):
+            if credits[i] is not None or any(t.teacher_logprobs is not None for t in r.turns):
+                continue
+            plain.append(i)
+            total = 0
+            for t in r.turns:
+                k = len(t.token_ids)
+                total += k
+                ids += t.token_ids
+                turn_lengths.append(k)
+                sampled.append(t.sampler_logprobs is not None)
+                meta = t.inference_metadata
+                if t.sampler_logprobs is None:
+                    logprobs += [0.0] * k
+                    versions += [-1] * k
+                else:
+                    logprobs += t.sampler_logprobs
+                    if meta is not None and meta.token_versions is not None:
+                        versions += meta.token_versions
+                    else:
+                        versions += [-1 if meta is None else meta.version_start] * k
+            lengths.append(total)
+            truncated.append(r.truncated)
+        out: list = [None] * n  # Sequence for each rollout
+        if plain:
+            mask = np.repeat(np.asarray(sampled, bool), turn_lengths)
+            for i, k in zip(plain, lengths, strict=True):
+                if token_adv[i] is not None and len(token_adv[i]) != k:
+                    raise ValueError(f"token_advantages has {len(token_adv[i])} entries for {k} tokens")
+            if any(token_adv[i] is not None for i in plain):
+                per_token = np.concatenate(
+                    [
+                        np.full(k, np.float32(advantages[i]), np.float32)
+                        if token_adv[i] is None
+                        else np.asarray(token_adv[i], np.float32)
+                        for i, k in zip(plain, lengths, strict=True)
+                    ]
+                )
+            else:
+                per_token = np.repeat(np.asarray([advantages[i] for i in plain], np.float32), lengths)
+            cuts = np.cumsum(lengths)[:-1]
+            columns = zip(
+                np.split(np.asarray(ids, np.int32), cuts),
+                np.split(mask, cuts),
+                np.split(np.where(mask, per_token, np.float32(0.0)), cuts),
+                np.split(np.asarray(logprobs, np.float32), cuts),
+                np.split(np.asarray(versions, np.int32), cuts),
+                strict=True,
+            )
+            for i, cut, (tok, m, adv, lp, ver) in zip(plain, truncated, columns, strict=True):
+                out[i] = Sequence(
+                    token_ids=tok,
+                    loss_mask=m,
+                    advantages=adv,
+                    sampler_logprobs=lp,
+                    token_versions=ver,
+                    episode_truncated=cut,
+                )
+        for i, r in enumerate(rollouts):
+            if out[i] is None:
+                out[i] = Sequence.from_rollout(r, advantages[i], credits[i], token_adv[i])
+        return out
+
     def truncated(self, max_len: int) -> Sequence:
         """The first `max_len` tokens of every per-token field (loss stays only on the sampled tokens that survive); a
         sequence that loses tokens counts as truncated (rewards after the cut are dropped: the critic's value stands in

@@ -10,7 +10,14 @@ import pyarrow.parquet as pq
 
 from marin_rl import inspect_rollouts as inspect_cli
 from marin_rl.replay.buffer import ReplayBuffer, ReplayConfig
-from marin_rl.replay.store import ROLLOUT_SCHEMA, RolloutWriter, read_rollouts, read_timeline, rollout_to_row
+from marin_rl.replay.store import (
+    ROLLOUT_SCHEMA,
+    RolloutWriter,
+    read_rollouts,
+    read_timeline,
+    rollout_to_row,
+    rollouts_table,
+)
 from marin_rl.types import InferenceMetadata, Rollout, RolloutGroup, Turn
 
 
@@ -74,6 +81,74 @@ def test_buffer_persists_every_accepted_rollout_and_reads_back_identical(tmp_pat
     assert [s.advantage for s in result.rollouts] == [it.advantage for it in buf.items]
     assert [s.group_id for s in result.rollouts] == [g.group_id for g in groups for _ in g.rollouts]
     assert pq.read_schema(os.path.join(root, files[0])).equals(ROLLOUT_SCHEMA, check_metadata=False)
+
+
+def _teacher_scored(group, rng, k=3):
+    """`group` with a teacher's logprobs and top-k on every sampled turn (the turn struct's optional lists)."""
+    for r in group.rollouts:
+        for t in r.turns:
+            if t.is_sampled:
+                n = len(t.token_ids)
+                t.teacher_logprobs = (-rng.random(n)).tolist()
+                t.teacher_top_ids = [rng.choice(100, k, replace=False).tolist() for _ in range(n)]
+                t.teacher_top_logprobs = (-rng.random((n, k))).tolist()
+    return group
+
+
+def test_the_columnar_table_is_the_table_of_the_rows():
+    """`rollouts_table` builds, column by column, exactly the table `from_pylist` makes of `rollout_to_row`'s rows:
+    random groups with and without per-token advantages, teacher lists, per-token versions, segments, metadata."""
+    rng = np.random.default_rng(7)
+    for case in range(12):
+        g = _group("e", rng, n=int(rng.integers(1, 6)), version=case)
+        if case % 3 == 1:
+            g = _teacher_scored(g, rng)
+        if case % 4 == 3:
+            g.rollouts[0].metadata = {}
+            g.rollouts[-1].turns[1].rewards = {"a": -1.5}
+        advantages = rng.normal(size=len(g.rollouts))
+        token_adv = None
+        if case % 2:
+            token_adv = [rng.normal(size=r.num_tokens) if i % 3 else None for i, r in enumerate(g.rollouts)]
+        segment, index = (None, None) if case % 5 == 0 else (case, 3 * case + 1)
+        rows = [
+            rollout_to_row(r, g.group_id, float(a), 12.5, None if token_adv is None else token_adv[i], segment, index)
+            for i, (r, a) in enumerate(zip(g.rollouts, advantages, strict=True))
+        ]
+        expected = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+        n = len(g.rollouts)
+        table = rollouts_table(
+            g.rollouts, [g.group_id] * n, advantages, [12.5] * n, token_adv, [segment] * n, [index] * n
+        )
+        assert table.schema.equals(ROLLOUT_SCHEMA, check_metadata=True)
+        assert table.equals(expected), case
+        assert table.to_pylist() == expected.to_pylist(), case
+
+
+def test_queued_rollouts_and_rows_are_written_in_order_as_the_rows_would_be(tmp_path):
+    """`append_rollouts` (converted at the flush, all groups at once) and `append` of rows, mixed: the file holds the
+    rows `rollout_to_row` gives, in the order they were queued, and flushes at `flush_rows` as before."""
+    rng = np.random.default_rng(3)
+    groups = [_group("e", rng, n=3, version=v) for v in range(4)]
+    writer = RolloutWriter(str(tmp_path / "w"), flush_rows=7)
+    expected = []
+    for i, g in enumerate(groups):
+        adv = rng.normal(size=3)
+        rows = [
+            rollout_to_row(r, g.group_id, float(a), 1.0 + i, None, 2, i + 1)
+            for r, a in zip(g.rollouts, adv, strict=True)
+        ]
+        if i == 2:
+            writer.append(rows)
+        else:
+            writer.append_rollouts(g.rollouts, g.group_id, adv, 1.0 + i, None, 2, i + 1)
+        expected.extend(rows)
+    writer.flush()
+    assert writer.rows_written == 12 and len(writer.files_written) == 2  # 9 rows at flush_rows=7, then 3
+    written = pa.concat_tables([pq.read_table(f) for f in writer.files_written])
+    assert written.to_pylist() == pa.Table.from_pylist(expected, schema=ROLLOUT_SCHEMA).to_pylist()
+    schema = pq.read_schema(writer.files_written[0])
+    assert schema.equals(ROLLOUT_SCHEMA, check_metadata=False) and schema.metadata == ROLLOUT_SCHEMA.metadata
 
 
 def test_writer_works_through_fsspec_urls():

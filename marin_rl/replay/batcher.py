@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from marin_rl.bounds import bounded, check_fields
-from marin_rl.replay.buffer import TOO_LONG_POLICIES, ReplayBuffer, ReplayItem
+from marin_rl.replay.buffer import TOO_LONG_POLICIES, ReplayBuffer, ReplayItem, item_sequences
 from marin_rl.replay.packing import pack, pack_rows
 from marin_rl.replay.schedule import FractionSchedule
 from marin_rl.replay.selection import env_targets, fill_gaps, select_within_targets
@@ -232,7 +232,7 @@ class Batcher:
             return None
 
         items = [(queues[env][i], row) for env, i, row in placed]
-        batch, _ = pack([it.sequence() for it, _ in items], R, L, assignment=[row for _, row in items])
+        batch, _ = pack(item_sequences([it for it, _ in items]), R, L, assignment=[row for _, row in items])
         used = {n: [queues[n][i] for i in np.flatnonzero(taken[n])] for n in names}
         usage = {
             n: EnvUsage(rollouts=len(used[n]), tokens=sum(it.num_tokens for it in used[n]), target_tokens=targets[n])

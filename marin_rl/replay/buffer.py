@@ -49,7 +49,7 @@ import numpy as np
 from marin_rl.bounds import bounded, check_fields
 from marin_rl.replay.advantages import GroupAdvantages, GroupScores, get_estimator
 from marin_rl.replay.packing import Sequence
-from marin_rl.replay.store import RolloutWriter, read_timeline, record_segment, rollout_to_row
+from marin_rl.replay.store import RolloutWriter, read_timeline, record_segment
 from marin_rl.replay.validation import GroupRejected, check_group
 from marin_rl.types import DROP_REASON, Rollout, RolloutFormatError, RolloutGroup
 
@@ -245,6 +245,18 @@ class ReplayItem:
         return int(self.rollout.loss_mask()[: self.max_len].sum())
 
 
+def item_sequences(items: list[ReplayItem]) -> list[Sequence]:
+    """`ReplayItem.sequence()` of each item, built together: one conversion per field for all of them
+    (`Sequence.from_rollouts`), then each cut to its `max_len`."""
+    seqs = Sequence.from_rollouts(
+        [it.rollout for it in items],
+        [it.advantage for it in items],
+        [it.reward_credit for it in items],
+        [it.token_advantages for it in items],
+    )
+    return [s if it.max_len is None else s.truncated(it.max_len) for s, it in zip(seqs, items, strict=True)]
+
+
 FUTURE_VERSION = "future_version"
 """Rejection reason of a group sampled by a policy version newer than the learner's (see `ReplayBuffer.admit`)."""
 TOO_LONG_POLICIES = ("drop", "truncate")
@@ -431,12 +443,14 @@ class ReplayBuffer:
         the group's place among the accepted groups (`accepted_groups`, which already counts it)."""
         if self.writer is None:
             return
-        token_advantages = _token_advantages(group, scores)
-        self.writer.append(
-            [
-                rollout_to_row(r, group.group_id, float(a), now, ta, self.segment, self.accepted_groups)
-                for r, a, ta in zip(group.rollouts, scores.advantages, token_advantages, strict=True)
-            ]
+        self.writer.append_rollouts(
+            group.rollouts,
+            group.group_id,
+            scores.advantages,
+            now,
+            _token_advantages(group, scores),
+            self.segment,
+            self.accepted_groups,
         )
 
     # ---- run segments ---------------------------------------------------------------------------------

@@ -61,25 +61,130 @@ class Sequence:
         """The rollout's token sequence; the advantage is spread over its sampled tokens, or `token_advantages` (one
         per token) are used as they are on them. `reward_credit` ('per_turn' or 'episode_end', see `token_rewards`)
         also gives it per-token rewards for a critic."""
-        mask = rollout.loss_mask()
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        sampled: list[bool] = []
+        lengths: list[int] = []
+        for t in rollout.turns:  # one pass over the turns; each field is converted once, below
+            n = len(t.token_ids)
+            ids += t.token_ids
+            lengths.append(n)
+            sampled.append(t.sampler_logprobs is not None)
+            meta = t.inference_metadata
+            if t.sampler_logprobs is None:
+                logprobs += [0.0] * n
+                versions += [-1] * n
+            else:
+                logprobs += t.sampler_logprobs
+                if meta is not None and meta.token_versions is not None:
+                    versions += meta.token_versions
+                else:
+                    versions += [-1 if meta is None else meta.version_start] * n
+        mask = np.repeat(np.asarray(sampled, bool), lengths)
         if token_advantages is not None and len(token_advantages) != len(mask):
             raise ValueError(f"token_advantages has {len(token_advantages)} entries for {len(mask)} tokens")
         per_token = np.float32(advantage) if token_advantages is None else np.asarray(token_advantages, np.float32)
         top_ids = top_lps = None
-        if rollout.has_teacher_logprobs and rollout.teacher_top_k:
+        teacher = rollout.has_teacher_logprobs
+        if teacher and rollout.teacher_top_k:
             top_ids, top_lps = rollout.teacher_top(rollout.teacher_top_k)
         return Sequence.of(
-            rollout.token_ids,
+            ids,
             episode_truncated=rollout.truncated,
             loss_mask=mask,
             advantages=np.where(mask, per_token, np.float32(0.0)),
-            sampler_logprobs=rollout.sampler_logprobs(),
-            token_versions=rollout.token_versions(),
+            sampler_logprobs=np.asarray(logprobs, np.float32),
+            token_versions=np.asarray(versions, np.int32),
             rewards=None if reward_credit is None else token_rewards(rollout, per_turn=reward_credit == "per_turn"),
-            teacher_logprobs=rollout.teacher_logprobs() if rollout.has_teacher_logprobs else None,
+            teacher_logprobs=rollout.teacher_logprobs() if teacher else None,
             teacher_top_ids=top_ids,
             teacher_top_logprobs=top_lps,
         )
+
+    @staticmethod
+    def from_rollouts(
+        rollouts: list[Rollout],
+        advantages: list[float],
+        reward_credits: list[str | None] | None = None,
+        token_advantages: list[np.ndarray | None] | None = None,
+    ) -> list[Sequence]:
+        """`from_rollout` of each rollout (same arguments, one per rollout; None for all: none), in one pass over all
+        their turns and one conversion per field for all of them; the sequences are views of the batch-wide arrays.
+        Rollouts with per-token rewards or a teacher's logprobs go through `from_rollout` one by one."""
+        n = len(rollouts)
+        credits = reward_credits or [None] * n
+        token_adv = token_advantages or [None] * n
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        sampled: list[bool] = []
+        turn_lengths: list[int] = []
+        lengths: list[int] = []
+        truncated: list[bool] = []
+        plain: list[int] = []  # the rollouts converted together
+        for i, r in enumerate(rollouts):
+            if credits[i] is not None or any(t.teacher_logprobs is not None for t in r.turns):
+                continue
+            plain.append(i)
+            total = 0
+            for t in r.turns:
+                k = len(t.token_ids)
+                total += k
+                ids += t.token_ids
+                turn_lengths.append(k)
+                sampled.append(t.sampler_logprobs is not None)
+                meta = t.inference_metadata
+                if t.sampler_logprobs is None:
+                    logprobs += [0.0] * k
+                    versions += [-1] * k
+                else:
+                    logprobs += t.sampler_logprobs
+                    if meta is not None and meta.token_versions is not None:
+                        versions += meta.token_versions
+                    else:
+                        versions += [-1 if meta is None else meta.version_start] * k
+            lengths.append(total)
+            truncated.append(r.truncated)
+        out: list = [None] * n  # Sequence for each rollout
+        if plain:
+            mask = np.repeat(np.asarray(sampled, bool), turn_lengths)
+            for i, k in zip(plain, lengths, strict=True):
+                if token_adv[i] is not None and len(token_adv[i]) != k:
+                    raise ValueError(f"token_advantages has {len(token_adv[i])} entries for {k} tokens")
+            if any(token_adv[i] is not None for i in plain):
+                per_token = np.concatenate(
+                    [
+                        np.full(k, np.float32(advantages[i]), np.float32)
+                        if token_adv[i] is None
+                        else np.asarray(token_adv[i], np.float32)
+                        for i, k in zip(plain, lengths, strict=True)
+                    ]
+                )
+            else:
+                per_token = np.repeat(np.asarray([advantages[i] for i in plain], np.float32), lengths)
+            cuts = np.cumsum(lengths)[:-1]
+            columns = zip(
+                np.split(np.asarray(ids, np.int32), cuts),
+                np.split(mask, cuts),
+                np.split(np.where(mask, per_token, np.float32(0.0)), cuts),
+                np.split(np.asarray(logprobs, np.float32), cuts),
+                np.split(np.asarray(versions, np.int32), cuts),
+                strict=True,
+            )
+            for i, cut, (tok, m, adv, lp, ver) in zip(plain, truncated, columns, strict=True):
+                out[i] = Sequence(
+                    token_ids=tok,
+                    loss_mask=m,
+                    advantages=adv,
+                    sampler_logprobs=lp,
+                    token_versions=ver,
+                    episode_truncated=cut,
+                )
+        for i, r in enumerate(rollouts):
+            if out[i] is None:
+                out[i] = Sequence.from_rollout(r, advantages[i], credits[i], token_adv[i])
+        return out
 
     def truncated(self, max_len: int) -> Sequence:
         """The first `max_len` tokens of every per-token field (loss stays only on the sampled tokens that survive); a
@@ -174,28 +279,55 @@ def pack(
             continue
         k = (present[f.name],) if f.top_k else ()
         arrays[f.name] = np.full((num_rows, row_len, *k), f.fill, f.dtype)
+    # where each placed sequence lands (a few integers per sequence), then every field is copied in one
+    # vectorised assignment over all of them
     fill = [0] * num_rows
     nseg = [0] * num_rows
-    placed = []
+    placed: list[int] = []
+    flat_starts: list[int] = []
+    segments: list[int] = []
     for i, (seq, row) in enumerate(zip(sequences, assignment, strict=True)):
         if row is None:
             continue
         a, b = fill[row], fill[row] + len(seq)
         if b > row_len:
             raise ValueError(f"row {row} overflows: sequence {i} needs {len(seq)} tokens, {row_len - a} left")
-        layout = {
-            "input_ids": seq.token_ids,
-            "position_ids": np.arange(len(seq)),
-            "segment_ids": nseg[row],
-            "truncated": seq.episode_truncated,
-        }
-        for name, v in {**seq.per_token(), **layout}.items():
-            if arrays[name] is not None:
-                arrays[name][row, a:b] = v
+        flat_starts.append(row * row_len + a)
+        segments.append(nseg[row])
         fill[row] = b
         nseg[row] += 1
         placed.append(i)
+    if not placed:
+        return PackedBatch(**arrays), placed
+    lengths = np.fromiter((len(s) for s in placed_seqs), np.int64, len(placed_seqs))
+    total = int(lengths.sum())
+    seq_start = np.repeat(np.cumsum(lengths) - lengths, lengths)  # where each token's sequence starts, flat
+    position = np.arange(total) - seq_start
+    dest = np.repeat(np.asarray(flat_starts, np.int64), lengths) + position
+    layout = {
+        "input_ids": [s.token_ids for s in placed_seqs],
+        "position_ids": position,
+        "segment_ids": np.repeat(np.asarray(segments, np.int64), lengths),
+        "truncated": np.repeat(np.asarray([s.episode_truncated for s in placed_seqs], bool), lengths),
+    }
+    for f in TOKEN_FIELDS:
+        out = arrays[f.name]
+        if out is None:
+            continue
+        values = layout[f.name] if f.layout else [getattr(s, f.name) for s in placed_seqs]
+        if isinstance(values, list):
+            _check_lengths(f.name, values, lengths)
+            values = np.concatenate(values)
+        out.reshape(num_rows * row_len, *out.shape[2:])[dest] = values
     return PackedBatch(**arrays), placed
+
+
+def _check_lengths(name: str, values: list[np.ndarray], lengths: np.ndarray) -> None:
+    """ValueError unless each sequence's `name` has one entry per token (`lengths`)."""
+    have = np.fromiter((len(v) for v in values), np.int64, len(values))
+    if not np.array_equal(have, lengths):
+        k = int(np.flatnonzero(have != lengths)[0])
+        raise ValueError(f"a packed sequence has {have[k]} {name} for {lengths[k]} tokens")
 
 
 def _present(f: TokenField, seqs: list[Sequence]) -> bool | int:

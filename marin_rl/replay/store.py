@@ -1,7 +1,8 @@
 """Rollout persistence: accepted rollouts appended to Parquet files through fsspec (local path or gs://).
 
 One row per rollout, with an explicit Arrow schema (`ROLLOUT_SCHEMA`); nothing is pickled. Free-form rollout
-metadata is stored as a JSON string. A writer buffers rows and writes one new file per flush,
+metadata is stored as a JSON string. A writer buffers rows (the replay buffer's accepted rollouts as they are,
+converted to Arrow column by column at the flush, `rollouts_table`: no dict per row) and writes one new file per flush,
 `part-<start time>-<writer id>-<sequence>.parquet`, so files are never rewritten and concurrent writers never
 collide. `read_rollouts` reads a file or a directory tree back, validating each row, and reports files it cannot
 read instead of failing.
@@ -25,12 +26,14 @@ import dataclasses
 import json
 import logging
 import math
+import operator
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -165,6 +168,77 @@ def rollout_to_row(
     }
 
 
+_meta_fields = operator.attrgetter(*(f.name for f in _META))
+_METADATA_JSON = json.JSONEncoder(sort_keys=True)
+"""`json.dumps(metadata, sort_keys=True)`, with the encoder built once."""
+
+
+def rollouts_table(
+    rollouts: list[Rollout],
+    group_ids: list[str],
+    advantages: Any,
+    accepted_at: Any,
+    token_advantages: list[Any] | None = None,
+    segments: list[int | None] | None = None,
+    group_indices: list[int | None] | None = None,
+) -> pa.Table:
+    """The Parquet rows of `rollouts` as one Arrow table, built column by column (one conversion per column for all
+    the rollouts, however many groups they come from): the same table as `pa.Table.from_pylist` of their
+    `rollout_to_row` rows, without a dict per row and turn. Per rollout: `group_ids`, `advantages`, `accepted_at`,
+    `token_advantages` (an array or None; None for all: none has them), `segments` and `group_indices` (None for all:
+    none recorded)."""
+    n = len(rollouts)
+    turns = [t for r in rollouts for t in r.turns]
+    turn_offsets = np.zeros(n + 1, np.int32)
+    np.cumsum([len(r.turns) for r in rollouts], out=turn_offsets[1:])
+    lengths = np.fromiter((len(t.token_ids) for t in turns), np.int64, len(turns))
+    sampled = np.fromiter((t.sampler_logprobs is not None for t in turns), bool, len(turns))
+    turn_rollout = np.repeat(np.arange(n), np.diff(turn_offsets))
+    num_tokens = np.bincount(turn_rollout, weights=lengths, minlength=n).astype(np.int64)
+    num_sampled = np.bincount(turn_rollout, weights=lengths * sampled, minlength=n).astype(np.int64)
+    metas = [t.inference_metadata for t in turns]
+    blank = (None,) * _META.num_fields
+    rows = [blank if m is None else _meta_fields(m) for m in metas]
+    meta_values = zip(*rows, strict=True) if rows else [()] * len(blank)
+    meta_columns = [pa.array(v, f.type) for v, f in zip(meta_values, _META, strict=True)]
+    turn_columns = {
+        "role": pa.array([t.role for t in turns], pa.string()),
+        "message": pa.array([t.message for t in turns], pa.string()),
+        "token_ids": pa.array([t.token_ids for t in turns], pa.list_(pa.int32())),
+        "reward": pa.array([t.reward for t in turns], pa.float64()),
+        "rewards": pa.array([list(t.rewards.items()) for t in turns], _TURN.field("rewards").type),
+        "inference_metadata": pa.StructArray.from_arrays(
+            meta_columns, fields=list(_META), mask=pa.array([m is None for m in metas], pa.bool_())
+        ),
+        "timestamp": pa.array([t.timestamp for t in turns], pa.float64()),
+    }
+    for name in TURN_TOKEN_LISTS:
+        turn_columns[name] = pa.array([getattr(t, name) for t in turns], _TURN.field(name).type)
+    turn_struct = pa.StructArray.from_arrays([turn_columns[f.name] for f in _TURN], fields=list(_TURN))
+    token_adv = [None] * n if token_advantages is None else token_advantages
+    columns = {
+        "environment": pa.array([r.environment for r in rollouts], pa.string()),
+        "problem_id": pa.array([r.problem_id for r in rollouts], pa.string()),
+        "rollout_uid": pa.array([r.rollout_uid for r in rollouts], pa.string()),
+        "group_id": pa.array(group_ids, pa.string()),
+        "advantage": pa.array(np.asarray(advantages, np.float64).reshape(n), pa.float64()),
+        "reward": pa.array([r.reward for r in rollouts], pa.float64()),
+        "num_tokens": pa.array(num_tokens, pa.int64()),
+        "num_generated_tokens": pa.array(num_sampled, pa.int64()),
+        "oldest_version": pa.array([r.oldest_version for r in rollouts], pa.int64()),
+        "accepted_at": pa.array(np.asarray(accepted_at, np.float64).reshape(n), pa.float64()),
+        "turns": pa.ListArray.from_arrays(pa.array(turn_offsets, pa.int32()), turn_struct),
+        "metadata_json": pa.array([_METADATA_JSON.encode(r.metadata) for r in rollouts], pa.string()),
+        "token_advantages": pa.array(
+            [None if a is None else np.asarray(a, np.float64).astype(np.float32) for a in token_adv],
+            pa.list_(pa.float32()),
+        ),
+        "segment": pa.array([None] * n if segments is None else segments, pa.int64()),
+        "group_index": pa.array([None] * n if group_indices is None else group_indices, pa.int64()),
+    }
+    return pa.Table.from_arrays([columns[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
+
+
 def row_to_stored(row: dict[str, Any]) -> StoredRollout:
     """Inverse of `rollout_to_row` (schema version 1 rows too); validates the rollout (raises `RolloutFormatError`)."""
     try:
@@ -197,6 +271,19 @@ def row_to_stored(row: dict[str, Any]) -> StoredRollout:
         raise RolloutFormatError(f"malformed rollout row: {type(e).__name__}: {e}") from e
 
 
+@dataclass
+class _PendingRollouts:
+    """Rollouts queued for a file, with their per-row fields (`rollouts_table`'s arguments)."""
+
+    rollouts: list[Rollout] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    accepted_at: list[float] = field(default_factory=list)
+    token_advantages: list[Any] = field(default_factory=list)
+    segments: list[int | None] = field(default_factory=list)
+    group_indices: list[int | None] = field(default_factory=list)
+
+
 class RolloutWriter:
     """Appends rollouts to Parquet files under one directory (local or any fsspec URL such as gs://)."""
 
@@ -208,31 +295,84 @@ class RolloutWriter:
         self.flush_interval_s = flush_interval_s
         self.fs, self._root = fsspec.core.url_to_fs(self.directory)
         self.fs.makedirs(self._root, exist_ok=True)
-        self._rows: list[dict[str, Any]] = []
+        self._tables: list[pa.Table] = []  # queued rows: tables, in order, then `_pending`
+        self._pending = _PendingRollouts()  # rollouts queued by `append_rollouts`, converted at the next flush
+        self._queued = 0
         self._last_flush = time.time()
         self._prefix = f"part-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self._seq = 0
         self.rows_written = 0
         self.files_written: list[str] = []
 
-    def append(self, rows: list[dict[str, Any]]) -> None:
-        """Queue rows; writes a file once `flush_rows` rows or `flush_interval_s` seconds have accumulated."""
-        self._rows.extend(rows)
-        if len(self._rows) >= self.flush_rows or time.time() - self._last_flush >= self.flush_interval_s:
+    def append(self, rows: list[dict[str, Any]] | pa.Table) -> None:
+        """Queue rows (`rollout_to_row`'s dicts, or a table of `ROLLOUT_SCHEMA` such as `rollouts_table` builds);
+        writes a file once `flush_rows` rows or `flush_interval_s` seconds have accumulated."""
+        table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+        if not table.schema.equals(ROLLOUT_SCHEMA, check_metadata=False):
+            raise ValueError(f"rollout rows must have the rollout schema, got {table.schema}")
+        self._convert_pending()  # rows keep the order they were appended in
+        self._tables.append(table)
+        self._queued += table.num_rows
+        self._maybe_flush()
+
+    def append_rollouts(
+        self,
+        rollouts: list[Rollout],
+        group_id: str,
+        advantages: Any,
+        accepted_at: float,
+        token_advantages: list[Any] | None = None,
+        segment: int | None = None,
+        group_index: int | None = None,
+    ) -> None:
+        """Queue a group's rollouts as rows (`rollout_to_row`'s arguments, an advantage and an optional per-token
+        advantage array per rollout). They are converted at the next flush, every rollout queued since the previous
+        one in one columnar conversion (`rollouts_table`), not row by row; a rollout must not change until then."""
+        n = len(rollouts)
+        p = self._pending
+        p.rollouts.extend(rollouts)
+        p.group_ids.extend([group_id] * n)
+        p.advantages.extend(np.asarray(advantages, np.float64).reshape(n).tolist())
+        p.accepted_at.extend([float(accepted_at)] * n)
+        p.token_advantages.extend([None] * n if token_advantages is None else token_advantages)
+        p.segments.extend([None if segment is None else int(segment)] * n)
+        p.group_indices.extend([None if group_index is None else int(group_index)] * n)
+        self._queued += n
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if self._queued >= self.flush_rows or time.time() - self._last_flush >= self.flush_interval_s:
             self.flush()
+
+    def _convert_pending(self) -> None:
+        p = self._pending
+        if p.rollouts:
+            self._tables.append(
+                rollouts_table(
+                    p.rollouts,
+                    p.group_ids,
+                    p.advantages,
+                    p.accepted_at,
+                    p.token_advantages,
+                    p.segments,
+                    p.group_indices,
+                )
+            )
+            self._pending = _PendingRollouts()
 
     def flush(self) -> str | None:
         """Write the queued rows to a new Parquet file; returns its path (None when nothing was queued)."""
         self._last_flush = time.time()
-        if not self._rows:
+        if not self._queued:
             return None
-        table = pa.Table.from_pylist(self._rows, schema=ROLLOUT_SCHEMA)
+        self._convert_pending()
+        table = pa.concat_tables(self._tables).replace_schema_metadata(ROLLOUT_SCHEMA.metadata)
         path = f"{self._root}/{self._prefix}-{self._seq:06d}.parquet"
         with self.fs.open(path, "wb") as f:
             pq.write_table(table, f)
         self._seq += 1
-        self.rows_written += len(self._rows)
-        self._rows = []
+        self.rows_written += self._queued
+        self._tables, self._queued = [], 0
         self.files_written.append(path)
         return path
 
@@ -241,7 +381,7 @@ class RolloutWriter:
         try:
             self.flush()
         except Exception:  # at interpreter exit: report, never raise
-            logger.exception("rollout writer: could not flush %d rows to %s", len(self._rows), self.directory)
+            logger.exception("rollout writer: could not flush %d rows to %s", self._queued, self.directory)
 
 
 def list_parquet(path: str) -> list[str]:

@@ -21,6 +21,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "credit_assignment": "turn_over_group_reward",
     "device_local": "mfu",
     "distillation": "distill_over_rl",
+    "generation": "embedded_over_paged",
     "inference": "http_over_engine",
     "learner_mfu": "mfu",
     "loop": "loop_over_limit",

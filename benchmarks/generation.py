@@ -1,7 +1,7 @@
 """Long completions: generated tokens/s of the embedded engine against vLLM on the same model, requests and machine.
 
     python benchmarks/generation.py                 # SmolLM2-135M-Instruct, 16 prompts × n=8 × 256 tokens
-    python benchmarks/generation.py --no-vllm       # the embedded engines only
+    python benchmarks/generation.py --no-vllm --paged  # the embedded engines only
     python benchmarks/generation.py --smoke         # a tiny model, a few tokens, no vLLM (seconds)
 
 The model is the released SmolLM2-135M-Instruct (`models/SmolLM2-135M-Instruct.Q4_1.gguf`, which ./install.sh links;
@@ -18,13 +18,14 @@ from the first request sent to the last answer, one warm-up run first (compilati
 - embedded: `LevanterInferenceServer` with `inference.levanter.engine: dense` (marin_rl's continuously batched engine:
   slots of a dense KV cache, a group's samples sharing their prompt's prefill, a finished sequence's slot refilled
   from the queue) at `--max-seqs` slots, its defaults otherwise;
-- paged: the same server on Levanter's paged engine (`engine: paged`), as information (`--no-paged` skips it);
+- paged: the same server on Levanter's paged engine (`engine: paged`), as information, with `--paged` (and in
+  `--smoke`, where it is the baseline);
 - vLLM: `vllm serve` of the same weights (vLLM's CPU build from `python -m marin_rl.inference.vllm_env`) with
   `--max-num-seqs` = `--max-seqs`; skipped, with the reason printed, where its environment is missing.
 
 Printed: tokens, seconds and tok/s of each, the dense engine's slot occupancy and prefills, and last
 `embedded_over_vllm=<ratio>`; without vLLM (its environment missing, `--no-vllm`, `--smoke`) the baseline is the
-paged engine and the last line is `embedded_over_paged=<ratio>`.
+paged engine (`--paged`) and the last line is `embedded_over_paged=<ratio>`.
 """
 
 from __future__ import annotations
@@ -139,17 +140,9 @@ async def _run(address: str, model_name: str, prompts, args, extra: dict) -> int
 
 
 def timed(address: str, model_name: str, prompts, args, extra: dict | None = None) -> tuple[float, int]:
-    """(median seconds, tokens per run) of `--repeats` runs after a warm-up run of the same requests at 16 tokens
-    (the same prompt shapes: everything compiles)."""
-    asyncio.run(
-        _run(
-            address,
-            model_name,
-            prompts,
-            argparse.Namespace(**{**vars(args), "max_tokens": min(16, args.max_tokens)}),
-            extra or {},
-        )
-    )
+    """(median seconds, tokens per run) of `--repeats` runs after a warm-up run of the same requests (everything
+    the timed runs use compiles in it)."""
+    asyncio.run(_run(address, model_name, prompts, args, extra or {}))
     times, tokens = [], 0
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -223,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--random", action="store_true", help="random weights of SmolLM2-135M's shape")
     parser.add_argument("--no-vllm", action="store_true")
-    parser.add_argument("--no-paged", action="store_true", help="skip Levanter's paged engine")
+    parser.add_argument("--paged", action="store_true", help="also Levanter's paged engine (slow on a CPU)")
     parser.add_argument("--vllm-kv-gib", type=float, default=4.0, help="vLLM's KV cache on the CPU")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, a few tokens, no vLLM (seconds)")
     args = parser.parse_args(argv)
@@ -257,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     paged_tps = None
-    if not args.no_paged:
+    if args.paged or args.smoke:
         seconds, tokens, _ = embedded(model, tok, prompts, args, "paged")
         paged_tps = tokens / seconds
         print(f"embedded (Levanter's paged engine):    {tokens} tokens in {seconds:.1f} s = {paged_tps:.1f} tok/s")

@@ -63,16 +63,17 @@ class LevanterServerConfig:
 
     engine: str = "paged"
     """'paged': Levanter's engine (paged KV cache, batched prefill, a scheduler of sequences); 'dense': marin_rl's
-    dense-cache sampler (`marin_rl.inference.dense_engine`: a batch of up to `max_seqs` sequences decoded position
-    by position in one compiled loop, prompts included), several times faster on a CPU for short prompts and
-    completions of small Llama-family models, slower for long contexts. `prefill_tokens`, `page_size`, `max_pages`
-    and `max_rounds` are the paged engine's."""
+    dense-cache engine (`marin_rl.inference.dense_engine`: `max_seqs` slots of a dense KV cache, batched
+    continuously: a group's samples share their prompt's prefill, every live slot decodes in one compiled loop, a
+    slot that finishes takes a waiting or newly arrived sequence), several times faster on a CPU for Llama-family
+    models (Llama, Mistral, Qwen2, Qwen3). `page_size` and `max_pages` are the paged engine's."""
     batch_invariant: bool = False
     """Dense engine: decode every batch at `max_seqs` rows instead of the smallest of a few row counts that fits, so
     a sequence's logprobs are bit-identical whatever shares its batch (across row counts they differ by ~5e-7,
     because each row count is its own compiled program). `orchestrator.deterministic` turns it on."""
     prefill_tokens: int = bounded(4096, ge=1)
-    """Prompt tokens prefilled together; one engine call admits at most this many (and at most `max_seqs`)."""
+    """Prompt tokens prefilled together: the paged engine admits at most this many per call (and at most
+    `max_seqs`); the dense engine prefills in calls of at most this many (distinct prompts × their padded length)."""
     page_size: int = bounded(64, ge=1)
     """Tokens per KV-cache page."""
     max_pages: int | None = bounded(None, ge=1)
@@ -86,7 +87,8 @@ class LevanterServerConfig:
     quickstart's steady stream of small requests, 20 ms gave a third fewer groups per second than 0–3 ms
     (benchmarks/RESULTS.md, "The loop against its parts")."""
     max_rounds: int = bounded(16, ge=1)
-    """Decode-loop iterations per engine call (larger: more throughput, more latency)."""
+    """Decode-loop iterations per device call (larger: more throughput, more latency). The dense engine returns to
+    the host after this many to refill finished slots while sequences wait or may arrive."""
     segment_tokens: int | None = bounded(256, ge=1)
     """Decode long generations in segments of at most this many tokens and apply new weights between segments, so a
     generation that straddles a weight update continues under the new weights (each token's logprob from the

@@ -550,7 +550,7 @@ class DenseEngine:
             group = range(first, min(first + per_call, len(prompt_rows)))
             members = [i for i, u in enumerate(source) if u in group]
             u_rows = per_call if self.batch_invariant else _bucket(len(group), 1, per_call, base=4)
-            m_rows = slots if self.batch_invariant else _bucket(len(members), 1, slots, base=4)
+            m_rows = slots  # the rows that start: always the slot count (one program fewer per prefill shape)
             prompts = np.zeros((u_rows, width), np.int32)
             prompt_lengths = np.ones(u_rows, np.int32)
             for j, u in enumerate(group):

@@ -14,7 +14,8 @@ the device's matmul peak (float32 and bfloat16) and prints the figures.
 `benchmarks.scale:ScaleEnvironment` from the checkout's root, its working directory.
 
 The workload: the model has the preset's published shape (`benchmarks/model_size.py`), randomly initialised, and
-computes in `model.compute_dtype: auto` (bfloat16 on a GPU or TPU, float32 on a CPU). It is built as a Levanter Llama of
+computes in `model.compute_dtype: auto` (bfloat16 on a GPU or TPU, float32 on a CPU); the engine is `--engine` (default
+'dense', marin_rl's continuously batched engine; 'paged', Levanter's). It is built as a Levanter Llama of
 that shape (rope theta 1e6 as Qwen's), not Levanter's Qwen2 class: the paged engine decodes Llama but not that class,
 and Qwen2.5's only difference, the q/k/v biases, is 0.006% of the parameters (494.0M against 494.0M + 28k). There is no
 model hub here, so the tokenizer is the character tokenizer padded to the preset's vocabulary
@@ -288,7 +289,9 @@ def print_paper(work: Workload) -> None:
 # ---- the run's config --------------------------------------------------------------------------------------------
 
 
-def run_config(shape, work: Workload, checkpointing: bool, microbatches: int, steps: int, cpu: bool) -> dict:
+def run_config(
+    shape, work: Workload, checkpointing: bool, microbatches: int, steps: int, cpu: bool, engine: str = "dense"
+) -> dict:
     """The run's config (a YAML-able dict): the preset's shape at random initialisation, the synthetic environment,
     rows of `work.seq` tokens, and the planned checkpointing and microbatches."""
     arch = shape.levanter_config(work.seq)
@@ -337,7 +340,9 @@ def run_config(shape, work: Workload, checkpointing: bool, microbatches: int, st
             "max_seqs": work.max_seqs,
             "max_seq_len": max(work.seq, work.engine_seq),  # a run refuses rows longer than the engine's context
             "levanter": {
-                "engine": "paged",
+                # dense: marin_rl's continuously batched engine (its cache spans prompt + longest completion,
+                # rounded up to a power of two); paged: Levanter's
+                "engine": engine,
                 "kv_cache_dtype": "float32" if cpu else "bfloat16",
                 # pages for every sequence's prompt and longest completion, not for a whole row each
                 "page_size": 64,
@@ -428,6 +433,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="packed rows per batch")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per packed row (2k-8k)")
     parser.add_argument("--max-seqs", type=int, default=256, help="sequences the engine decodes together")
+    parser.add_argument("--engine", default="dense", choices=["dense", "paged"], help="inference.levanter.engine")
     parser.add_argument("--memory-gib", type=float, default=None, help="memory budget (default: the device's)")
     parser.add_argument("--min-microbatch-tokens", type=int, default=4096, help="see the rule in the docstring")
     parser.add_argument("--output-dir", default=None, help="where the run writes (default: a temporary dir)")
@@ -474,7 +480,9 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     config = os.path.join(out, f"scale_{name}.yaml")
     with open(config, "w") as f:
-        yaml.safe_dump(run_config(shape, work, checkpointing, microbatches, steps, cpu), f, sort_keys=False)
+        yaml.safe_dump(
+            run_config(shape, work, checkpointing, microbatches, steps, cpu, args.engine), f, sort_keys=False
+        )
     launch, end, rows, summary = run(config, run_dir, list(args.overrides))
     describe(f"scale {name}", launch, end, rows, 2.0)  # no reward target: speed, not learning
     stepped = [r for r in rows if r.get("step", 0) >= 1 and "learner/step_time_s" in r]

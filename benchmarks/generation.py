@@ -10,7 +10,8 @@ workload is `--prompts` prompts of about `--prompt-tokens` tokens (math question
 repeated to length), each sampled `--n` times (one request per prompt, all in flight at once, as a rollout worker's
 groups arrive; unseeded: vLLM's CPU build fails seeded requests, 'CPU Generator does not use offset'), exactly
 `--max-tokens` tokens per sample at temperature 1: the embedded server is given no stop token and vLLM is asked to
-`ignore_eos`, so both generate the same number of tokens. Both run on the CPU in float32.
+`ignore_eos`, so both generate the same number of tokens. The embedded engine serves weights and keeps its cache in
+`--compute-dtype` ('auto': float32 on a CPU, bfloat16 on an accelerator); vLLM runs in float32 (its CPU build).
 
 Servers, each through its OpenAI-compatible `/v1/completions` (token-id prompts, per-token logprobs returned), timed
 from the first request sent to the last answer, one warm-up run first (compilation), median of `--repeats`:
@@ -23,7 +24,9 @@ from the first request sent to the last answer, one warm-up run first (compilati
 - vLLM: `vllm serve` of the same weights (vLLM's CPU build from `python -m marin_rl.inference.vllm_env`) with
   `--max-num-seqs` = `--max-seqs`; skipped, with the reason printed, where its environment is missing.
 
-Printed: tokens, seconds and tok/s of each, the dense engine's slot occupancy and prefills, and last
+Printed: tokens, seconds and tok/s of each, the dense engine's slot occupancy and prefills, its fraction of the
+memory-bandwidth bound (bytes of weights and KV cache read per decode step over the bandwidth of a device copy timed
+in the same run: the comparison where no vLLM runs, e.g. on a GPU here), and last
 `embedded_over_vllm=<ratio>`; without vLLM (its environment missing, `--no-vllm`, `--smoke`) the baseline is the
 paged engine (`--paged`) and the last line is `embedded_over_paged=<ratio>`.
 """
@@ -167,9 +170,11 @@ def embedded(model, tok, prompts, args, engine: str) -> tuple[float, int, dict]:
         max_seqs=args.max_seqs,
         max_seq_len=args.max_seq_len,
         max_n=max(args.n, 128),
-        levanter=LevanterServerConfig(engine=engine, prefill_tokens=max(4096, args.max_seq_len)),
+        levanter=LevanterServerConfig(
+            engine=engine, prefill_tokens=max(4096, args.max_seq_len), kv_cache_dtype=args.compute_dtype
+        ),
     )
-    server = LevanterInferenceServer(model, tok, config)
+    server = LevanterInferenceServer(model, tok, config, compute_dtype=args.compute_dtype)
     address = server.start()
     try:
         before = _counters(server.context.engine)
@@ -178,6 +183,40 @@ def embedded(model, tok, prompts, args, engine: str) -> tuple[float, int, dict]:
     finally:
         server.stop()
     return seconds, tokens, delta
+
+
+def measured_bandwidth(megabytes: int = 1024, reps: int = 10) -> float:
+    """Bytes per second the default device moves in the best of `reps` timed copies of a `megabytes` array (read
+    once, written once), compiled first."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    copy(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        copy(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.nbytes / best
+
+
+def bandwidth_bound(model, args, prompt_tokens: float, bandwidth: float) -> tuple[float, float]:
+    """(tok/s, bytes per decode step) that memory bandwidth allows the decode: every step reads the served
+    weights once and each of `--max-seqs` sequences' keys and values up to its position (on average the prompt and
+    half the completion), at `bandwidth` bytes/s. Prefill and sampling are not counted, so it is an upper bound."""
+    import equinox as eqx
+    import jax
+
+    width = 2 if args.compute_dtype == "bfloat16" else 4
+    weights = sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))) * width
+    cfg = model.transformer.layers.unstacked()[0].self_attn.config
+    layers = len(model.transformer.layers.unstacked())
+    per_token = 2 * layers * cfg.KVHeads.size * cfg.HeadSize.size * width
+    context = prompt_tokens + args.max_tokens / 2
+    step = weights + args.max_seqs * context * per_token
+    return args.max_seqs * bandwidth / step, step
 
 
 def vllm(hf_dir: str | None, prompts, args) -> tuple[float, int] | str:
@@ -218,11 +257,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--paged", action="store_true", help="also Levanter's paged engine (slow on a CPU)")
     parser.add_argument("--vllm-kv-gib", type=float, default=4.0, help="vLLM's KV cache on the CPU")
+    parser.add_argument(
+        "--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the served weights and cache"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny model, a few tokens, no vLLM (seconds)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.prompt_tokens, args.max_tokens = 4, 4, 8, 12
         args.max_seqs, args.max_seq_len, args.repeats = 8, 64, 1
+    import jax
+
+    from marin_rl.model.precision import resolve_compute_dtype
+
+    args.compute_dtype = resolve_compute_dtype(args.compute_dtype, jax.devices()[0].platform)
     if args.prompt_tokens + args.max_tokens > args.max_seq_len:
         raise SystemExit(f"--max-seq-len {args.max_seq_len} < --prompt-tokens + --max-tokens")
     logging.basicConfig(level=logging.WARNING)
@@ -236,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     what = "tiny Llama (smoke)" if args.smoke else what
     print(
         f"model: {what}; {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens × n={args.n} × "
-        f"{args.max_tokens} tokens; {args.max_seqs} sequences at once; float32; {os.cpu_count()} CPUs",
+        f"{args.max_tokens} tokens; {args.max_seqs} sequences at once; {args.compute_dtype}; {jax.devices()[0]}",
         flush=True,
     )
     seconds, tokens, stats = embedded(model, tok, prompts, args, "dense")
@@ -249,6 +296,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{stats['decode_calls']} decode calls",
             flush=True,
         )
+    bandwidth = measured_bandwidth(64 if args.smoke else 1024)
+    bound, step_bytes = bandwidth_bound(model, args, statistics.mean(lengths), bandwidth)
+    print(
+        f"  memory-bandwidth bound: {step_bytes / 1e6:.0f} MB read per decode step at {bandwidth / 1e9:.1f} GB/s "
+        f"(measured here) -> {bound:.0f} tok/s; the engine reaches {dense_tps / bound:.3f} of it"
+    )
     paged_tps = None
     if args.paged or args.smoke:
         seconds, tokens, _ = embedded(model, tok, prompts, args, "paged")

@@ -198,13 +198,14 @@ def test_weights_swapped_mid_generation_continue_with_exact_logprobs(setup):
     decode_segment = ctx._decode_segment
 
     def first_segment_then_wait_for_weights(seqs):
-        decode_segment(seqs)
+        joined = decode_segment(seqs)  # the sequences that joined the call (the dense engine's; here none)
         calls.append(len(seqs))
         if len(calls) == 1:
             first_segment_done.set()
             deadline = time.time() + 60
             while ctx._pending is None and time.time() < deadline:  # the update is on its way: swap it in next
                 time.sleep(0.001)
+        return joined
 
     def publish_new_weights():
         first_segment_done.wait(60)

@@ -354,6 +354,79 @@ def test_the_dense_engine_samples_mixture_of_experts_checkpoints_as_the_learner_
     assert delta <= TOLERANCE, f"{name}: the dense engine's logprobs differ from the learner's by {delta:.2e}"
 
 
+def _packed(seqs: np.ndarray, logprobs: np.ndarray | None = None):
+    """A `PackedBatch` of whole sequences (one per row), every token after the first trained on; `logprobs` (the
+    sampler's, or zeros) and advantages spread over -1..1 across the rows."""
+    from marin_rl.types import PackedBatch
+
+    positions = np.tile(np.arange(seqs.shape[1], dtype=np.int32), (seqs.shape[0], 1))
+    mask = positions >= 1
+    sampled = np.zeros(seqs.shape, np.float32) if logprobs is None else np.where(mask, logprobs, 0)
+    return PackedBatch(
+        input_ids=seqs.astype(np.int32),
+        position_ids=positions,
+        segment_ids=np.zeros_like(seqs, dtype=np.int32),
+        loss_mask=mask,
+        advantages=np.where(mask, np.linspace(-1, 1, seqs.shape[0])[:, None], 0).astype(np.float32),
+        sampler_logprobs=sampled.astype(np.float32),
+        token_versions=np.where(mask, 0, -1).astype(np.int32),
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_embedded_server_serves_a_mixture_of_experts_learner_on_the_dense_engine(reference, name):
+    """The embedded server on the dense engine serves a learner's mixture-of-experts policy (arrays on the learner's
+    one-device mesh, calls under the server's own mesh and axis mapping): each sampled token's logprob equals the
+    learner's, before and after a train step, and the new weights are served without recompiling."""
+    import asyncio
+
+    from marin_rl.inference.client import PolicyClient
+    from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
+    from marin_rl.inference.levanter_server import LevanterInferenceServer
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
+    from marin_rl.tokenizer import build_char_tokenizer
+
+    root, ref = reference
+    path = root / name
+    learner = Learner(
+        ModelConfig(architecture=architecture_from_hf(str(path)), init_from_hf=str(path)), LearnerConfig(), _vocab(path)
+    )
+    config = InferenceConfig(max_seqs=8, max_seq_len=64, levanter=LevanterServerConfig(engine="dense"))
+    server = LevanterInferenceServer(learner.model, build_char_tokenizer(), config)
+    address = server.start()
+    prompt = [int(t) for t in ref["sequences"][0][:8]]
+
+    def sample_and_score(version: int) -> np.ndarray:
+        async def sample():
+            client = PolicyClient([address], timeout_s=120)
+            out = await client.sample(prompt, n=4, max_tokens=12, seed=5)
+            await client.aclose()
+            return out
+
+        samples = asyncio.run(sample())
+        assert all(len(s.token_ids) == 12 and s.version_start == s.version_end == version for s in samples)
+        seqs = np.asarray([prompt + s.token_ids for s in samples])
+        with jax.default_matmul_precision("highest"):
+            want = learner.logprobs(_packed(seqs))[:, 8:]
+        delta = float(np.abs(np.asarray([s.sampler_logprobs for s in samples]) - want).max())
+        print(f"PARITY server dense {name} version {version} max|dlogprob|={delta:.2e}")
+        assert delta <= TOLERANCE, f"{name}: served logprobs differ from the learner's by {delta:.2e}"
+        return seqs
+
+    try:
+        server.apply_weights(0, learner.weights())
+        seqs = sample_and_score(0)
+        compiled = server.context.engine.compiled_programs()
+        with jax.default_matmul_precision("highest"):
+            assert np.isfinite(learner.train_step(_packed(seqs, learner.logprobs(_packed(seqs))))["learner/loss"])
+        server.apply_weights(1, learner.weights())
+        sample_and_score(1)
+        assert server.context.engine.compiled_programs() == compiled, "new weights recompiled"
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_the_learner_scores_and_trains_mixture_of_experts_checkpoints_on_one_device(reference, name):
     """Levanter routes experts in a shard_map, which needs a device mesh: on one device the learner builds a

@@ -31,8 +31,10 @@ Mistral, Qwen2, Qwen3: `LlamaDecoderLayer`s and `QwenDecoderLayer`s) and its mix
 Mixtral: `Qwen3MoeDecoderLayer`s and `MixtralDecoderLayer`s), all with plain multi-head attention; `DenseEngine`
 raises ValueError for others. An expert layer runs Levanter's own sparse block (the learner's code: the same router,
 top-k and grouped matmuls) on the [slot, position] tokens of a prefill or a decode step, under the mesh the model's
-arrays live on (Levanter routes in a shard_map); each token's experts follow from its own hidden state, so the
-tokens sharing a call do not change a sequence's routing.
+arrays live on (Levanter routes in a shard_map). Each token's experts follow from its own hidden state (no capacity
+limit drops a token for others), but routing is a top-k, so a near-tie can fall either way between the engine and the
+learner when their last bits differ (not seen in float32 on the test checkpoints; in bfloat16 it is common,
+`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def check_supported(model: LmHeadModel) -> None:
     layer = layers.unstacked()[0]
     if getattr(layer.config, "use_sliding_window", False):  # Qwen2, Qwen3, Qwen3-MoE
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
-    # Qwen2: Llama's layer without extra norms
+    # Qwen2's layer is Llama's without extra norms; Qwen3 uses Llama's (qk-norm in its attention)
     if not isinstance(layer, LlamaDecoderLayer | QwenDecoderLayer | MixtralDecoderLayer | Qwen3MoeDecoderLayer):
         raise ValueError(
             f"the dense engine decodes {FAMILIES} models (their decoder layer stacks), not "

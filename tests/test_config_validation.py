@@ -193,8 +193,8 @@ CASES = [
     (["--model.matmul_precision", "tf32"], "model.matmul_precision must be null or one of ('default', 'high', "),
     (
         ["--model.architecture", "{type: olmo2, hidden_dim: 32, intermediate_dim: 64, num_heads: 2, num_kv_heads: 2}"],
-        "inference.levanter.engine: the dense engine decodes Llama, Mistral, Qwen2 and Qwen3 models (their decoder "
-        "layer stacks), not Olmo2LMHeadModel",
+        "inference.levanter.engine: the dense engine decodes Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral "
+        "models (their decoder layer stacks), not Olmo2LMHeadModel",
     ),
     (
         [

@@ -236,7 +236,17 @@ def test_honoured_settings_pass(cfg):
 
 
 ENGINES = {
-    "dense": {"llama3", "llama_tied", "llama_yarn", "qwen2", "qwen3", "mistral", "mistral_window_4096"},
+    "dense": {
+        "llama3",
+        "llama_tied",
+        "llama_yarn",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "mistral_window_4096",
+        "qwen3_moe",
+        "mixtral",
+    },
     "paged": {"llama3", "llama_tied", "llama_yarn", "qwen3"},
 }
 """The families each embedded engine decodes (among the loaded cases); it refuses the others at start, by name."""
@@ -292,6 +302,129 @@ def test_each_engine_samples_what_the_learner_scores_or_refuses_the_family_by_na
     delta = float(np.abs(np.asarray(out.logprobs) - want).max())
     print(f"PARITY {kind} {name} max|dlogprob|={delta:.2e}")
     assert delta <= TOLERANCE, f"{name}: the {kind} engine's logprobs differ from the learner's by {delta:.2e}"
+
+
+def _router_margins(path: Path, sequences: np.ndarray) -> np.ndarray:
+    """Per layer and token of `sequences` (the learner's forward of the policy at `path`): how far the router's
+    probability of its k-th chosen expert lies above the best expert it left out ([layer, batch, position]). Routing
+    is top-k, so a computation whose hidden states differ by more than this could pick other experts."""
+    from levanter.models.mixtral import MixtralDecoderLayer
+
+    model = build_model(ModelConfig(architecture=architecture_from_hf(str(path)), init_from_hf=str(path)), _vocab(path))
+    axes = (hax.Axis("batch", sequences.shape[0]), hax.Axis("position", sequences.shape[1]))
+    margins = []
+    with (
+        hax.partitioning.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))),
+        jax.default_matmul_precision("highest"),
+    ):
+        x = model.embeddings.embed(hax.named(jnp.asarray(sequences), axes))
+        for layer in model.transformer.layers.unstacked():
+            h = x + layer.self_attn(x=layer.input_layernorm(x), mask=AttentionMask.causal(), key=None)
+            block = layer.block_sparse_moe if isinstance(layer, MixtralDecoderLayer) else layer.mlp
+            probs = jax.nn.softmax(block.gate(layer.post_attention_layernorm(h), key=None).array.astype(jnp.float32))
+            top = jax.lax.top_k(probs, block.config.num_experts_per_tok + 1)[0]
+            margins.append(np.asarray(top[..., -2] - top[..., -1]))
+            out = layer(x, AttentionMask.causal(), key=None)
+            x = out[0] if isinstance(out, tuple) else out
+    return np.stack(margins)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_dense_engine_samples_mixture_of_experts_checkpoints_as_the_learner_scores_them(reference, name):
+    """Longer generations than the matrix's: 8 sequences (3 prompts, shared by the groups that sample them) of 40
+    sampled tokens each, so the decode steps route hundreds of tokens; every sampled token's logprob equals the
+    learner's forward on the sampled sequence. Routing is discontinuous (top-k), so a near-tie that the engine and
+    the learner broke differently would show as a large gap; the smallest top-k margin is printed to say how near."""
+    from test_dense_engine import _request
+
+    root, ref = reference
+    path = root / name
+    model = build_model(ModelConfig(architecture=architecture_from_hf(str(path)), init_from_hf=str(path)), _vocab(path))
+    engine = _engine("dense", model)
+    assert engine.mesh is not None
+    prompts = np.asarray(ref["sequences"])[:, :8]
+    requests = [_request(list(prompts[i % 3]), 100 + i, 40, rid=i) for i in range(8)]
+    out = engine.generate(requests)
+    assert all(len(t) == 40 for t in out.tokens)
+    sequences = np.concatenate([prompts[np.arange(8) % 3], np.asarray(out.tokens)], axis=1)
+    want = _learner_logprobs(path, sequences)[:, 7:]
+    delta = float(np.abs(np.asarray(out.logprobs) - want).max())
+    margin = float(_router_margins(path, sequences).min())
+    print(f"PARITY dense {name} 320 tokens max|dlogprob|={delta:.2e} min top-k router margin={margin:.2e}")
+    assert delta <= TOLERANCE, f"{name}: the dense engine's logprobs differ from the learner's by {delta:.2e}"
+
+
+def _packed(seqs: np.ndarray, logprobs: np.ndarray | None = None):
+    """A `PackedBatch` of whole sequences (one per row), every token after the first trained on; `logprobs` (the
+    sampler's, or zeros) and advantages spread over -1..1 across the rows."""
+    from marin_rl.types import PackedBatch
+
+    positions = np.tile(np.arange(seqs.shape[1], dtype=np.int32), (seqs.shape[0], 1))
+    mask = positions >= 1
+    sampled = np.zeros(seqs.shape, np.float32) if logprobs is None else np.where(mask, logprobs, 0)
+    return PackedBatch(
+        input_ids=seqs.astype(np.int32),
+        position_ids=positions,
+        segment_ids=np.zeros_like(seqs, dtype=np.int32),
+        loss_mask=mask,
+        advantages=np.where(mask, np.linspace(-1, 1, seqs.shape[0])[:, None], 0).astype(np.float32),
+        sampler_logprobs=sampled.astype(np.float32),
+        token_versions=np.where(mask, 0, -1).astype(np.int32),
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_embedded_server_serves_a_mixture_of_experts_learner_on_the_dense_engine(reference, name):
+    """The embedded server on the dense engine serves a learner's mixture-of-experts policy (arrays on the learner's
+    one-device mesh, calls under the server's own mesh and axis mapping): each sampled token's logprob equals the
+    learner's, before and after a train step, and the new weights are served without recompiling."""
+    import asyncio
+
+    from marin_rl.inference.client import PolicyClient
+    from marin_rl.inference.config import InferenceConfig, LevanterServerConfig
+    from marin_rl.inference.levanter_server import LevanterInferenceServer
+    from marin_rl.learner.config import LearnerConfig
+    from marin_rl.learner.learner import Learner
+    from marin_rl.tokenizer import build_char_tokenizer
+
+    root, ref = reference
+    path = root / name
+    learner = Learner(
+        ModelConfig(architecture=architecture_from_hf(str(path)), init_from_hf=str(path)), LearnerConfig(), _vocab(path)
+    )
+    config = InferenceConfig(max_seqs=8, max_seq_len=64, levanter=LevanterServerConfig(engine="dense"))
+    server = LevanterInferenceServer(learner.model, build_char_tokenizer(), config)
+    address = server.start()
+    prompt = [int(t) for t in ref["sequences"][0][:8]]
+
+    def sample_and_score(version: int) -> np.ndarray:
+        async def sample():
+            client = PolicyClient([address], timeout_s=120)
+            out = await client.sample(prompt, n=4, max_tokens=12, seed=5)
+            await client.aclose()
+            return out
+
+        samples = asyncio.run(sample())
+        assert all(len(s.token_ids) == 12 and s.version_start == s.version_end == version for s in samples)
+        seqs = np.asarray([prompt + s.token_ids for s in samples])
+        with jax.default_matmul_precision("highest"):
+            want = learner.logprobs(_packed(seqs))[:, 8:]
+        delta = float(np.abs(np.asarray([s.sampler_logprobs for s in samples]) - want).max())
+        print(f"PARITY server dense {name} version {version} max|dlogprob|={delta:.2e}")
+        assert delta <= TOLERANCE, f"{name}: served logprobs differ from the learner's by {delta:.2e}"
+        return seqs
+
+    try:
+        server.apply_weights(0, learner.weights())
+        seqs = sample_and_score(0)
+        compiled = server.context.engine.compiled_programs()
+        with jax.default_matmul_precision("highest"):
+            assert np.isfinite(learner.train_step(_packed(seqs, learner.logprobs(_packed(seqs))))["learner/loss"])
+        server.apply_weights(1, learner.weights())
+        sample_and_score(1)
+        assert server.context.engine.compiled_programs() == compiled, "new weights recompiled"
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])

@@ -65,8 +65,9 @@ class LevanterServerConfig:
     """'paged': Levanter's engine (paged KV cache, batched prefill, a scheduler of sequences); 'dense': marin_rl's
     dense-cache engine (`marin_rl.inference.dense_engine`: `max_seqs` slots of a dense KV cache, batched
     continuously: a group's samples share their prompt's prefill, every live slot decodes in one compiled loop, a
-    slot that finishes takes a waiting or newly arrived sequence), several times faster on a CPU for Llama-family
-    models (Llama, Mistral, Qwen2, Qwen3). `page_size` and `max_pages` are the paged engine's."""
+    slot that finishes takes a waiting or newly arrived sequence), several times faster on a CPU; it decodes Llama,
+    Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral models (the paged engine: Llama and Qwen3). `page_size` and
+    `max_pages` are the paged engine's."""
     batch_invariant: bool = False
     """Dense engine: decode every batch at `max_seqs` rows instead of the smallest of a few row counts that fits, so
     a sequence's logprobs are bit-identical whatever shares its batch (across row counts they differ by ~5e-7,

@@ -26,8 +26,15 @@ requests beyond `max_seqs` need no second engine call.
 Sampling is Levanter's: the same sampler module, and per token the key `fold_in(key(seed), position)` of the position
 whose logits are sampled, as the paged engine derives it, so a seeded request's samples do not depend on which other
 requests share its batch, and a generation continued in segments samples what one pass would (up to the last bits of
-a prefilled key against a decoded one). Supported models are Levanter's Llama family (Llama, Mistral, Qwen:
-`LlamaDecoderLayer`s with plain multi-head attention); `DenseEngine` raises ValueError for others.
+a prefilled key against a decoded one). Supported models (`check_supported`) are Levanter's Llama family (Llama,
+Mistral, Qwen2, Qwen3: `LlamaDecoderLayer`s and `QwenDecoderLayer`s) and its mixtures of experts (Qwen3-MoE,
+Mixtral: `Qwen3MoeDecoderLayer`s and `MixtralDecoderLayer`s), all with plain multi-head attention; `DenseEngine`
+raises ValueError for others. An expert layer runs Levanter's own sparse block (the learner's code: the same router,
+top-k and grouped matmuls) on the [slot, position] tokens of a prefill or a decode step, under the mesh the model's
+arrays live on (Levanter routes in a shard_map). Each token's experts follow from its own hidden state (no capacity
+limit drops a token for others), but routing is a top-k, so a near-tie can fall either way between the engine and the
+learner when their last bits differ (not seen in float32 on the test checkpoints; in bfloat16 it is common,
+`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ from levanter.layers.attention import Attention
 from levanter.layers.sampler import Sampler
 from levanter.models.llama import LlamaDecoderLayer
 from levanter.models.lm_model import LmHeadModel
+from levanter.models.mixtral import MixtralDecoderLayer
 from levanter.models.qwen import QwenDecoderLayer
+from levanter.models.qwen3_moe import Qwen3MoeDecoderLayer
 
 
 @dataclass(frozen=True)
@@ -74,22 +83,31 @@ BATCH_BUCKETS = (16, 64, 256)
 """Row counts a batch is padded to (each compiles once; capped at `max_seqs`, which is always one)."""
 
 
+FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral"
+"""The model families `DenseEngine` decodes, as its refusals name them."""
+
+_MOE_LAYERS = (MixtralDecoderLayer, Qwen3MoeDecoderLayer)
+"""Decoder layers whose MLP is a mixture of experts (Levanter's; routed in a shard_map, which needs a mesh)."""
+
+
 def check_supported(model: LmHeadModel) -> None:
-    """Raise ValueError unless `DenseEngine` can decode `model` (a Levanter model of Llama's or Qwen2's decoder
-    layers: Llama, Mistral, Qwen2, Qwen3; checked against transformers per family in tests/test_hf_families.py)."""
+    """Raise ValueError unless `DenseEngine` can decode `model`: a Levanter model of Llama's, Qwen2's, Qwen3-MoE's or
+    Mixtral's decoder layers with plain multi-head attention (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral;
+    checked against the learner per family in tests/test_hf_families.py)."""
     transformer = getattr(model, "transformer", None)
     layers = getattr(transformer, "layers", None)
     if layers is None or not hasattr(layers, "unstacked"):
         raise ValueError(
-            f"the dense engine decodes Llama, Mistral, Qwen2 and Qwen3 models; {type(model).__name__} has no layer "
-            "stack (use inference.backend: vllm)"
+            f"the dense engine decodes {FAMILIES} models; {type(model).__name__} has no layer stack "
+            "(use inference.backend: vllm)"
         )
     layer = layers.unstacked()[0]
-    if isinstance(layer, QwenDecoderLayer) and layer.config.use_sliding_window:
+    if getattr(layer.config, "use_sliding_window", False):  # Qwen2, Qwen3, Qwen3-MoE
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
-    if not isinstance(layer, LlamaDecoderLayer | QwenDecoderLayer):  # Qwen2: Llama's layer without extra norms
+    # Qwen2's layer is Llama's without extra norms; Qwen3 uses Llama's (qk-norm in its attention)
+    if not isinstance(layer, LlamaDecoderLayer | QwenDecoderLayer | MixtralDecoderLayer | Qwen3MoeDecoderLayer):
         raise ValueError(
-            f"the dense engine decodes Llama, Mistral, Qwen2 and Qwen3 models (their decoder layer stacks), not "
+            f"the dense engine decodes {FAMILIES} models (their decoder layer stacks), not "
             f"{type(model).__name__} ({type(layer).__name__} layers); use inference.backend: vllm"
         )
     attn = layer.self_attn
@@ -100,6 +118,22 @@ def check_supported(model: LmHeadModel) -> None:
         )
     if getattr(attn.config, "sliding_window", None) is not None:
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
+
+
+def routes_experts(model: LmHeadModel) -> bool:
+    """Whether `model`'s decoder layers are mixtures of experts (Mixtral, Qwen3-MoE)."""
+    return isinstance(model.transformer.layers.unstacked()[0], _MOE_LAYERS)
+
+
+def expert_mesh(model: LmHeadModel) -> jax.sharding.Mesh:
+    """The device mesh under which `DenseEngine` runs a mixture-of-experts model (Levanter routes its tokens in a
+    shard_map, which needs one): the mesh the model's arrays are laid out on (a colocated learner's), or else a
+    one-device mesh on the device holding them."""
+    leaf = next(x for x in jax.tree_util.tree_leaves(model) if isinstance(x, jax.Array))
+    sharding = leaf.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
+        return sharding.mesh
+    return jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)[:1]), ("data",))
 
 
 def _attention_scale(attn: Attention) -> float:
@@ -113,8 +147,9 @@ def _soft_cap(attn: Attention, scores: jnp.ndarray) -> jnp.ndarray:
 
 
 def _rest_of_layer(layer, residual: hax.NamedArray, out: jnp.ndarray, axes: tuple[str, ...]) -> hax.NamedArray:
-    """The layer after attention: output projection, residual, MLP (`out` [batch, position, kv_head, group,
-    head_size] as a plain array named by `axes`)."""
+    """The layer after attention: output projection, residual, MLP or mixture of experts (`out` [batch, position,
+    kv_head, group, head_size] as a plain array named by `axes`). An expert block routes each [batch, position] token
+    on its own, so prefill (whole prompts) and decode (one position per slot) call it alike."""
     attn: Attention = layer.self_attn
     out = hax.named(out, axes).flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(residual.dtype)
     attn_output = attn.o_proj(out, key=None)
@@ -122,7 +157,12 @@ def _rest_of_layer(layer, residual: hax.NamedArray, out: jnp.ndarray, axes: tupl
         attn_output = layer.post_attn_layernorm(attn_output)
     x = residual + attn_output
     residual = x
-    mlp_output = layer.mlp(layer.post_attention_layernorm(x), key=None)
+    x = layer.post_attention_layernorm(x)
+    if isinstance(layer, MixtralDecoderLayer):  # shared experts (if any) and routed ones, summed as the layer does
+        moe_output, _ = layer.block_sparse_moe(x, key=None)  # (output, router statistics for the aux losses)
+        mlp_output = layer.shared_mlp(x, key=None) if layer.shared_mlp is not None else 0
+        return residual + mlp_output + moe_output
+    mlp_output = layer.mlp(x, key=None)  # Qwen3-MoE's `mlp` is its sparse block: one output, no statistics
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_output = layer.post_mlp_layernorm(mlp_output)
     return residual + mlp_output
@@ -375,6 +415,9 @@ class DenseEngine:
         """Prompt tokens (distinct prompts × their padded length) one prefill call takes at most."""
         # batch_invariant: one slot count, so no row's arithmetic depends on how many others share its call
         self.buckets = [max_seqs] if batch_invariant else sorted({min(b, max_seqs) for b in BATCH_BUCKETS} | {max_seqs})
+        self.mesh = expert_mesh(model) if routes_experts(model) else None
+        """The device mesh the engine's programs run under: a mixture-of-experts model's (`expert_mesh`), else None
+        (no mesh)."""
         self._empty = eqx.filter_jit(_empty_slots)
         self._admit = eqx.filter_jit(_admit, donate="all-except-first")
         self._decode = eqx.filter_jit(_decode, donate="all-except-first")
@@ -470,6 +513,14 @@ class DenseEngine:
         each row's sampled tokens and their logprobs as soon as it finishes. Over several processes (a model sharded
         across hosts) every process must make the same call, without `more`: every decision here follows from the
         inputs and the gathered outputs."""
+        if self.mesh is None:
+            return self._run(inputs, more, finished)
+        # Levanter's expert blocks route in a shard_map over the mesh; no axis mapping: their routing is replicated
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping({}):
+            return self._run(inputs, more, finished)
+
+    def _run(self, inputs, more, finished) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`run`'s body, under the engine's mesh if it has one."""
         tokens, lengths, limits, temperatures, keys, stops = inputs
         n = tokens.shape[0]
         out_tokens, out_logprobs = tokens.copy(), np.zeros(tokens.shape, np.float32)

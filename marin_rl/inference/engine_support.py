@@ -16,7 +16,8 @@ def check_paged_supported(model: LmHeadModel) -> None:
     if not hasattr(model, "initial_cache"):
         raise ValueError(
             f"the paged engine decodes models with a paged KV cache (Llama, Qwen3), not {type(model).__name__}; use "
-            "inference.levanter.engine: dense (Llama, Mistral, Qwen2, Qwen3) or inference.backend: vllm"
+            "inference.levanter.engine: dense (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) or inference.backend: "
+            "vllm"
         )
 
 

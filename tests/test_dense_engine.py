@@ -35,15 +35,15 @@ def setup():
     )
     examples = [(env.encode_prompt(p), tok(p.answer)["input_ids"] + [tok.eos_token_id]) for p in env.train_problems()]
     learner.warm_start(examples, 64)  # not uniform: logprobs vary
-    engine = DenseEngine(
-        learner.model,
-        _FullDistributionSampler(learner.model.Vocab),
-        max_seqs=64,
-        max_seq_len=64,
-        max_stop_seqs=4,
-        max_stop_tokens=16,
+    return tok, env, learner, _engine(learner, max_seqs=64)
+
+
+def _engine(learner, max_seqs: int, **options) -> DenseEngine:
+    """A dense engine on the learner's model: 64 positions, up to 4 stop sequences of 16 tokens."""
+    sampler = _FullDistributionSampler(learner.model.Vocab)
+    return DenseEngine(
+        learner.model, sampler, max_seqs=max_seqs, max_seq_len=64, max_stop_seqs=4, max_stop_tokens=16, **options
     )
-    return tok, env, learner, engine
 
 
 def _request(prompt, seed, max_new, stops=None, temperature=1.0, rid=0):
@@ -142,15 +142,7 @@ def test_batch_invariant_engine_gives_bit_identical_logprobs_whatever_shares_the
     """Deterministic runs: a seeded request scores the same to the last bit alone or among 39 others (each row count
     is its own compiled program, whose results differ in the last bits; batch_invariant uses one)."""
     tok, env, learner, _ = setup
-    engine = DenseEngine(
-        learner.model,
-        _FullDistributionSampler(learner.model.Vocab),
-        max_seqs=64,
-        max_seq_len=64,
-        max_stop_seqs=4,
-        max_stop_tokens=16,
-        batch_invariant=True,
-    )
+    engine = _engine(learner, max_seqs=64, batch_invariant=True)
     prompts = [env.encode_prompt(p) for p in env.train_problems()[:40]]
     eos = [[tok.eos_token_id]]
     together = engine.generate([_request(p, 100 + i, 5, eos, rid=i) for i, p in enumerate(prompts)])
@@ -164,15 +156,7 @@ def test_continuous_batching_refills_freed_slots_and_shares_a_groups_prefill(set
     that frees takes a waiting sequence within the call (so the call's decode steps stay near the total work over the
     slots, not waves of the longest), and a group's samples prefill their prompt once."""
     tok, env, learner, _ = setup
-    engine = DenseEngine(
-        learner.model,
-        _FullDistributionSampler(learner.model.Vocab),
-        max_seqs=8,
-        max_seq_len=64,
-        max_stop_seqs=4,
-        max_stop_tokens=16,
-        decode_steps=2,
-    )
+    engine = _engine(learner, max_seqs=8, decode_steps=2)
     prompts = [env.encode_prompt(p) for p in env.train_problems()[:6]]
     lengths = [1, 12, 3, 7, 2, 12]
     requests = [
@@ -208,15 +192,7 @@ def test_requests_that_arrive_during_a_call_join_it_and_each_is_told_as_it_ends(
     """`more` is asked between chunks while a slot is free: arrivals join the running call (no second call), sample
     what they sample alone, and `finished` hears of each one as it ends, short ones before the long one."""
     tok, env, learner, _ = setup
-    engine = DenseEngine(
-        learner.model,
-        _FullDistributionSampler(learner.model.Vocab),
-        max_seqs=16,
-        max_seq_len=64,
-        max_stop_seqs=4,
-        max_stop_tokens=16,
-        decode_steps=2,
-    )
+    engine = _engine(learner, max_seqs=16, decode_steps=2)
     prompts = [env.encode_prompt(p) for p in env.train_problems()[:4]]
     long = _request(prompts[0], 1, 30, rid=0)
     arrivals = [[_request(prompts[1], 2, 3, rid=1)], [], [_request(prompts[2], 3, 4), _request(prompts[3], 4, 40)]]

@@ -66,21 +66,7 @@ class Sequence:
         versions: list[int] = []
         sampled: list[bool] = []
         lengths: list[int] = []
-        for t in rollout.turns:  # one pass over the turns; each field is converted once, below
-            n = len(t.token_ids)
-            ids += t.token_ids
-            lengths.append(n)
-            sampled.append(t.sampler_logprobs is not None)
-            meta = t.inference_metadata
-            if t.sampler_logprobs is None:
-                logprobs += [0.0] * n
-                versions += [-1] * n
-            else:
-                logprobs += t.sampler_logprobs
-                if meta is not None and meta.token_versions is not None:
-                    versions += meta.token_versions
-                else:
-                    versions += [-1 if meta is None else meta.version_start] * n
+        _collect_turns(rollout, ids, logprobs, versions, sampled, lengths)  # each field is converted once, below
         mask = np.repeat(np.asarray(sampled, bool), lengths)
         if token_advantages is not None and len(token_advantages) != len(mask):
             raise ValueError(f"token_advantages has {len(token_advantages)} entries for {len(mask)} tokens")
@@ -127,24 +113,9 @@ class Sequence:
             if credits[i] is not None or any(t.teacher_logprobs is not None for t in r.turns):
                 continue
             plain.append(i)
-            total = 0
-            for t in r.turns:
-                k = len(t.token_ids)
-                total += k
-                ids += t.token_ids
-                turn_lengths.append(k)
-                sampled.append(t.sampler_logprobs is not None)
-                meta = t.inference_metadata
-                if t.sampler_logprobs is None:
-                    logprobs += [0.0] * k
-                    versions += [-1] * k
-                else:
-                    logprobs += t.sampler_logprobs
-                    if meta is not None and meta.token_versions is not None:
-                        versions += meta.token_versions
-                    else:
-                        versions += [-1 if meta is None else meta.version_start] * k
-            lengths.append(total)
+            before = len(ids)
+            _collect_turns(r, ids, logprobs, versions, sampled, turn_lengths)
+            lengths.append(len(ids) - before)
             truncated.append(r.truncated)
         out: list = [None] * n  # Sequence for each rollout
         if plain:
@@ -210,6 +181,27 @@ class Sequence:
 
 
 check_token_fields(Sequence, SEQUENCE_FIELDS)
+
+
+def _collect_turns(rollout: Rollout, ids: list, logprobs: list, versions: list, sampled: list, lengths: list) -> None:
+    """Append `rollout`'s per-token values to the lists, in one pass over its turns: token ids, sampler logprobs (0
+    where not sampled), token versions (-1 where not sampled; the turn's `version_start` where it has no per-token
+    versions), and per turn whether it was sampled and its length."""
+    for t in rollout.turns:
+        n = len(t.token_ids)
+        ids += t.token_ids
+        lengths.append(n)
+        sampled.append(t.sampler_logprobs is not None)
+        meta = t.inference_metadata
+        if t.sampler_logprobs is None:
+            logprobs += [0.0] * n
+            versions += [-1] * n
+        else:
+            logprobs += t.sampler_logprobs
+            if meta is not None and meta.token_versions is not None:
+                versions += meta.token_versions
+            else:
+                versions += [-1 if meta is None else meta.version_start] * n
 
 
 def first_fit_decreasing(lengths: list[int], num_rows: int, row_len: int) -> list[int | None]:

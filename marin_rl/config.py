@@ -35,7 +35,7 @@ from marin_rl.inference.config import InferenceConfig, RewardModelConfig
 from marin_rl.inference.engine_support import engine_refusal
 from marin_rl.inference.teacher import TeacherConfig
 from marin_rl.learner.algorithm import Algorithm, get_algorithm, known_algorithms, with_reward_models
-from marin_rl.learner.config import LearnerConfig
+from marin_rl.learner.config import LearnerConfig, routes_experts
 from marin_rl.model.config import ModelConfig
 from marin_rl.placement import PlacementConfig, tpu_slice_shape
 from marin_rl.replay.batcher import BatcherConfig
@@ -436,6 +436,19 @@ class RunConfig:
                 f"learner.loss.objective {objective!r} does not read them (use 'opd_forward_kl_topk', or top_k: 0)"
             )
 
+    def _validate_routing_replay(self) -> None:
+        """Routing replay needs a mixture-of-experts policy and a sampler that records its routing."""
+        if not routes_experts(self.model.architecture):
+            raise ValueError(
+                f"learner.moe.routing_replay: {type(self.model.architecture).__name__} has no expert layers (it needs "
+                "a mixture-of-experts model: Qwen3-MoE, Mixtral)"
+            )
+        if self.inference.backend != "levanter" or self.inference.levanter.engine != "dense":
+            raise ValueError(
+                "learner.moe.routing_replay: only the embedded server's dense engine records routing; set "
+                "inference.backend: levanter and inference.levanter.engine: dense"
+            )
+
     def _validate_local(self) -> None:
         """What the local backend (one process, a colocated embedded engine) cannot run, named before it starts."""
         if self.inference.backend != "levanter":
@@ -510,6 +523,8 @@ class RunConfig:
             refusal = engine_refusal(self.model.architecture, self.inference.levanter.engine)
             if refusal:
                 raise ValueError(f"inference.levanter.engine: {refusal}")
+        if self.learner.moe.routing_replay:
+            self._validate_routing_replay()
         if self.orchestrator.backend not in ("ray", "local"):
             raise ValueError(f"orchestrator.backend must be 'ray' or 'local', got {self.orchestrator.backend!r}")
         if self.orchestrator.backend == "local":

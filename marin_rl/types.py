@@ -109,6 +109,10 @@ class Turn:
     tokens at that position (given the conversation before it), most likely first; None otherwise."""
     teacher_top_logprobs: list[list[float]] | None = None
     """The teacher's logprobs of `teacher_top_ids`, per token of a sampled turn; None otherwise."""
+    routed_experts: list[list[int]] | None = None
+    """Routing replay, a mixture-of-experts policy: per token of the turn, the experts the sampler sent it to in each
+    expert layer (layers × k indices, layer-major; -1 where none was recorded, e.g. a turn's last sampled token, which
+    the sampler never fed to the model); None when not recorded (`marin_rl.model.moe`)."""
 
     @property
     def is_sampled(self) -> bool:
@@ -145,6 +149,7 @@ TURN_TOKEN_LISTS: dict[str, tuple[type, bool]] = {
     "teacher_logprobs": (np.float64, False),
     "teacher_top_ids": (np.int32, True),
     "teacher_top_logprobs": (np.float32, True),
+    "routed_experts": (np.int16, True),
 }
 """The optional per-token lists of a `Turn` (None when absent): element dtype (as stored, `marin_rl.replay.store`) and
 whether each token has a list of k (the teacher's top-k). `Turn.from_dict` and the Parquet turn struct follow it."""
@@ -235,6 +240,28 @@ class Rollout:
                 return len(t.teacher_top_ids[0])
         return 0
 
+    @property
+    def routing_width(self) -> int:
+        """Entries per token of the recorded routing (`Turn.routed_experts`: layers × k), 0 when none was recorded."""
+        for t in self.turns:
+            if t.routed_experts:
+                return len(t.routed_experts[0])
+        return 0
+
+    def routed_experts(self) -> np.ndarray | None:
+        """The recorded routing per token, `[num_tokens, layers × k]` int16 (-1 on tokens of turns that have none),
+        or None when no turn has any."""
+        width = self.routing_width
+        if not width:
+            return None
+        parts = [
+            np.full((len(t.token_ids), width), -1, np.int16)
+            if t.routed_experts is None
+            else np.asarray(t.routed_experts, dtype=np.int16).reshape(len(t.token_ids), width)
+            for t in self.turns
+        ]
+        return np.concatenate(parts)
+
     def teacher_top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The teacher's top-k token ids (int32) and logprobs (float32) per token, arrays `[num_tokens, k]` (0 on
         tokens that were not sampled)."""
@@ -319,7 +346,8 @@ class Rollout:
         Checks: a non-empty prompt first and at least one sampled turn, known roles, integer token ids inside the
         vocabulary, exactly one finite logprob (<= 0) per sampled token, inference metadata with a policy version on
         sampled turns, finite rewards (named ones too); teacher logprobs, where a teacher scored the rollout, on every
-        sampled turn and only there, one finite logprob (<= 0) per token.
+        sampled turn and only there, one finite logprob (<= 0) per token; recorded routing, where a turn has it, one
+        row of the rollout's width per token, indices >= -1.
         """
         uid = self.rollout_uid
         if not self.turns:
@@ -364,6 +392,8 @@ class Rollout:
                         )
             if self.has_teacher_logprobs:
                 _check_teacher_top(t, where, self.teacher_top_k, vocab_size)
+            if t.routed_experts is not None:
+                _check_routed_experts(t, where, self.routing_width)
             if t.is_sampled:
                 if len(t.sampler_logprobs) != len(t.token_ids):
                     raise RolloutFormatError(
@@ -392,6 +422,19 @@ class Rollout:
                             f"[{meta.version_start}, {meta.version_end}]",
                             "bad_versions",
                         )
+
+
+def _check_routed_experts(t: Turn, where: str, width: int) -> None:
+    """A turn's recorded routing: `[tokens, width]` integers (the rollout's one width), each an expert index or -1."""
+    try:
+        routes = np.asarray(t.routed_experts, dtype=np.int64).reshape(len(t.token_ids), width)
+    except (ValueError, TypeError):
+        raise RolloutFormatError(
+            f"{where}: routed experts must be [{len(t.token_ids)} tokens, {width}] integers (one width a rollout)",
+            "routed_experts",
+        ) from None
+    if routes.size and (routes.min() < -1 or routes.max() > np.iinfo(np.int16).max):
+        raise RolloutFormatError(f"{where}: routed expert indices must lie in [-1, 32767]", "routed_experts")
 
 
 def _check_teacher_top(t: Turn, where: str, k: int, vocab_size: int | None) -> None:
@@ -491,7 +534,9 @@ class TokenField:
     optional: bool = False
     """None when absent (a batch has it when its sequences do)."""
     top_k: bool = False
-    """A trailing `[k]` axis (the teacher's top-k; `marin_rl.learner.batch.TEACHER_TOP_K` on the devices)."""
+    """A trailing `[k]` axis (the teacher's top-k; routed experts' layers × k), named `trailing_axis` on the devices."""
+    trailing_axis: str = "teacher_top_k"
+    """With `top_k`: the name of the trailing axis in `marin_rl.learner.batch.RlExample`."""
     layout: bool = False
     """Derived by `pack` from where a sequence lands (ids, positions, segments; `truncated` from the sequence's
     `episode_truncated`), not carried per token by a `Sequence`."""
@@ -553,6 +598,17 @@ TOKEN_FIELDS: tuple[TokenField, ...] = (
         "The teacher's logprobs of `teacher_top_ids` (`[..., k]`, 0 elsewhere), or None.",
         optional=True,
         top_k=True,
+    ),
+    TokenField(
+        "routed_experts",
+        np.int16,
+        -1,
+        "Routing replay: `[..., layers × k]` the experts the sampler sent each token to in each expert layer "
+        "(layer-major; -1 where none was recorded: the learner's router chooses there), when the rollouts carry "
+        "them (`Turn.routed_experts`); None otherwise.",
+        optional=True,
+        top_k=True,
+        trailing_axis="routed_experts",
     ),
 )
 """The per-token fields of a packed batch, in `PackedBatch`'s order. Adding one: declare it here (`PackedBatch` is made

@@ -28,6 +28,7 @@ FIGURE = {  # the last line each benchmark prints: name=value
     "lora": "lora_bytes_over_full",
     "model_size": "mfu",
     "packing": "packing_efficiency",
+    "routing_replay": "replayed_over_free",
     "sampler_agreement": "max_abs_dlogprob",
     "scale": "trained_tok_s_over_target",
     "server_load": "recovery_over_initial",

@@ -202,7 +202,7 @@ def test_requests_that_arrive_during_a_call_join_it_and_each_is_told_as_it_ends(
         asked.append(positions)
         return arrivals.pop(0) if arrivals else []
 
-    result = engine.generate([long], more=more, finished=lambda i, t, lp: order.append((i, len(t))))
+    result = engine.generate([long], more=more, finished=lambda i, t, lp, _: order.append((i, len(t))))
     assert len(result.tokens) == 4 and len(asked) >= 3
     assert asked[0] >= len(prompts[3]) + 40, "the call's cache holds the longest arrival (more() must not give more)"
     assert [len(t) for t in result.tokens] == [30, 3, 4, 40]

@@ -31,7 +31,11 @@ def _rollout(prompt: list[int], sampled: list[int], *, teacher: bool, finish: st
         turn.teacher_logprobs = [-0.25] * len(sampled)
         turn.teacher_top_ids = [[t, t + 1] for t in sampled]
         turn.teacher_top_logprobs = [[-0.1, -2.0]] * len(sampled)
-    return Rollout("env", "p", [Turn("user", "", list(prompt)), turn])
+        # a mixture of experts' routing (1 layer × 2 experts): the prompt's, then the sampled tokens' (the last
+        # one never fed: none)
+        turn.routed_experts = [[t % 4, (t + 1) % 4] for t in sampled[:-1]] + [[-1, -1]]
+    first = Turn("user", "", list(prompt), routed_experts=[[0, 3]] * len(prompt) if teacher else None)
+    return Rollout("env", "p", [first, turn])
 
 
 def test_the_classes_agree_with_the_declaration():
@@ -74,13 +78,15 @@ def test_every_field_travels_from_rollout_to_example():
     assert batch.truncated[0, :8].all()  # both episodes hit their length limit
     np.testing.assert_array_equal(batch.token_versions[0, :8], [-1, -1, 3, 3, 3, -1, 3, 3])
     np.testing.assert_array_equal(batch.teacher_top_ids[0, 2], [5, 6])
+    np.testing.assert_array_equal(batch.routed_experts[0, :5], [[0, 3], [0, 3], [1, 2], [2, 3], [-1, -1]])
+    assert {f.trailing_axis for f in TOKEN_FIELDS if f.top_k} == {TEACHER_TOP_K, "routed_experts"}
 
     ex = to_example(batch)
     for f in TOKEN_FIELDS:
         named = getattr(ex, f.name)
         assert named is not None and named.array.dtype == f.dtype, f.name
         names = tuple(a.name for a in named.axes)
-        assert names == (("batch", "position", TEACHER_TOP_K) if f.top_k else ("batch", "position")), f.name
+        assert names == (("batch", "position", f.trailing_axis) if f.top_k else ("batch", "position")), f.name
         np.testing.assert_array_equal(np.asarray(named.array), getattr(batch, f.name), err_msg=f.name)
     again = from_raw(raw_fields(ex))
     for f in TOKEN_FIELDS:

@@ -425,21 +425,44 @@ class SingleTurnEnvironment(Environment):
         rollouts = []
         for sample, completion, rewards in zip(samples, completions, scored, strict=True):
             reward = combine_rewards(rewards, self.reward_weights)
-            turns = [
-                Turn(role="user", message=problem.prompt, token_ids=list(prompt_ids)),
-                policy_turn(sample, completion, sampling, reward=reward, rewards=rewards),
-            ]
+            turns = [Turn(role="user", message=problem.prompt, token_ids=list(prompt_ids))]
+            add_prompt_routing(turns, sample)
+            turns.append(policy_turn(sample, completion, sampling, reward=reward, rewards=rewards))
             rollouts.append(
                 Rollout(environment=self.name, problem_id=problem.id, turns=turns, metadata={"answer": problem.answer})
             )
         return rollouts
 
 
+def add_prompt_routing(turns: list[Turn], sample: Sample) -> None:
+    """Give `turns` (the conversation before a policy turn: their tokens, concatenated, were `sample`'s prompt) the
+    sampler's routing of their tokens (`Sample.routed_experts`, routing replay), those that have none; nothing
+    when the sample carries none."""
+    routes = sample.routed_experts
+    if routes is None:
+        return
+    start = 0
+    for turn in turns:
+        end = start + len(turn.token_ids)
+        if turn.routed_experts is None:
+            turn.routed_experts = routes[start:end].tolist()
+        start = end
+    if start != len(routes) - len(sample.token_ids):
+        raise ValueError(
+            f"the sample's routing covers a prompt of {len(routes) - len(sample.token_ids)} tokens, the turns before "
+            f"it hold {start}"
+        )
+
+
 def policy_turn(
     sample: Sample, text: str, sampling: SamplingParams, *, reward: float = 0.0, rewards: dict | None = None
 ) -> Turn:
-    """An assistant turn from a policy sample, with its logprobs and inference metadata."""
+    """An assistant turn from a policy sample, with its logprobs and inference metadata (and its tokens' routing when
+    the sample carries a mixture of experts' (`Sample.routed_experts`))."""
+    routes = sample.routed_experts
+    n = len(sample.token_ids)
     return Turn(
+        routed_experts=None if routes is None else routes[len(routes) - n :].tolist(),
         role="assistant",
         message=text,
         token_ids=list(sample.token_ids),

@@ -42,6 +42,7 @@ from marin_rl.envs.base import (  # the chat-template helpers are re-exported he
     _after_mark,
     _encode,
     _render,
+    add_prompt_routing,
     policy_turn,
 )
 from marin_rl.envs.rewards import (
@@ -163,6 +164,7 @@ class Conversation:
         if self.turns[-1].is_sampled:
             raise ValueError("two policy turns in a row: add the environment's messages in between")
         text = sample.text
+        add_prompt_routing(self.turns, sample)
         turn = policy_turn(sample, text, sampling)
         self.turns.append(turn)
         self.messages.append({"role": "assistant", "content": text})

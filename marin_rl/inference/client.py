@@ -12,6 +12,7 @@ import numpy as np
 
 from marin_rl.inference.http_server import client_limits
 from marin_rl.inference.prompt_scores import PromptScores, top_logprobs_arrays
+from marin_rl.inference.routing_payload import decode_routes
 
 logger = logging.getLogger("marin_rl")
 
@@ -39,6 +40,9 @@ class Sample:
     """Wall time of the request."""
     token_versions: list[int] | None = None
     """Policy version that sampled each token (None when the server does not report `policy_version_spans`)."""
+    routed_experts: np.ndarray | None = None
+    """A mixture-of-experts policy's routing of the prompt and the sampled tokens ([prompt + sampled tokens, layers ×
+    k], `marin_rl.model.moe`), when the client asked for it (`routed_experts=True`) and the server recorded it."""
 
 
 def versions_from_spans(spans: list[dict] | None, num_tokens: int) -> list[int] | None:
@@ -138,6 +142,7 @@ class PolicyClient:
         max_concurrent_requests: int = 32,
         max_prompts_per_request: int = 64,
         api_key: str | None = None,
+        routed_experts: bool = False,
     ):
         if not servers:
             raise ValueError("PolicyClient needs at least one server address")
@@ -148,6 +153,9 @@ class PolicyClient:
         self.api_key = api_key
         """What the servers' `inference.api_key` asks for (None: nothing); chat agents reuse it."""
         self.max_prompts_per_request = max_prompts_per_request
+        self.routed_experts = routed_experts
+        """Ask for each sample's routing (`return_routed_experts`; routing replay): a server that does not return it
+        fails the request."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
         self._http = {
             s: httpx.AsyncClient(
@@ -271,6 +279,7 @@ class PolicyClient:
             "logprobs": 0,
             "return_token_ids": True,  # integer ids; then no `token_id:N` strings from the embedded servers
             "return_tokens_as_token_ids": True,  # for servers without `return_token_ids`
+            **({"return_routed_experts": True} if self.routed_experts else {}),
             **{k: v for k, v in params.items() if v is not None},
         }
         tried: list[str] = []
@@ -299,7 +308,8 @@ class PolicyClient:
             self.request_s += latency
             self.backend_s += float(answer.get("backend_s", 0.0))
             self.queue_s += queued
-            return self._parse(answer, len(prompts), n, server, latency)
+            lengths = [len(p) for p in prompts] if self.routed_experts else None
+            return self._parse(answer, len(prompts), n, server, latency, lengths)
 
     async def score(self, prompts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each token sequence's logprobs under the served model, one per token after the first (given the tokens
@@ -370,12 +380,16 @@ class PolicyClient:
         return response.json()
 
     @staticmethod
-    def _parse(answer: dict, num_prompts: int, n: int, server: str, latency: float) -> list[list[Sample]]:
+    def _parse(
+        answer: dict, num_prompts: int, n: int, server: str, latency: float, prompt_lengths: list[int] | None = None
+    ) -> list[list[Sample]]:
+        """Each prompt's samples from a completions answer; with `prompt_lengths` (the prompts' token counts), each
+        choice must carry its routing (`routed_experts`)."""
         choices = sorted(answer.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != num_prompts * n:
             raise RuntimeError(f"server {server} returned {len(choices)} choices for {num_prompts} prompts × n={n}")
         samples = []
-        for choice in choices:
+        for index, choice in enumerate(choices):
             token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
             if token_logprobs is None:
                 raise RuntimeError(f"server {server} returned no logprobs; it must support `logprobs`")
@@ -389,10 +403,23 @@ class PolicyClient:
                 raise RuntimeError(
                     f"server {server} returned {len(token_ids)} token ids and {len(token_logprobs)} logprobs"
                 )
+            routes = None
+            if prompt_lengths is not None:
+                if choice.get("routed_experts") is None:
+                    raise RuntimeError(
+                        f"server {server} returned no routed_experts; routing replay (learner.moe.routing_replay) "
+                        "needs the embedded server's dense engine serving a mixture-of-experts model"
+                    )
+                tokens = prompt_lengths[index // n] + len(token_ids)
+                try:
+                    routes = decode_routes(choice["routed_experts"], tokens)
+                except ValueError as e:
+                    raise RuntimeError(f"server {server}: {e}") from e
             samples.append(
                 Sample(
                     token_ids=token_ids,
                     sampler_logprobs=[float(x) for x in token_logprobs],
+                    routed_experts=routes,
                     text=choice.get("text", ""),
                     finish_reason=choice.get("finish_reason") or "stop",
                     version_start=int(choice.get("policy_version_start", -1)),

@@ -77,6 +77,10 @@ class CompletionRequest(BaseModel):
     return_token_ids: bool = False
     """Each choice carries its sampled ids as integers (`token_ids`); with `return_tokens_as_token_ids` too,
     `logprobs.tokens` is null rather than a `token_id:N` copy of them."""
+    return_routed_experts: bool = False
+    """Each choice carries a mixture-of-experts policy's routing of its prompt and tokens (`routed_experts`,
+    `marin_rl.inference.routing_payload`; routing replay). Servers of dense models, and those that cannot record it,
+    leave it out."""
     top_p: float | None = Field(default=None, description="Nucleus sampling (backends may support only 1.0).")
     # OpenAI fields that are accepted only with their default behaviour (`UNSUPPORTED_FIELDS`)
     stream: bool | None = None

@@ -61,6 +61,8 @@ from levanter.models.mixtral import MixtralDecoderLayer
 from levanter.models.qwen import QwenDecoderLayer
 from levanter.models.qwen3_moe import Qwen3MoeDecoderLayer
 
+from marin_rl.model.moe import NO_EXPERT, ROUTE_DTYPE, moe_forward, routes_experts, routing_shape
+
 
 @dataclass(frozen=True)
 class DenseDecodeParams:
@@ -85,9 +87,6 @@ BATCH_BUCKETS = (16, 64, 256)
 
 FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral"
 """The model families `DenseEngine` decodes, as its refusals name them."""
-
-_MOE_LAYERS = (MixtralDecoderLayer, Qwen3MoeDecoderLayer)
-"""Decoder layers whose MLP is a mixture of experts (Levanter's; routed in a shard_map, which needs a mesh)."""
 
 
 def check_supported(model: LmHeadModel) -> None:
@@ -120,11 +119,6 @@ def check_supported(model: LmHeadModel) -> None:
         raise ValueError("the dense engine has no sliding-window attention (use inference.levanter.engine: paged)")
 
 
-def routes_experts(model: LmHeadModel) -> bool:
-    """Whether `model`'s decoder layers are mixtures of experts (Mixtral, Qwen3-MoE)."""
-    return isinstance(model.transformer.layers.unstacked()[0], _MOE_LAYERS)
-
-
 def expert_mesh(model: LmHeadModel) -> jax.sharding.Mesh:
     """The device mesh under which `DenseEngine` runs a mixture-of-experts model (Levanter routes its tokens in a
     shard_map, which needs one): the mesh the model's arrays are laid out on (a colocated learner's), or else a
@@ -146,10 +140,12 @@ def _soft_cap(attn: Attention, scores: jnp.ndarray) -> jnp.ndarray:
     return scores if cap is None else jnp.tanh(scores / cap) * cap
 
 
-def _rest_of_layer(layer, residual: hax.NamedArray, out: jnp.ndarray, axes: tuple[str, ...]) -> hax.NamedArray:
+def _rest_of_layer(layer, residual: hax.NamedArray, out: jnp.ndarray, axes: tuple[str, ...]):
     """The layer after attention: output projection, residual, MLP or mixture of experts (`out` [batch, position,
-    kv_head, group, head_size] as a plain array named by `axes`). An expert block routes each [batch, position] token
-    on its own, so prefill (whole prompts) and decode (one position per slot) call it alike."""
+    kv_head, group, head_size] as a plain array named by `axes`). Returns the layer's output and, for an expert
+    layer, the experts each [batch, position] token went to ([batch, position, k], `marin_rl.model.moe.moe_forward`:
+    each token is routed on its own, so prefill (whole prompts) and decode (one position per slot) route alike), else
+    None."""
     attn: Attention = layer.self_attn
     out = hax.named(out, axes).flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(residual.dtype)
     attn_output = attn.o_proj(out, key=None)
@@ -159,21 +155,27 @@ def _rest_of_layer(layer, residual: hax.NamedArray, out: jnp.ndarray, axes: tupl
     residual = x
     x = layer.post_attention_layernorm(x)
     if isinstance(layer, MixtralDecoderLayer):  # shared experts (if any) and routed ones, summed as the layer does
-        moe_output, _ = layer.block_sparse_moe(x, key=None)  # (output, router statistics for the aux losses)
+        moe_output, experts, _ = moe_forward(layer.block_sparse_moe, x)  # (router statistics: for the aux losses)
         mlp_output = layer.shared_mlp(x, key=None) if layer.shared_mlp is not None else 0
-        return residual + mlp_output + moe_output
-    mlp_output = layer.mlp(x, key=None)  # Qwen3-MoE's `mlp` is its sparse block: one output, no statistics
+        return residual + mlp_output + moe_output, experts.rearrange(("batch", "position", "top_experts")).array
+    experts = None
+    if isinstance(layer, Qwen3MoeDecoderLayer):  # its `mlp` is its sparse block
+        mlp_output, chosen, _ = moe_forward(layer.mlp, x)
+        experts = chosen.rearrange(("batch", "position", "top_experts")).array
+    else:
+        mlp_output = layer.mlp(x, key=None)
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_output = layer.post_mlp_layernorm(mlp_output)
-    return residual + mlp_output
+    return residual + mlp_output, experts
 
 
 _OUT_AXES = ("batch", "position", "kv_head", "q_heads_per_group", "head_size")
 
 
 def _layer_prefill(layer, x: hax.NamedArray, pos_ids: hax.NamedArray, cache_dtype):
-    """One decoder layer over whole prompts (`x` [batch, position, embed], causal attention); returns its output and
-    the prompts' keys [batch, kv_head, head_size, position] and values [batch, kv_head, position, head_size]."""
+    """One decoder layer over whole prompts (`x` [batch, position, embed], causal attention); returns its output,
+    the prompts' keys [batch, kv_head, head_size, position] and values [batch, kv_head, position, head_size], and an
+    expert layer's routing ([batch, position, k], else None)."""
     attn: Attention = layer.self_attn
     q, k, v = attn._compute_qkv(layer.input_layernorm(x), key=None, pos_ids=pos_ids)
     keys = k.rearrange(("batch", "kv_head", "head_size", "position")).array.astype(cache_dtype)
@@ -187,13 +189,15 @@ def _layer_prefill(layer, x: hax.NamedArray, pos_ids: hax.NamedArray, cache_dtyp
     causal = jnp.arange(positions)[None, :] <= jnp.arange(positions)[:, None]
     weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
     out = jnp.einsum("bhgqk,bhkd->bqhgd", weights, values.astype(jnp.float32))
-    return _rest_of_layer(layer, x, out, _OUT_AXES), (keys, values)
+    y, experts = _rest_of_layer(layer, x, out, _OUT_AXES)
+    return y, (keys, values), experts
 
 
 def _layer_decode(layer, x: hax.NamedArray, cache, pos: jnp.ndarray, pos_ids: hax.NamedArray):
     """One decoder layer on one token per slot (`x` [batch, position=1, embed]) at each slot's position `pos`,
     writing its key and value into the slot's cache there and attending to the slot's positions up to it; mirrors
-    `LlamaDecoderLayer.decode` with `Attention.paged_decode`."""
+    `LlamaDecoderLayer.decode` with `Attention.paged_decode`. Returns the output, the cache, and an expert layer's
+    routing ([batch, 1, k], else None)."""
     keys, values = cache
     attn: Attention = layer.self_attn
     q, k, v = attn._compute_qkv(layer.input_layernorm(x), key=None, pos_ids=pos_ids)
@@ -209,7 +213,8 @@ def _layer_decode(layer, x: hax.NamedArray, cache, pos: jnp.ndarray, pos_ids: ha
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bhgs,bhsd->bhgd", weights, values.astype(jnp.float32))
-    return _rest_of_layer(layer, x, out[:, None], _OUT_AXES), (keys, values)
+    y, experts = _rest_of_layer(layer, x, out[:, None], _OUT_AXES)
+    return y, (keys, values), experts
 
 
 def _head(model: LmHeadModel, x: hax.NamedArray) -> hax.NamedArray:
@@ -241,10 +246,12 @@ class _Slots(eqx.Module):
     keys: jnp.ndarray  # [slot, 2] PRNG key data
     stops: jnp.ndarray  # [slot, K, L]
     done: jnp.ndarray  # [slot] finished or empty
+    routes: jnp.ndarray | None  # [slot, S, layers × k] a mixture of experts' routing of each fed token (-1: none)
 
 
 def _empty_slots(model: LmHeadModel, slots: int, positions: int, stops_shape: tuple[int, int], cache_dtype) -> _Slots:
     cfg = model.transformer.layers.unstacked()[0].self_attn.config
+    shape = routing_shape(model)
     heads, head_size = cfg.KVHeads.size, cfg.HeadSize.size
     caches = [
         (
@@ -263,6 +270,7 @@ def _empty_slots(model: LmHeadModel, slots: int, positions: int, stops_shape: tu
         keys=jnp.zeros((slots, 2), jnp.uint32),
         stops=jnp.full((slots, *stops_shape), INVALID, jnp.int32),
         done=jnp.ones((slots,), bool),
+        routes=None if shape is None else jnp.full((slots, positions, shape[0] * shape[1]), NO_EXPERT, ROUTE_DTYPE),
     )
 
 
@@ -284,12 +292,14 @@ def _admit(model, sampler: Sampler, state: _Slots, prompts, lengths, source, slo
     pos_ids = hax.named(jnp.broadcast_to(jnp.arange(prompts.shape[1]), prompts.shape), ("batch", "position"))
     x = model.embeddings.embed(ids)
     caches = []
+    experts = []
     for layer, (keys_cache, values_cache) in zip(model.transformer.layers.unstacked(), state.caches, strict=True):
-        x, (k, v) = _layer_prefill(layer, x, pos_ids, cache_dtype)
+        x, (k, v), chosen = _layer_prefill(layer, x, pos_ids, cache_dtype)
         width = k.shape[-1]
         keys_cache = keys_cache.at[slot, :, :, :width].set(k[source], mode="drop")
         values_cache = values_cache.at[slot, :, :width, :].set(v[source], mode="drop")
         caches.append((keys_cache, values_cache))
+        experts.append(chosen)
     last = lengths - 1
     hidden = x.array[jnp.arange(x.array.shape[0]), last]  # [U, embed] each prompt's last position
     logits = _head(model, hax.named(hidden[source], ("batch", x.axes[-1].name)))
@@ -302,6 +312,15 @@ def _admit(model, sampler: Sampler, state: _Slots, prompts, lengths, source, slo
     row_lps = jnp.zeros(rows.shape, jnp.float32).at[jnp.arange(rows.shape[0]), first].set(lp, mode="drop")
     done = (first + 1 >= limits) | _ends_with_stop(rows, first, stops)
     put = lambda a, b: a.at[slot].set(b, mode="drop")  # noqa: E731
+    routes = state.routes
+    if routes is not None:  # each row's prompt routing; nothing recorded past it (a slot's earlier occupant's goes)
+        prompt_routes = jnp.concatenate(experts, axis=-1).astype(routes.dtype)[source]  # [rows, P, layers × k]
+        real = jnp.arange(prompts.shape[1])[None, :] < lengths[source][:, None]
+        prompt_routes = jnp.where(real[..., None], prompt_routes, NO_EXPERT)
+        width = prompts.shape[1]
+        routes = put(
+            routes, jnp.pad(prompt_routes, ((0, 0), (0, positions - width), (0, 0)), constant_values=NO_EXPERT)
+        )
     return _Slots(
         caches=caches,
         tokens=put(state.tokens, rows),
@@ -312,6 +331,7 @@ def _admit(model, sampler: Sampler, state: _Slots, prompts, lengths, source, slo
         keys=put(state.keys, keys),
         stops=put(state.stops, stops),
         done=put(state.done, done),
+        routes=routes,
     )
 
 
@@ -332,9 +352,11 @@ def _decode(model, sampler: Sampler, state: _Slots, steps):
         pos_ids = hax.named(s.pos[:, None], ("batch", "position"))
         x = model.embeddings.embed(ids)
         caches = []
+        experts = []
         for layer, cache in zip(model.transformer.layers.unstacked(), s.caches, strict=True):
-            x, cache = _layer_decode(layer, x, cache, s.pos, pos_ids)
+            x, cache, chosen = _layer_decode(layer, x, cache, s.pos, pos_ids)
             caches.append(cache)
+            experts.append(chosen)
         logits = _head(model, x)["position", 0]
         new, lp = _sample(sampler, logits, s.temperatures, s.keys, s.pos)
         live = ~s.done
@@ -345,7 +367,13 @@ def _decode(model, sampler: Sampler, state: _Slots, steps):
         pos = jnp.where(live, at, s.pos)
         finished = (pos + 1 >= s.limits) | _ends_with_stop(tokens, pos, s.stops)
         done = s.done | (live & finished)
-        state = dataclasses.replace(s, caches=caches, tokens=tokens, logprobs=logprobs, pos=pos, done=done)
+        routes = s.routes
+        if routes is not None:  # the routing of the token fed at each live slot's position
+            fed = jnp.concatenate(experts, axis=-1)[:, 0].astype(routes.dtype)  # [slot, layers × k]
+            routes = routes.at[r, s.pos].set(jnp.where(live[:, None], fed, routes[r, s.pos]))
+        state = dataclasses.replace(
+            s, caches=caches, tokens=tokens, logprobs=logprobs, pos=pos, done=done, routes=routes
+        )
         return i + 1, live_slot_steps + jnp.sum(live, dtype=jnp.int32), state
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), state))
@@ -436,8 +464,8 @@ class DenseEngine:
         self,
         requests: Sequence[Request],
         more: Callable[[int], Sequence[Request]] | None = None,
-        finished: Callable[[int, list[int], list[float]], None] | None = None,
-    ) -> GenerationResult:
+        finished: Callable[[int, list[int], list[float], np.ndarray | None], None] | None = None,
+    ) -> DenseGenerationResult:
         """Sample each request's generation (`n_generations` must be 1): tokens after its prompt up to
         `decode_params.max_num_tokens` tokens in all (prompt included) or one of its stop sequences (included), at
         its temperature, with its key. Any number of requests: beyond `max_seqs` they wait for a free slot. Raises
@@ -445,8 +473,8 @@ class DenseEngine:
 
         `more(positions)`: requests that arrived since, asked while a slot is free (each must reach at most
         `positions` tokens in all); they join this call after `requests`, and the result covers them too.
-        `finished(i, tokens, logprobs)`: request i's generation as soon as it ends. `more` needs a single-process
-        engine (no `call_guard`: other processes could not replay the arrivals)."""
+        `finished(i, tokens, logprobs, routes)`: request i's generation as soon as it ends (`routes`: see `run`). `more`
+        needs a single-process engine (no `call_guard`: other processes could not replay the arrivals)."""
         joined = list(requests)
         inputs = self.prepare(joined)
         arrivals = None
@@ -459,16 +487,18 @@ class DenseEngine:
                 joined.extend(new)
                 return self.prepare(new) if new else None
 
-        told = None if finished is None else (lambda row, t, lp: finished(row, t.tolist(), lp.tolist()))
+        told = None if finished is None else (lambda row, t, lp, rt: finished(row, t.tolist(), lp.tolist(), rt))
         with self.call_guard(self.model_version, inputs) if self.call_guard is not None else contextlib.nullcontext():
-            out, logprobs, sampled = self.run(inputs, arrivals, told)
-        result_tokens, result_logprobs = [], []
+            out, logprobs, sampled, routes = self.run(inputs, arrivals, told)
+        result_tokens, result_logprobs, result_routes = [], [], []
         for i, r in enumerate(joined):
             a = len(r.prompt_tokens)
             b = a + int(sampled[i])
             result_tokens.append(out[i, a:b].tolist())
             result_logprobs.append(logprobs[i, a:b].tolist())
-        return GenerationResult(result_tokens, result_logprobs, int(sum(len(t) for t in result_tokens)))
+            result_routes.append(None if routes is None else routes[i, :b])
+        total = int(sum(len(t) for t in result_tokens))
+        return DenseGenerationResult(result_tokens, result_logprobs, total, routes=result_routes)
 
     def prepare(self, requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
         """The host arrays one `run` takes for `requests`, one row each: (tokens [n, max_seq_len], lengths, limits,
@@ -503,14 +533,18 @@ class DenseEngine:
         inputs: tuple[np.ndarray, ...],
         more: Callable[[int], tuple[np.ndarray, ...] | None] | None = None,
         finished: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode `prepare`'s rows with the current model, continuously batched: (tokens [n, max_seq_len], logprobs
-        of the sampled positions, number sampled per row) on the host.
+        of the sampled positions, number sampled per row, routes) on the host. `routes` [n, max_seq_len, layers × k]
+        (a mixture of experts' only, else None): the experts each token fed to the model went to in each expert
+        layer (layer-major; the prompt's in the prefill, each sampled token's in the decode step that fed it), and
+        `NO_EXPERT` where none was fed (a row's last sampled token, padding).
 
         `more(positions)`, when given, is asked between decode chunks while a slot is free for rows that arrived
         since (`prepare`'s arrays, each row reaching at most `positions` tokens in all; None or no rows: none); they
-        join the call as rows n, n+1, ... and the results cover them too. `finished(row, tokens, logprobs)` is told
-        each row's sampled tokens and their logprobs as soon as it finishes. Over several processes (a model sharded
+        join the call as rows n, n+1, ... and the results cover them too. `finished(row, tokens, logprobs, routes)` is
+        told each row's sampled tokens and their logprobs as soon as it finishes, with its routes up to its last
+        token (or None). Over several processes (a model sharded
         across hosts) every process must make the same call, without `more`: every decision here follows from the
         inputs and the gathered outputs."""
         if self.mesh is None:
@@ -519,19 +553,26 @@ class DenseEngine:
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping({}):
             return self._run(inputs, more, finished)
 
-    def _run(self, inputs, more, finished) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _run(self, inputs, more, finished):
         """`run`'s body, under the engine's mesh if it has one."""
         tokens, lengths, limits, temperatures, keys, stops = inputs
         n = tokens.shape[0]
         out_tokens, out_logprobs = tokens.copy(), np.zeros(tokens.shape, np.float32)
         sampled = np.zeros(n, np.int32)
+        shape = routing_shape(self.model)
+        width_routes = None if shape is None else shape[0] * shape[1]
+        out_routes = None if shape is None else np.full((n, tokens.shape[1], width_routes), NO_EXPERT, ROUTE_DTYPE)
+
+        def routes_of(row: int, end: int) -> np.ndarray | None:
+            return None if out_routes is None else out_routes[row, :end]
+
         waiting = collections.deque(i for i in range(n) if lengths[i] < limits[i])  # the others sample nothing
         if finished is not None:
             for i in range(n):
                 if lengths[i] >= limits[i]:
-                    finished(i, out_tokens[i, :0], out_logprobs[i, :0])
+                    finished(i, out_tokens[i, :0], out_logprobs[i, :0], routes_of(i, 0))
         if not waiting:
-            return out_tokens, out_logprobs, sampled
+            return out_tokens, out_logprobs, sampled, out_routes
         slots = (
             self.buckets[-1] if len(waiting) > self.buckets[-1] else next(b for b in self.buckets if b >= len(waiting))
         )
@@ -551,14 +592,17 @@ class DenseEngine:
                     out_tokens = np.concatenate([out_tokens, arrived[0]])
                     out_logprobs = np.concatenate([out_logprobs, np.zeros(arrived[0].shape, np.float32)])
                     sampled = np.concatenate([sampled, np.zeros(len(arrived[0]), np.int32)])
+                    if out_routes is not None:
+                        more_routes = np.full((len(arrived[0]), *out_routes.shape[1:]), NO_EXPERT, ROUTE_DTYPE)
+                        out_routes = np.concatenate([out_routes, more_routes])
                     for i in range(n, len(tokens)):
                         if lengths[i] < limits[i]:
                             waiting.append(i)
                         elif finished is not None:
-                            finished(i, out_tokens[i, :0], out_logprobs[i, :0])
+                            finished(i, out_tokens[i, :0], out_logprobs[i, :0], routes_of(i, 0))
                     n = len(tokens)
             if not waiting and all(o < 0 for o in occupant):
-                return out_tokens, out_logprobs, sampled
+                return out_tokens, out_logprobs, sampled, out_routes
             if waiting and free:
                 rows = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                 for row, slot in zip(rows, free, strict=False):
@@ -574,15 +618,18 @@ class DenseEngine:
             ended = [s for s in range(slots) if occupant[s] >= 0 and done[s]]
             if ended:
                 host_tokens, host_logprobs = _to_host(state.tokens), _to_host(state.logprobs)
+                host_routes = None if out_routes is None else _to_host(state.routes)
                 for s in ended:
                     row = occupant[s]
                     out_tokens[row, :width] = host_tokens[s]
                     out_logprobs[row, :width] = host_logprobs[s]
+                    if host_routes is not None:
+                        out_routes[row, :width] = host_routes[s]
                     sampled[row] = pos[s] + 1 - lengths[row]
                     occupant[s] = -1
                     if finished is not None:
                         a, b = lengths[row], lengths[row] + sampled[row]
-                        finished(row, out_tokens[row, a:b], out_logprobs[row, a:b])
+                        finished(row, out_tokens[row, a:b], out_logprobs[row, a:b], routes_of(row, b))
 
     def _start(self, state: _Slots, inputs, rows: list[int], free: list[int], slots: int) -> _Slots:
         """Admit request `rows` into slots `free`: prefill their distinct prompts (in calls of at most
@@ -626,6 +673,15 @@ class DenseEngine:
             self.stats.prefilled_prompts += len(group)
             self.stats.admitted += len(members)
         return state
+
+
+@dataclass
+class DenseGenerationResult(GenerationResult):
+    """Levanter's `GenerationResult`, with a mixture of experts' routing of each request's tokens."""
+
+    routes: list[np.ndarray | None] | None = None
+    """Per request: [prompt + sampled tokens, layers × k] the experts each token went to in each expert layer
+    (layer-major; `marin_rl.model.moe.NO_EXPERT` for the last sampled token, never fed), or None (a dense model)."""
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

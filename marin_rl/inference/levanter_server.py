@@ -98,6 +98,7 @@ class _Sequence:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.token_versions: list[int] = []  # the version that sampled each token
+        self.routes: np.ndarray | None = None  # a mixture of experts' routing of the context (`DenseEngine.run`)
         self.done = False
         self.answered = False  # its future resolved (the dense engine answers a sequence as soon as it ends)
         self.error: Exception | None = None
@@ -372,9 +373,9 @@ class _VersionedContext(InferenceContext):
         service_requests = [self._engine_request(seq, i, dense) for i, seq in enumerate(seqs)]
         continuous = dense and self.engine.call_guard is None
 
-        def finished(i: int, new: list[int], lps: list[float]) -> None:
+        def finished(i: int, new: list[int], lps: list[float], routes) -> None:
             seq = members[i]
-            self._extend(seq, version, new, lps)
+            self._extend(seq, version, new, lps, routes)
             if seq.done:
                 self._respond([seq])
 
@@ -401,17 +402,21 @@ class _VersionedContext(InferenceContext):
                 self._in_engine_call = False
                 self._engine_idle.notify_all()
         if not continuous:
+            routes = getattr(result, "routes", None)  # the dense engine's (Levanter's engine routes no experts)
             for i, seq in enumerate(seqs):
                 lps = list(result.logprobs[i]) if result.logprobs is not None else []
-                self._extend(seq, version, list(result.tokens[i]), lps)
+                self._extend(seq, version, list(result.tokens[i]), lps, None if routes is None else routes[i])
         later, self._later = self._later, []
         return members[len(seqs) :] + later
 
-    def _extend(self, seq: _Sequence, version: int, new: list[int], lps: list[float]) -> None:
+    def _extend(self, seq: _Sequence, version: int, new: list[int], lps: list[float], routes=None) -> None:
         """Add a segment's tokens and logprobs (sampled under `version`) to `seq`; mark it done at a stop sequence
-        or its token limit."""
+        or its token limit. `routes` (a mixture of experts'): the segment's routing of the whole context, which
+        replaces the earlier segments' (its prefill routed their tokens again, under the segment's weights)."""
         if len(lps) != len(new):
             raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(new)} tokens")
+        if routes is not None:
+            seq.routes = routes
         self.generated_tokens += len(new)
         seq.token_versions += [version] * len(new)
         seq.tokens += new
@@ -448,7 +453,7 @@ class _VersionedContext(InferenceContext):
             )
             # the versions travel with the answer (a side table keyed by request id would keep the entries of
             # answers nobody takes: a request whose other choices failed, or whose caller went away)
-            answers.append((req.future, (out, list(seq.token_versions))))
+            answers.append((req.future, (out, list(seq.token_versions), seq.routes)))
         resolve_futures(answers)
 
     def _decode(self, token_lists: list[list[int]]) -> list[str]:
@@ -812,7 +817,7 @@ class LevanterInferenceServer(CompletionBackend):
         results = await asyncio.gather(*(f for f, _ in jobs))
         stop_set = set(stop_seqs)
         out = []
-        for (_, max_tokens), (gen, versions) in zip(jobs, results, strict=True):
+        for (_, max_tokens), (gen, versions, routes) in zip(jobs, results, strict=True):
             tokens = list(gen.tokens)
             stopped = any(tuple(tokens[-len(s) :]) == s for s in stop_set if len(tokens) >= len(s))
             finish = "length" if (len(tokens) >= max_tokens and not stopped) else "stop"
@@ -823,6 +828,7 @@ class LevanterInferenceServer(CompletionBackend):
                     text=gen.text,
                     finish_reason=finish,
                     token_versions=list(versions),
+                    routed_experts=routes if request.return_routed_experts else None,
                 )
             )
         return out

@@ -27,8 +27,10 @@ class InProcessPolicyClient:
     request the checks or the backend refuse raises `ServerError` with the status, message and field the HTTP front
     end answers with."""
 
-    def __init__(self, backend: CompletionBackend):
+    def __init__(self, backend: CompletionBackend, routed_experts: bool = False):
         self.backend = backend
+        self.routed_experts = routed_experts
+        """Ask for each sample's routing (routing replay; see `PolicyClient.routed_experts`)."""
         self.servers = [f"in-process:{backend.name}"]
         self.retried_requests = 0
         """Always 0: nothing to reach."""
@@ -65,12 +67,20 @@ class InProcessPolicyClient:
                 logprobs=0,
                 seed=None if seed is None else int(seed),
                 return_token_ids=True,
+                return_routed_experts=self.routed_experts,
             )
             prompts = check_request(request, self.backend.tokenizer, self.backend.limits)
             served = self.backend.version
             return served, await self.backend.complete(request, prompts)
 
         (served, completions), latency = await self._answer(complete)
+        if self.routed_experts and any(c.routed_experts is None for c in completions):
+            raise ServerError(
+                self.servers[0],
+                500,
+                "no routed experts returned; routing replay (learner.moe.routing_replay) needs the dense engine "
+                "serving a mixture-of-experts model",
+            )
         return [
             Sample(
                 token_ids=list(c.token_ids),
@@ -80,6 +90,7 @@ class InProcessPolicyClient:
                 version_start=int(c.token_versions[0]) if c.token_versions else served,
                 version_end=int(c.token_versions[-1]) if c.token_versions else served,
                 token_versions=[int(v) for v in c.token_versions],
+                routed_experts=c.routed_experts,
                 server=self.servers[0],
                 latency_s=latency,
             )

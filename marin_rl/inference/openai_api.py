@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, HTTPException
 from fastapi import Request as HttpRequest
 from fastapi.concurrency import run_in_threadpool
@@ -76,6 +77,7 @@ from marin_rl.inference.completion_request import (
     parse_request,
 )
 from marin_rl.inference.prompt_scores import PromptScores, top_logprobs_entries
+from marin_rl.inference.routing_payload import encode_routes
 from marin_rl.inference.sessions import CapturedCompletion, SessionStore, session_id_of
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,9 @@ class Completion:
     """'stop' or 'length'."""
     token_versions: list[int]
     """Policy version that sampled each token (empty when no token was sampled)."""
+    routed_experts: np.ndarray | None = None
+    """A mixture-of-experts policy's routing of the prompt and the sampled tokens, when the request asked for it
+    (`return_routed_experts`): [prompt + sampled tokens, layers × k] (`marin_rl.model.moe`), else None."""
 
 
 def version_spans(token_versions: list[int]) -> list[dict[str, int]]:
@@ -157,6 +162,8 @@ def completion_choice(
     }
     if request.return_token_ids:
         choice["token_ids"] = [int(t) for t in completion.token_ids]
+    if request.return_routed_experts and completion.routed_experts is not None:
+        choice["routed_experts"] = encode_routes(completion.routed_experts)
     return choice
 
 

@@ -19,6 +19,10 @@ from marin_rl.types import TOKEN_FIELDS, PackedBatch, check_token_fields
 TEACHER_TOP_K = "teacher_top_k"
 """Name of the axis of the teacher's top-k tokens in `RlExample.teacher_top_ids` / `teacher_top_logprobs`."""
 
+_TRAILING_AXIS = {f.name: f.trailing_axis for f in TOKEN_FIELDS if f.top_k}
+"""The trailing axis's name of each field that has one (`TokenField.trailing_axis`)."""
+assert _TRAILING_AXIS["teacher_top_ids"] == TEACHER_TOP_K
+
 
 class RlExample(eqx.Module):
     """A packed training batch of named arrays over `(batch, position)`.
@@ -46,6 +50,8 @@ class RlExample(eqx.Module):
     teacher_top_ids: hax.NamedArray | None = None
     """Over `(batch, position, TEACHER_TOP_K)`, as `teacher_top_logprobs`."""
     teacher_top_logprobs: hax.NamedArray | None = None
+    routed_experts: hax.NamedArray | None = None
+    """Routing replay: over `(batch, position, routed_experts)` (`marin_rl.model.moe.ROUTED_EXPERTS`: layers × k)."""
 
     @staticmethod
     def from_packed(batch: PackedBatch, Batch: hax.Axis, Pos: hax.Axis) -> RlExample:
@@ -59,7 +65,7 @@ class RlExample(eqx.Module):
                 x = np.zeros(batch.input_ids.shape, bool)
             if x is None:
                 continue
-            axes = (Batch, Pos, hax.Axis(TEACHER_TOP_K, x.shape[-1])) if f.top_k else (Batch, Pos)
+            axes = (Batch, Pos, hax.Axis(f.trailing_axis, x.shape[-1])) if f.top_k else (Batch, Pos)
             fields[f.name] = hax.NamedArray(jax.device_put(np.asarray(x, dtype=f.dtype)), axes)
         return RlExample(**fields)
 
@@ -78,13 +84,13 @@ _FIELDS = [f.name for f in dataclasses.fields(RlExample)]
 
 
 def raw_fields(ex: RlExample) -> dict[str, jax.Array]:
-    """The example's present fields as raw `(batch, position)` arrays (`(batch, position, k)` for the teacher's
-    top-k)."""
+    """The example's present fields as raw `(batch, position)` arrays (`(batch, position, k)` for a field with a
+    trailing axis: the teacher's top-k, routed experts)."""
     out = {}
     for k in _FIELDS:
         field = getattr(ex, k)
         if field is not None:
-            top = (TEACHER_TOP_K,) if any(a.name == TEACHER_TOP_K for a in field.axes) else ()
+            top = (_TRAILING_AXIS[k],) if k in _TRAILING_AXIS else ()
             out[k] = field.rearrange(("batch", "position", *top)).array
     return out
 
@@ -94,10 +100,10 @@ def from_raw(raw: dict[str, jax.Array]) -> RlExample:
     rows, seq = raw["input_ids"].shape
     axes = (hax.Axis("batch", rows), hax.Axis("position", seq))
 
-    def named(v):
-        return hax.named(v, axes if v.ndim == 2 else (*axes, hax.Axis(TEACHER_TOP_K, v.shape[2])))
+    def named(k, v):
+        return hax.named(v, axes if v.ndim == 2 else (*axes, hax.Axis(_TRAILING_AXIS[k], v.shape[2])))
 
-    return RlExample(**{k: named(v) for k, v in raw.items()})
+    return RlExample(**{k: named(k, v) for k, v in raw.items()})
 
 
 def chunked(ex: RlExample, n: int) -> dict[str, jax.Array]:

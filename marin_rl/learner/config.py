@@ -395,6 +395,21 @@ class MeshConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts training (Qwen3-MoE, Mixtral policies)."""
+
+    routing_replay: bool = False
+    """Routing replay: the sampler records, per token and expert layer, the experts it sent the token to; they travel
+    with the rollout to the packed batch, and the learner's forward sends each token to the same experts (the gates
+    are still the router's probabilities there, so the router trains). It removes the sampler–learner mismatch that
+    routing flips cause. Needs a mixture-of-experts model sampled by the embedded server's dense engine
+    (`inference.backend: levanter`, `inference.levanter.engine: dense`); `marin_rl.model.moe`."""
+
+    def __post_init__(self):
+        check_fields(self, "learner.moe")
+
+
+@dataclass
 class LearnerConfig:
     """The learner: RL or supervised mode, optimizer, loss, supervised warm start and fine-tuning, device mesh."""
 
@@ -442,6 +457,8 @@ class LearnerConfig:
     """LoRA (`rank > 0`): after the warm start (which, like `model.init_from_hf`, makes the base) the learner trains
     low-rank adapters on the linear layers and nothing else; versions carry only the adapters, the servers merge them
     into the base; the KL reference is the base itself (no second copy). `learner.mode: sft` trains adapters too."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts options (routing replay)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """PPO's value model and GAE (`enabled: true`, with `replay.advantage_estimator: gae`): each train step computes
     the critic's values of the batch, GAE advantages and returns, the policy's steps, then one critic step on the

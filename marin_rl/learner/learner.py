@@ -136,7 +136,9 @@ class Learner:
         self.optimizer = config.optimizer.build()
         """The RL optimizer (`learner.optimizer`); each compiled policy step takes it, so it may be replaced."""
         dtype = resolve_compute_dtype(model_config.compute_dtype, self.sharding.platform)
-        self.policy_setup = PolicySetup(config.loss, self.temperature, config.microbatches, self.sharding, dtype)
+        self.policy_setup = PolicySetup(
+            config.loss, self.temperature, config.microbatches, self.sharding, dtype, config.moe.routing_replay
+        )
         """What the policy's RL step is compiled for, its compute dtype too (`marin_rl.learner.step.policy_step`)."""
         self.model = build_model(model_config, vocab_size)
         self.num_params = parameter_count(self.model)
@@ -163,7 +165,10 @@ class Learner:
         self._policy_step = policy_step(self.policy_setup)
         self._supervised_step = compiled_supervised_step(self.sharding.params, dtype)
         self._prepare = eqx.filter_jit(lambda *a: prepare_logprobs(self.policy_setup, *a))
-        self._logprobs = eqx.filter_jit(lambda model, ex: policy_logprobs(model, ex, self.temperature, dtype)[0].array)
+        replay = config.moe.routing_replay
+        self._logprobs = eqx.filter_jit(
+            lambda model, ex: policy_logprobs(model, ex, self.temperature, dtype, replay)[0].array
+        )
         self._supervised_nll = eqx.filter_jit(lambda model, ex: supervised_nll(model, ex, dtype))
         logger.debug("learner: %s parameters", f"{self.num_params:,}")  # the driver and the programs say it
         if self.mesh is not None:

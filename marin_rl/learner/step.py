@@ -32,6 +32,7 @@ from marin_rl.learner.sharding import Sharding
 from marin_rl.learner.train_state import TrainState
 from marin_rl.model import lora
 from marin_rl.model.logprobs import token_logprobs, token_logprobs_at
+from marin_rl.model.moe import with_replayed_routing
 from marin_rl.model.value import head_on, token_values
 
 
@@ -115,6 +116,8 @@ class PolicySetup:
     compute_dtype: str | None = None
     """The forward and backward passes' dtype (`model.compute_dtype` resolved for the devices, e.g. 'bfloat16'); the
     parameters, logprobs and loss stay float32. None: the parameters' own dtype."""
+    routing_replay: bool = False
+    """A mixture of experts routes each token by the sampler's recorded experts (`learner.moe.routing_replay`)."""
 
     def loss_config_for(self, loss: LossSpec) -> LossConfig:
         """The `LossConfig` a loss sees: the run's, with a built-in objective's name when `loss` is one."""
@@ -139,17 +142,32 @@ class PolicySetup:
         return self.microbatches > 1 and self.kept_depends_on_proximal(loss)
 
 
-def policy_logprobs(model, ex: RlExample, temperature: float, compute_dtype: str | None = None):
-    """(logprobs, entropies) of every token of `ex` under `model` at `temperature`, computed in `compute_dtype`."""
+def policy_logprobs(
+    model, ex: RlExample, temperature: float, compute_dtype: str | None = None, routing_replay: bool = False
+):
+    """(logprobs, entropies) of every token of `ex` under `model` at `temperature`, computed in `compute_dtype`; with
+    `routing_replay` a mixture of experts routes each token by `ex.routed_experts` (`replayed_routing`)."""
     args = (ex.input_ids, ex.position_ids, ex.segment_ids)
+    model = replayed_routing(model, ex) if routing_replay else model
     return token_logprobs(model, *args, temperature=temperature, compute_dtype=compute_dtype)
+
+
+def replayed_routing(model, ex: RlExample):
+    """`model` routing each token of `ex` by the sampler's recorded experts (`marin_rl.model.moe`); ValueError when
+    the batch carries none."""
+    if ex.routed_experts is None:
+        raise ValueError(
+            "learner.moe.routing_replay: the batch carries no routed experts (the rollouts were sampled without "
+            "recording them)"
+        )
+    return with_replayed_routing(model, ex.routed_experts)
 
 
 def policy_grads(setup: PolicySetup, model, reference, ex: RlExample, normalizers, loss: LossSpec):
     """The RL loss's gradient over `model`'s trainable parameters (with LoRA the adapters) on `ex`, with the
     reference logprobs filled in from `reference` when the batch lacks them; returns (grads, metrics)."""
     if reference is not None and ex.reference_logprobs is None:
-        ref_lp, _ = policy_logprobs(reference, ex, setup.temperature, setup.compute_dtype)
+        ref_lp, _ = policy_logprobs(reference, ex, setup.temperature, setup.compute_dtype, setup.routing_replay)
         ex = dataclasses.replace(ex, reference_logprobs=jax.lax.stop_gradient(ref_lp))
     config = setup.loss_config_for(loss)
     trainable, frozen = lora.split(model)  # with LoRA only the adapters get gradients
@@ -160,12 +178,16 @@ def policy_grads(setup: PolicySetup, model, reference, ex: RlExample, normalizer
             if ex.teacher_top_ids is None:
                 raise ValueError(f"loss {loss.name!r} needs the teacher's top-k in the batch: set teacher.top_k > 0")
             args = (ex.input_ids, ex.position_ids, ex.segment_ids, ex.teacher_top_ids)
+            policy = lora.join(t, frozen)
+            policy = replayed_routing(policy, ex) if setup.routing_replay else policy
             lp, ent, top = token_logprobs_at(
-                lora.join(t, frozen), *args, temperature=setup.temperature, compute_dtype=setup.compute_dtype
+                policy, *args, temperature=setup.temperature, compute_dtype=setup.compute_dtype
             )
             extra["student_top_logprobs"] = top
         else:
-            lp, ent = policy_logprobs(lora.join(t, frozen), ex, setup.temperature, setup.compute_dtype)
+            lp, ent = policy_logprobs(
+                lora.join(t, frozen), ex, setup.temperature, setup.compute_dtype, setup.routing_replay
+            )
         value, metrics = loss(lp, ent, ex, config=config, normalizers=normalizers, **extra)
         return value, {**metrics, "loss": value}
 
@@ -225,11 +247,11 @@ def prepare_logprobs(setup: PolicySetup, model, reference, ex: RlExample, num_ch
         chunk = from_raw(raw)
         out = {}
         if want_prox:
-            out["proximal_logprobs"] = policy_logprobs(model, chunk, setup.temperature, setup.compute_dtype)[0].array
+            lp, _ = policy_logprobs(model, chunk, setup.temperature, setup.compute_dtype, setup.routing_replay)
+            out["proximal_logprobs"] = lp.array
         if want_ref:
-            out["reference_logprobs"] = policy_logprobs(reference, chunk, setup.temperature, setup.compute_dtype)[
-                0
-            ].array
+            lp, _ = policy_logprobs(reference, chunk, setup.temperature, setup.compute_dtype, setup.routing_replay)
+            out["reference_logprobs"] = lp.array
         return out
 
     if not (want_prox or want_ref):

@@ -32,6 +32,7 @@ class Sequence:
     teacher_logprobs: np.ndarray | None = None
     teacher_top_ids: np.ndarray | None = None
     teacher_top_logprobs: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -86,6 +87,7 @@ class Sequence:
             teacher_logprobs=rollout.teacher_logprobs() if teacher else None,
             teacher_top_ids=top_ids,
             teacher_top_logprobs=top_lps,
+            routed_experts=rollout.routed_experts(),
         )
 
     @staticmethod
@@ -97,7 +99,7 @@ class Sequence:
     ) -> list[Sequence]:
         """`from_rollout` of each rollout (same arguments, one per rollout; None for all: none), in one pass over all
         their turns and one conversion per field for all of them; the sequences are views of the batch-wide arrays.
-        Rollouts with per-token rewards or a teacher's logprobs go through `from_rollout` one by one."""
+        Rollouts with per-token rewards, a teacher's logprobs or routed experts go through `from_rollout` one by one."""
         n = len(rollouts)
         credits = reward_credits or [None] * n
         token_adv = token_advantages or [None] * n
@@ -110,7 +112,9 @@ class Sequence:
         truncated: list[bool] = []
         plain: list[int] = []  # the rollouts converted together
         for i, r in enumerate(rollouts):
-            if credits[i] is not None or any(t.teacher_logprobs is not None for t in r.turns):
+            if credits[i] is not None or any(
+                t.teacher_logprobs is not None or t.routed_experts is not None for t in r.turns
+            ):
                 continue
             plain.append(i)
             before = len(ids)

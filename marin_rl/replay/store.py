@@ -48,7 +48,8 @@ SCHEMA_VERSION = 2
 
 OPTIONAL_COLUMNS = ("token_advantages", "segment", "group_index")
 """Columns added without a version bump: files written before them lack them and read as None (so do the turns'
-`teacher_logprobs`, `teacher_top_ids` and `teacher_top_logprobs`, fields of the turn struct added the same way)."""
+`teacher_logprobs`, `teacher_top_ids`, `teacher_top_logprobs` and `routed_experts`, fields of the turn struct added
+the same way)."""
 
 _ARROW_TYPES = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "list[int] | None": pa.list_(pa.int64())}
 _META = pa.struct([(f.name, _ARROW_TYPES[f.type]) for f in dataclasses.fields(InferenceMetadata)])
@@ -71,7 +72,7 @@ _TURN = pa.struct(
         ("rewards", pa.map_(pa.string(), pa.float64())),
         ("inference_metadata", _META),
         ("timestamp", pa.float64()),
-        *_TURN_LISTS.items(),  # the teacher's, added later (`TURN_TOKEN_LISTS`)
+        *_TURN_LISTS.items(),  # the teacher's and the routed experts, added later (`TURN_TOKEN_LISTS`)
     ]
 )
 ROLLOUT_SCHEMA = pa.schema(

@@ -89,6 +89,7 @@ def _plainly_valid(group: RolloutGroup, vocab_size: int | None) -> bool:
                     t.teacher_logprobs is not None
                     or t.teacher_top_ids is not None
                     or t.teacher_top_logprobs is not None
+                    or t.routed_experts is not None
                 ):
                     return False
                 ids += t.token_ids

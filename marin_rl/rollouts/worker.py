@@ -131,6 +131,7 @@ class RolloutWorker:
         timeout_s: float = 600.0,
         client_factory: Callable[[], PolicyClient | InProcessPolicyClient] | None = None,
         api_key: str | None = None,
+        routed_experts: bool = False,
     ):
         if not addresses and client_factory is None:
             raise ValueError("RolloutWorker needs at least one server address (or a client_factory)")
@@ -138,6 +139,8 @@ class RolloutWorker:
         self.timeout_s = timeout_s
         self.client_factory = client_factory
         self.api_key = api_key
+        self.routed_experts = routed_experts
+        """Its clients ask for each sample's routing (routing replay)."""
         self._clients: dict[str, PolicyClient] = {}
         self._retired: list[PolicyClient] = []  # clients replaced by `set_servers`, closed by `aclose`
         self._old = dict.fromkeys(CLIENT_COUNTERS, 0.0)  # counted by replaced clients
@@ -151,7 +154,9 @@ class RolloutWorker:
             if self.client_factory is not None:
                 self._clients[role] = self.client_factory()
             else:
-                self._clients[role] = PolicyClient(self.addresses, timeout_s=self.timeout_s, api_key=self.api_key)
+                self._clients[role] = PolicyClient(
+                    self.addresses, timeout_s=self.timeout_s, api_key=self.api_key, routed_experts=self.routed_experts
+                )
         return self._clients[role]
 
     def set_servers(self, addresses: Sequence[str]) -> None:

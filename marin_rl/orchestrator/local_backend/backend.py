@@ -166,7 +166,7 @@ class LocalBackend:
         for e in cfg.envs:
             env = make_environment(e, self.tokenizer, seed=cfg.orchestrator.seed, max_seq_len=cfg.batcher.max_seq_len)
             self.reward_clients += attach_run_reward_models(env, cfg, e, reward_addresses).values()
-            worker = RolloutWorker(client_factory=lambda: InProcessPolicyClient(self.server))
+            worker = RolloutWorker(client_factory=self._policy_client)
             self.workers[e.name] = worker
             self.pools[e.name] = LocalWorkerPool(
                 env,
@@ -190,6 +190,10 @@ class LocalBackend:
             jax.devices()[0].platform,
             time.time() - t,
         )
+
+    def _policy_client(self) -> InProcessPolicyClient:
+        """An env worker's client of the colocated engine (asking for each sample's routing under routing replay)."""
+        return InProcessPolicyClient(self.server, routed_experts=self.config.learner.moe.routing_replay)
 
     def _start_teacher(self) -> TeacherScorer:
         """The teacher's engine (the embedded server built from `teacher.path`'s checkpoint, as a Ray run's teacher

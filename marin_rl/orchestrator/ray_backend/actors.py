@@ -192,7 +192,10 @@ class EnvActor:
         # reward models as named rewards (`reward_servers`: addresses)
         attach_run_reward_models(self.env, config, self.env_config, reward_servers or {})
         self.worker = RolloutWorker(
-            servers, timeout_s=config.inference.request_timeout_s, api_key=config.inference.api_key
+            servers,
+            timeout_s=config.inference.request_timeout_s,
+            api_key=config.inference.api_key,
+            routed_experts=config.learner.moe.routing_replay,  # the samples carry their routing
         )
         self.eval_seed = config.orchestrator.seed if config.orchestrator.deterministic else None
         self.greedy_baseline = config.algorithm().greedy_baseline  # ReMax: a greedy episode beside each group

@@ -478,7 +478,7 @@ class LearnerConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start before RL."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh and axis mappings (data / fsdp / tensor parallelism), over the devices of every host."""
+    """Device mesh and axis mappings (data / fsdp / tensor / expert parallelism), over the devices of every host."""
     hosts: int = bounded(1, ge=1)
     """Learner processes, one per host: with more than one, they join one JAX distributed runtime
     (`jax.distributed`) and the mesh spans every host's devices (placement: `placement.learner`)."""

@@ -519,6 +519,7 @@ class RunConfig:
             raise ValueError("tracking.wandb_mode must be 'disabled', 'offline' or 'online'")
         if self.batcher.max_seq_len > self.inference.max_seq_len:
             raise ValueError("batcher.max_seq_len must not exceed inference.max_seq_len")
+        self.learner.mesh.check_model(self.model.architecture)
         if self.inference.backend == "levanter":
             refusal = engine_refusal(self.model.architecture, self.inference.levanter.engine)
             if refusal:

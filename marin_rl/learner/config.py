@@ -301,7 +301,12 @@ class SftConfig:
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
-"""Physical axes of the learner's device mesh, in order."""
+"""Physical axes every learner mesh has, in order (with `learner.mesh.expert` > 1 also `EXPERT_AXIS`, after "data")."""
+EXPERT_AXIS = "expert"
+"""The expert-parallel mesh axis: present only when `learner.mesh.expert` > 1."""
+EXPERTS = "experts"
+"""The named axis of Levanter's mixture-of-experts parameters (`config.Experts` of Mixtral and Qwen3-MoE): the
+stacked experts' weights (`MoELinear`) and the router's output."""
 
 
 def routes_experts(architecture) -> bool:
@@ -313,44 +318,99 @@ def routes_experts(architecture) -> bool:
 class MeshConfig:
     """The learner's device mesh and how named axes map onto it.
 
-    The mesh has three physical axes, `data × fsdp × tensor`: batch rows are split over `data` and `fsdp`, parameters
-    and optimizer state are split over `fsdp` (their `embed` axis by default) and `tensor` (`mlp`, `heads`,
-    `kv_head`). The same config runs on CPU, GPU and TPU devices. On a single device the learner uses no mesh at all.
+    The mesh has three physical axes, `data × fsdp × tensor` (`MESH_AXES`), and a fourth, `expert` (after `data`),
+    when `expert` > 1: batch rows are split over `data`, `expert` and `fsdp`, parameters and optimizer state over
+    `fsdp` (their `embed` axis by default), `tensor` (`mlp`, `heads`, `kv_head`) and `expert` (the experts of a
+    mixture-of-experts model). The same config runs on CPU, GPU and TPU devices. On a single device the learner uses
+    no mesh at all.
+
+    Mappings may name the `expert` axis whatever its size; with `expert` = 1 the mesh has no such axis and those
+    mappings drop it (a size-1 axis splits nothing), so the mesh, the mappings and every placement are exactly those
+    of a three-axis mesh.
     """
 
     data: int = bounded(-1, ge=1, also=(-1,))
-    """Size of the data-parallel axis; -1: all devices that `fsdp × tensor` leaves."""
+    """Size of the data-parallel axis; -1: all devices that `expert × fsdp × tensor` leaves."""
     fsdp: int = bounded(1, ge=1)
     """Size of the fully-sharded data-parallel axis: batch rows and parameters (see `param_mapping`) split over it."""
     tensor: int = bounded(1, ge=1)
     """Size of the tensor-parallel axis: the named axes that `compute_mapping` maps to "tensor" split over it."""
+    expert: int = bounded(1, ge=1)
+    """Size of the expert-parallel axis (mixture-of-experts models only; it must divide their number of experts):
+    each device keeps `1/expert` of every layer's experts (and of the router's weight) and of their optimizer state
+    (`param_mapping` maps the `experts` axis to it), and batch rows are split over it too, as over `data` (the usual
+    expert-parallel layout: the expert devices are data-parallel for everything but the experts). 1: no expert axis
+    (the default). How the experts' matrix products run on split weights is XLA's choice (`marin_rl.learner.sharding`
+    says more): exact either way, with an all-gather at worst a step briefly holds one layer's full experts."""
     compute_mapping: dict[str, str | list[str]] = field(
-        default_factory=lambda: {"batch": ["data", "fsdp"], "mlp": "tensor", "heads": "tensor", "kv_head": "tensor"}
+        default_factory=lambda: {
+            "batch": ["data", EXPERT_AXIS, "fsdp"],
+            "mlp": "tensor",
+            "heads": "tensor",
+            "kv_head": "tensor",
+        }
     )
     """Named (logical) axis → mesh axis or axes, for activations and the batch; also the base of `param_mapping`.
-    Axes not named here are replicated."""
-    param_mapping: dict[str, str | list[str]] = field(default_factory=lambda: {"embed": "fsdp"})
-    """Overrides of `compute_mapping` for parameters and optimizer state (FSDP: the `embed` axis over "fsdp")."""
+    Axes not named here are replicated. It may not map `experts`: Levanter's routers take the softmax and top-k over
+    the experts inside shard_maps that must see them all (tracing fails); `param_mapping` splits the experts."""
+    param_mapping: dict[str, str | list[str]] = field(default_factory=lambda: {"embed": "fsdp", EXPERTS: EXPERT_AXIS})
+    """Overrides of `compute_mapping` for parameters and optimizer state (FSDP: the `embed` axis over "fsdp"; expert
+    parallelism: the `experts` axis over "expert")."""
 
     def __post_init__(self):
         check_fields(self, "learner.mesh")
+        axes = (*MESH_AXES, EXPERT_AXIS)
         for which in ("compute_mapping", "param_mapping"):
             for axis, target in getattr(self, which).items():
                 targets = [target] if isinstance(target, str) else list(target)
-                unknown = [t for t in targets if t not in MESH_AXES]
+                unknown = [t for t in targets if t not in axes]
                 if unknown or not targets:
-                    raise ValueError(
-                        f"learner.mesh.{which}[{axis!r}] = {target!r} must name mesh axes among {MESH_AXES}"
-                    )
+                    raise ValueError(f"learner.mesh.{which}[{axis!r}] = {target!r} must name mesh axes among {axes}")
+        if EXPERTS in self.compute_mapping:
+            raise ValueError(
+                f"learner.mesh.compute_mapping[{EXPERTS!r}]: Levanter's mixture-of-experts routers need every expert "
+                f"on each device; split the experts' parameters with learner.mesh.param_mapping[{EXPERTS!r}] instead"
+            )
+
+    def check_model(self, architecture) -> None:
+        """Raise ValueError naming `learner.mesh.expert` when it is > 1 and `architecture` (a Levanter config) has no
+        experts, or does not split them evenly, or `param_mapping` does not put them on the expert axis."""
+        if self.expert == 1:
+            return
+        if not routes_experts(architecture):
+            raise ValueError(
+                f"learner.mesh.expert={self.expert}, but {type(architecture).__name__} has no mixture-of-experts "
+                "layers: expert parallelism needs Mixtral or Qwen3-MoE; set learner.mesh.expert: 1"
+            )
+        experts = architecture.Experts
+        if experts.size % self.expert != 0:
+            raise ValueError(
+                f"learner.mesh.expert={self.expert} does not divide the model's {experts.size} experts; choose a "
+                "divisor of the number of experts"
+            )
+        target = self.param_axis_mapping.get(experts.name, ())
+        if EXPERT_AXIS not in ((target,) if isinstance(target, str) else target):
+            raise ValueError(
+                f"learner.mesh.expert={self.expert}, but learner.mesh.param_mapping[{experts.name!r}] = "
+                f"{target or None!r} does not split the experts over the {EXPERT_AXIS!r} axis"
+            )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh's physical axes, in order: `MESH_AXES`, with `EXPERT_AXIS` after "data" when `expert` > 1."""
+        return ("data", EXPERT_AXIS, "fsdp", "tensor") if self.expert > 1 else MESH_AXES
 
     def shape(self, num_devices: int) -> dict[str, int]:
         """The mesh's axis sizes on `num_devices` devices; raises ValueError when the mesh does not fit them."""
-        rest = self.fsdp * self.tensor
+        sizes = {"expert": self.expert} if self.expert > 1 else {}
+        sizes.update(fsdp=self.fsdp, tensor=self.tensor)
+        rest = math.prod(sizes.values())
+        named = " × ".join(f"{k}={v}" for k, v in sizes.items())
         if self.data == -1:
             if num_devices % rest != 0:
                 raise ValueError(
-                    f"learner.mesh: fsdp={self.fsdp} × tensor={self.tensor} = {rest} does not divide the "
-                    f"{num_devices} available devices; choose sizes whose product divides the device count"
+                    f"learner.mesh: {named} = {rest} does not divide the {num_devices} available devices; choose "
+                    "sizes whose product divides the device count"
                 )
             data = num_devices // rest
         else:
@@ -358,15 +418,16 @@ class MeshConfig:
         size = data * rest
         if size > num_devices:
             raise ValueError(
-                f"learner.mesh: data={data} × fsdp={self.fsdp} × tensor={self.tensor} = {size} devices, but only "
-                f"{num_devices} are available (jax.devices())"
+                f"learner.mesh: data={data} × {named} = {size} devices, but only {num_devices} are available "
+                "(jax.devices())"
             )
-        return {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
+        return {axis: data if axis == "data" else sizes[axis] for axis in self.axes}
 
     def build(self, devices: list | None = None, *, single: bool = False) -> Mesh | None:
-        """A `jax.sharding.Mesh` over the first `data × fsdp × tensor` of `devices` (default: `jax.devices()`), or
-        None when that is a single device (then the learner runs unsharded, exactly as without a mesh) unless
-        `single` (a model whose layers need a mesh even on one device)."""
+        """A `jax.sharding.Mesh` over the first `data × expert × fsdp × tensor` of `devices` (default:
+        `jax.devices()`), with the axes `axes`, or None when that is a single device (then the learner runs
+        unsharded, exactly as without a mesh) unless `single` (a model whose layers need a mesh even on one
+        device)."""
         import jax
         from jax.sharding import Mesh
 
@@ -378,10 +439,16 @@ class MeshConfig:
         if size < len(devices):
             logger.warning("learner.mesh uses %d of the %d devices", size, len(devices))
         grid = np.asarray(devices[:size], dtype=object).reshape(tuple(shape.values()))
-        return Mesh(grid, MESH_AXES)
+        return Mesh(grid, tuple(shape))
 
     def _resolved(self, mapping: dict) -> dict[str, str | tuple[str, ...]]:
-        return {k: v if isinstance(v, str) else tuple(v) for k, v in mapping.items()}
+        """`mapping` as haliax takes it (tuples), without the expert axis when the mesh has none."""
+        resolved = {}
+        for axis, target in mapping.items():
+            targets = tuple(t for t in ((target,) if isinstance(target, str) else target) if t in self.axes)
+            if targets:
+                resolved[axis] = targets[0] if isinstance(target, str) else targets
+        return resolved
 
     @property
     def compute_axis_mapping(self) -> dict[str, str | tuple[str, ...]]:
@@ -426,7 +493,7 @@ class LearnerConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start before RL."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh and axis mappings (data / fsdp / tensor parallelism), over the devices of every host."""
+    """Device mesh and axis mappings (data / fsdp / tensor / expert parallelism), over the devices of every host."""
     hosts: int = bounded(1, ge=1)
     """Learner processes, one per host: with more than one, they join one JAX distributed runtime
     (`jax.distributed`) and the mesh spans every host's devices (placement: `placement.learner`)."""

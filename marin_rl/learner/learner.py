@@ -128,6 +128,7 @@ class Learner:
         self.config = config
         self.model_config = model_config
         self.temperature = float(temperature)
+        config.mesh.check_model(model_config.architecture)
         self.mesh = config.mesh.build(single=routes_experts(model_config.architecture))
         """The device mesh, or None on a single device (no sharding at all) unless the model routes experts
         (Levanter's mixture-of-experts layers route tokens in a shard_map, which needs a mesh)."""

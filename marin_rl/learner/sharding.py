@@ -1,7 +1,19 @@
 """Where the learner's arrays live: `Sharding`, the device mesh with the axis mappings of parameters and batches.
 
 The policy, the critic and the supervised step all place their parameters, optimizer states and batches through
-one `Sharding` (on a single device without a mesh every placement is the identity)."""
+one `Sharding` (on a single device without a mesh every placement is the identity).
+
+Expert parallelism (`learner.mesh.expert` > 1) is placement alone: the parameter mapping splits the `experts` axis
+of a mixture-of-experts model's weights over the mesh's `expert` axis, and the batch rows split over it as over
+`data`. Levanter's sparse blocks run unchanged under the compute mapping, which leaves `experts` and the flattened
+token axes unmapped: their routing, permuting and unpermuting shard_maps see every token and every expert on each
+device (as they do without expert parallelism), and XLA's partitioner decides how the experts' grouped matrix
+products (`haliax.nn.MoELinear`, `ragged_dot`) meet the split weights. On CPU it multiplies each device's own
+experts and sums the outputs over the expert axis (no weight all-gather; seen in the compiled step; the small
+router weight is all-gathered); a backend that all-gathers the experts instead is equally exact but briefly holds a
+layer's full experts (more if XLA hoists the gathers out of the scan over layers). Either way stored weights and
+optimizer state shrink by the expert axis, while the sparse block still handles every token of the batch on each
+device: a token-dispatching (all-to-all) expert-parallel block is future work."""
 
 from __future__ import annotations
 

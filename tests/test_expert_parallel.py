@@ -95,7 +95,11 @@ print("done")
 """
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(
+    scope="module",
+    # Mixtral's runs in the end-to-end tier (the gate keeps one family: ~45 s a family on two cores)
+    params=[pytest.param(f, marks=pytest.mark.slow) if f == "mixtral" else f for f in FAMILIES],
+)
 def runs(request, tmp_path_factory):
     """One family's runs on every mesh of `MESHES` (one subprocess per family): name → what the worker saved."""
     family = request.param

@@ -65,7 +65,7 @@ def test_help_lists_the_runs_keys_with_the_files_values_and_only_the_chosen_mode
     out = _run(["--config", QUICKSTART, "--help"], timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) < 300
+    assert len(lines) < 340  # the run's own fields, one line each (--help-all: every model type's, ~2,500 lines)
     assert "--config FILE" in out.stdout and "--help-all" in out.stdout
     by_key = {line.split()[0]: line for line in lines if line.startswith("  --")}
     # dotted key, type, the file's value (not the dataclass default) and the field's docstring

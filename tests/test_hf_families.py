@@ -53,6 +53,9 @@ LOADED = (
 )
 """Cases that must load and agree with transformers."""
 
+# The mixture-of-experts tests below run Mixtral in the end-to-end tier: the gate keeps Qwen3-MoE, and Mixtral's
+# engine parity in the matrix (`test_each_engine_samples_what_the_learner_scores_or_refuses_the_family_by_name`).
+
 REFUSED = {
     "llama_dynamic": "rope_type: 'dynamic' is not supported",
     "mistral_window_8": "sliding_window: 8 tokens is shorter than the context of 128 positions",
@@ -329,7 +332,7 @@ def _router_margins(path: Path, sequences: np.ndarray) -> np.ndarray:
     return np.stack(margins)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_dense_engine_samples_mixture_of_experts_checkpoints_as_the_learner_scores_them(reference, name):
     """Longer generations than the matrix's: 8 sequences (3 prompts, shared by the groups that sample them) of 40
     sampled tokens each, so the decode steps route hundreds of tokens; every sampled token's logprob equals the
@@ -373,7 +376,7 @@ def _packed(seqs: np.ndarray, logprobs: np.ndarray | None = None):
     )
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_embedded_server_serves_a_mixture_of_experts_learner_on_the_dense_engine(reference, name):
     """The embedded server on the dense engine serves a learner's mixture-of-experts policy (arrays on the learner's
     one-device mesh, calls under the server's own mesh and axis mapping): each sampled token's logprob equals the
@@ -427,7 +430,7 @@ def test_the_embedded_server_serves_a_mixture_of_experts_learner_on_the_dense_en
         server.stop()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_learner_scores_and_trains_mixture_of_experts_checkpoints_on_one_device(reference, name):
     """Levanter routes experts in a shard_map, which needs a device mesh: on one device the learner builds a
     one-device mesh for such a model (others run without one). Its logprobs equal transformers' and a step trains."""

@@ -162,7 +162,7 @@ def engines():
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_the_engine_records_the_routing_the_learner_replays(engines, family):
     """Each generation comes with the experts of every token the engine fed (prompt in the prefill, sampled tokens in
     the decode steps; none for the last sampled token); they are the learner's own choices on the sequence, and

@@ -394,3 +394,33 @@ def test_the_moe_quickstart_learns_with_routing_replay(tmp_path):
         routes = s.rollout.routed_experts()
         assert routes is not None and routes.shape == (s.rollout.num_tokens, LAYERS * K)
         assert (routes >= 0).sum(-1).astype(bool).sum() == s.rollout.num_tokens - 1  # all but the last token's
+
+
+def test_a_later_prompt_fills_the_routing_the_earlier_turns_lack():
+    """A multi-turn conversation: each request's prompt is every turn so far, and its routing fills what the turns
+    lack (the environment's turn; the previous policy turn's last token, never fed before), keeping what they have."""
+    from marin_rl.envs.base import SamplingParams, add_prompt_routing, policy_turn
+    from marin_rl.inference.client import Sample
+
+    def sample(prompt_len: int, tokens: list[int], first: int) -> Sample:
+        routes = np.arange(first, first + prompt_len + len(tokens)).repeat(2).reshape(-1, 2).astype(np.int16)
+        routes[-1] = moe.NO_EXPERT
+        return Sample(tokens, [-1.0] * len(tokens), "", "stop", 0, 0, "s", 0.0, routed_experts=routes)
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    from marin_rl.types import Turn
+
+    turns = [Turn("user", "", [1, 2, 3])]
+    first = sample(3, [4, 5], 0)
+    add_prompt_routing(turns, first)
+    turns.append(policy_turn(first, "", sampling))
+    assert turns[0].routed_experts == [[0, 0], [1, 1], [2, 2]]
+    assert turns[1].routed_experts == [[3, 3], [-1, -1]]
+    turns.append(Turn("tool", "", [6, 7]))
+    second = sample(7, [8], 100)  # the prompt: the five tokens so far and the tool's two
+    add_prompt_routing(turns, second)
+    assert turns[0].routed_experts == [[0, 0], [1, 1], [2, 2]], "recorded routing stands"
+    assert turns[1].routed_experts == [[3, 3], [104, 104]], "the last token's, first fed in the second prompt"
+    assert turns[2].routed_experts == [[105, 105], [106, 106]]
+    with pytest.raises(ValueError, match="covers a prompt of 6 tokens, the turns before it hold 7"):
+        add_prompt_routing(turns, sample(6, [9], 0))

@@ -436,8 +436,9 @@ class SingleTurnEnvironment(Environment):
 
 def add_prompt_routing(turns: list[Turn], sample: Sample) -> None:
     """Give `turns` (the conversation before a policy turn: their tokens, concatenated, were `sample`'s prompt) the
-    sampler's routing of their tokens (`Sample.routed_experts`, routing replay), those that have none; nothing
-    when the sample carries none."""
+    sampler's routing of their tokens (`Sample.routed_experts`, routing replay): to those that have none, and to the
+    tokens of the others that have none recorded (an earlier policy turn's last token, first fed in this prompt);
+    nothing when the sample carries none. Routing recorded earlier stands (it produced that turn's logprobs)."""
     routes = sample.routed_experts
     if routes is None:
         return
@@ -446,6 +447,10 @@ def add_prompt_routing(turns: list[Turn], sample: Sample) -> None:
         end = start + len(turn.token_ids)
         if turn.routed_experts is None:
             turn.routed_experts = routes[start:end].tolist()
+        else:
+            for i, row in enumerate(turn.routed_experts):
+                if all(e < 0 for e in row):
+                    turn.routed_experts[i] = routes[start + i].tolist()
         start = end
     if start != len(routes) - len(sample.token_ids):
         raise ValueError(

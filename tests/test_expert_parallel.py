@@ -8,13 +8,11 @@ As in tests/test_sharding.py, the sharded runs happen in one subprocess started 
 """
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
-from subprocess_env import TESTS, subprocess_env
+from subprocess_env import run_on_cpu_devices
 
 from marin_rl.config import RunConfig, parse_config
 from marin_rl.learner.config import EXPERTS, MESH_AXES, LearnerConfig, MeshConfig
@@ -104,15 +102,7 @@ def runs(request, tmp_path_factory):
     """One family's runs on every mesh of `MESHES` (one subprocess per family): name → what the worker saved."""
     family = request.param
     out = tmp_path_factory.mktemp(f"expert_parallel_{family}")
-    env = subprocess_env(TESTS, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, str(out), json.dumps(MESHES), json.dumps([family])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_on_cpu_devices(WORKER, str(out), json.dumps(MESHES), json.dumps([family]))
     results = {}
     for name in MESHES:
         with open(out / f"{family}_{name}.json") as f:

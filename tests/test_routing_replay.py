@@ -329,26 +329,17 @@ def test_a_learner_step_trains_with_replayed_routing_and_refuses_a_batch_without
     """With `learner.moe.routing_replay` the learner's logprobs follow the batch's record: a record of the model's
     own routing gives the unreplayed logprobs, another record other ones; a step trains; a batch without a record is
     refused by name."""
+    from test_hf_families import _packed
+
     from marin_rl.learner.config import LearnerConfig, MoeConfig
     from marin_rl.learner.learner import Learner
-    from marin_rl.types import PackedBatch
 
     learner = Learner(
         ModelConfig(architecture=_architecture("qwen3_moe")), LearnerConfig(moe=MoeConfig(routing_replay=True)), VOCAB
     )
     seqs = np.random.default_rng(2).integers(0, VOCAB, (2, 16)).astype(np.int32)
-    positions = np.tile(np.arange(16, dtype=np.int32), (2, 1))
-    mask = positions >= 4
-    batch = PackedBatch(
-        input_ids=seqs,
-        position_ids=positions,
-        segment_ids=np.zeros_like(seqs),
-        loss_mask=mask,
-        advantages=np.where(mask, np.asarray([[1.0], [-1.0]]), 0).astype(np.float32),
-        sampler_logprobs=np.zeros(seqs.shape, np.float32),
-        token_versions=np.where(mask, 0, -1).astype(np.int32),
-        routed_experts=_own_routing(learner.model, seqs).astype(np.int16),
-    )
+    batch = dataclasses.replace(_packed(seqs), routed_experts=_own_routing(learner.model, seqs).astype(np.int16))
+    mask = batch.loss_mask
     with jax.default_matmul_precision("highest"):
         own = learner.logprobs(batch)
         other = learner.logprobs(dataclasses.replace(batch, routed_experts=(batch.routed_experts + 3) % 8))

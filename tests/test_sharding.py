@@ -6,12 +6,10 @@ losses, metrics and updated parameters for this process to compare.
 """
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from subprocess_env import TESTS, subprocess_env
+from subprocess_env import run_on_cpu_devices
 
 from marin_rl.learner.config import LearnerConfig, MeshConfig
 
@@ -90,15 +88,7 @@ PARAM_ATOL = 5e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding")
-    env = subprocess_env(TESTS, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, str(out), json.dumps(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_on_cpu_devices(WORKER, str(out), json.dumps(CASES))
     results = {}
     for name, _, _ in CASES:
         with open(out / f"{name}.json") as f:

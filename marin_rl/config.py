@@ -305,12 +305,15 @@ class RunConfig:
         `replay.advantage_estimator` is `learner.algorithm`'s (the algorithm decides what the replay buffers
         compute; `learner.critic.enabled` it decides as the learner config is built);
         `inference.levanter.batch_invariant` is on for `orchestrator.deterministic` runs (which groups share an
-        engine batch depends on timing; results must not)."""
+        engine batch depends on timing; results must not); `inference.levanter.record_routing` is on with
+        `learner.moe.routing_replay` (the engine records what the learner replays)."""
         out = copy.deepcopy(self)
         algorithm = get_algorithm(out.learner.algorithm)
         out.replay.advantage_estimator = algorithm.advantage_estimator
         if out.orchestrator.deterministic:
             out.inference.levanter.batch_invariant = True
+        if out.learner.moe.routing_replay:
+            out.inference.levanter.record_routing = True
         return out
 
     @property

@@ -158,7 +158,9 @@ def engines():
     for family in ("qwen3_moe", "mixtral"):
         model = _model(family)
         sampler = _FullDistributionSampler(model.Vocab)
-        out[family] = DenseEngine(model, sampler, max_seqs=8, max_seq_len=64, max_stop_seqs=1, max_stop_tokens=1)
+        out[family] = DenseEngine(
+            model, sampler, max_seqs=8, max_seq_len=64, max_stop_seqs=1, max_stop_tokens=1, record_routing=True
+        )
     return out
 
 
@@ -238,7 +240,9 @@ def test_routes_travel_from_the_server_through_the_turns_and_the_store_to_the_pa
 
     tok = build_char_tokenizer()
     model = build_model(ModelConfig(architecture=_architecture("qwen3_moe")), len(tok))
-    config = InferenceConfig(max_seqs=8, max_seq_len=64, levanter=LevanterServerConfig(engine="dense"))
+    config = InferenceConfig(
+        max_seqs=8, max_seq_len=64, levanter=LevanterServerConfig(engine="dense", record_routing=True)
+    )
     server = LevanterInferenceServer(model, tok, config)
     server.apply_weights(0, [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))])
     address = server.start()
@@ -322,7 +326,8 @@ def test_routing_replay_is_refused_without_an_expert_model_or_a_recording_engine
         parse_config([*base, "--inference.backend", "vllm"])
     with pytest.raises(SystemExit, match="learner.moe.routing_replay: LlamaConfig has no expert layers"):
         parse_config(["--config", "experiments/quickstart_local.yaml", "--learner.moe.routing_replay", "true"])
-    assert parse_config(base).learner.moe.routing_replay
+    resolved = parse_config(base)
+    assert resolved.learner.moe.routing_replay and resolved.inference.levanter.record_routing, "derived from it"
 
 
 def test_a_learner_step_trains_with_replayed_routing_and_refuses_a_batch_without_it():

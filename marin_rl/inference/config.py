@@ -72,6 +72,10 @@ class LevanterServerConfig:
     """Dense engine: decode every batch at `max_seqs` rows instead of the smallest of a few row counts that fits, so
     a sequence's logprobs are bit-identical whatever shares its batch (across row counts they differ by ~5e-7,
     because each row count is its own compiled program). `orchestrator.deterministic` turns it on."""
+    record_routing: bool = False
+    """Dense engine, mixture-of-experts model: record each fed token's experts (`[slots, positions, layers × k]`
+    int16 on the devices) and answer `return_routed_experts` requests with them (routing replay).
+    `learner.moe.routing_replay` turns it on; off, a request for them gets none."""
     prefill_tokens: int = bounded(4096, ge=1)
     """Prompt tokens prefilled together: the paged engine admits at most this many per call (and at most
     `max_seqs`); the dense engine prefills in calls of at most this many (distinct prompts × their padded length)."""

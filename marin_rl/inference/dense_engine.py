@@ -249,9 +249,11 @@ class _Slots(eqx.Module):
     routes: jnp.ndarray | None  # [slot, S, layers × k] a mixture of experts' routing of each fed token (-1: none)
 
 
-def _empty_slots(model: LmHeadModel, slots: int, positions: int, stops_shape: tuple[int, int], cache_dtype) -> _Slots:
+def _empty_slots(
+    model: LmHeadModel, slots: int, positions: int, stops_shape: tuple[int, int], cache_dtype, record_routing: bool
+) -> _Slots:
     cfg = model.transformer.layers.unstacked()[0].self_attn.config
-    shape = routing_shape(model)
+    shape = routing_shape(model) if record_routing else None
     heads, head_size = cfg.KVHeads.size, cfg.HeadSize.size
     caches = [
         (
@@ -422,6 +424,7 @@ class DenseEngine:
         max_stop_tokens: int,
         cache_dtype=jnp.float32,
         batch_invariant: bool = False,
+        record_routing: bool = False,
         decode_steps: int = 16,
         prefill_tokens: int = 4096,
     ):
@@ -436,6 +439,8 @@ class DenseEngine:
         self.max_stop_tokens = max_stop_tokens
         self.cache_dtype = cache_dtype
         self.batch_invariant = batch_invariant
+        self.record_routing = record_routing and routes_experts(model)
+        """Record a mixture of experts' routing of every fed token (`run`'s routes; else None)."""
         self.decode_steps = decode_steps
         """Decode steps per device call while sequences wait for a slot (a finished slot refills after at most this
         many); with nothing waiting a call decodes to the end."""
@@ -559,7 +564,7 @@ class DenseEngine:
         n = tokens.shape[0]
         out_tokens, out_logprobs = tokens.copy(), np.zeros(tokens.shape, np.float32)
         sampled = np.zeros(n, np.int32)
-        shape = routing_shape(self.model)
+        shape = routing_shape(self.model) if self.record_routing else None
         width_routes = None if shape is None else shape[0] * shape[1]
         out_routes = None if shape is None else np.full((n, tokens.shape[1], width_routes), NO_EXPERT, ROUTE_DTYPE)
 
@@ -578,7 +583,7 @@ class DenseEngine:
         )
         # the cache spans the positions this call's sequences can reach (rounded up to a power of two: few programs)
         width = self.max_seq_len if self.batch_invariant else _bucket(int(limits.max()), 64, self.max_seq_len)
-        state = self._empty(self.model, slots, width, stops.shape[1:], self.cache_dtype)
+        state = self._empty(self.model, slots, width, stops.shape[1:], self.cache_dtype, self.record_routing)
         occupant = [-1] * slots  # request row in each slot
         while True:
             free = [s for s in range(slots) if occupant[s] < 0]
@@ -618,13 +623,14 @@ class DenseEngine:
             ended = [s for s in range(slots) if occupant[s] >= 0 and done[s]]
             if ended:
                 host_tokens, host_logprobs = _to_host(state.tokens), _to_host(state.logprobs)
-                host_routes = None if out_routes is None else _to_host(state.routes)
-                for s in ended:
+                # only the ended slots' routes leave the devices (the whole array is slots × positions × layers × k)
+                host_routes = None if out_routes is None else _to_host(state.routes[np.asarray(ended)])
+                for j, s in enumerate(ended):
                     row = occupant[s]
                     out_tokens[row, :width] = host_tokens[s]
                     out_logprobs[row, :width] = host_logprobs[s]
                     if host_routes is not None:
-                        out_routes[row, :width] = host_routes[s]
+                        out_routes[row, :width] = host_routes[j]
                     sampled[row] = pos[s] + 1 - lengths[row]
                     occupant[s] = -1
                     if finished is not None:

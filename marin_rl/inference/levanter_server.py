@@ -599,6 +599,7 @@ class LevanterInferenceServer(CompletionBackend):
                 max_stop_tokens=engine_config.max_stop_tokens,
                 cache_dtype=_DTYPES[lev.kv_cache_dtype],
                 batch_invariant=lev.batch_invariant,
+                record_routing=lev.record_routing,
                 decode_steps=lev.max_rounds,
                 prefill_tokens=lev.prefill_tokens,
             )

@@ -61,7 +61,15 @@ from levanter.models.mixtral import MixtralDecoderLayer
 from levanter.models.qwen import QwenDecoderLayer
 from levanter.models.qwen3_moe import Qwen3MoeDecoderLayer
 
-from marin_rl.model.moe import NO_EXPERT, ROUTE_DTYPE, moe_forward, routes_experts, routing_shape
+from marin_rl.model.moe import (
+    MOE_LAYERS,
+    NO_EXPERT,
+    ROUTE_DTYPE,
+    moe_forward,
+    routes_experts,
+    routing_shape,
+    sparse_block,
+)
 
 
 @dataclass(frozen=True)
@@ -154,16 +162,15 @@ def _rest_of_layer(layer, residual: hax.NamedArray, out: jnp.ndarray, axes: tupl
     x = residual + attn_output
     residual = x
     x = layer.post_attention_layernorm(x)
-    if isinstance(layer, MixtralDecoderLayer):  # shared experts (if any) and routed ones, summed as the layer does
-        moe_output, experts, _ = moe_forward(layer.block_sparse_moe, x)  # (router statistics: for the aux losses)
-        mlp_output = layer.shared_mlp(x, key=None) if layer.shared_mlp is not None else 0
-        return residual + mlp_output + moe_output, experts.rearrange(("batch", "position", "top_experts")).array
-    experts = None
-    if isinstance(layer, Qwen3MoeDecoderLayer):  # its `mlp` is its sparse block
-        mlp_output, chosen, _ = moe_forward(layer.mlp, x)
+    if not isinstance(layer, MOE_LAYERS):
+        mlp_output, experts = layer.mlp(x, key=None), None
+    else:  # (the router statistics moe_forward also returns are for the aux losses)
+        routed, chosen, _ = moe_forward(sparse_block(layer), x)
         experts = chosen.rearrange(("batch", "position", "top_experts")).array
-    else:
-        mlp_output = layer.mlp(x, key=None)
+        if isinstance(layer, MixtralDecoderLayer):  # shared experts (if any) and routed ones, summed as the layer does
+            shared = layer.shared_mlp(x, key=None) if layer.shared_mlp is not None else 0
+            return residual + shared + routed, experts
+        mlp_output = routed
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_output = layer.post_mlp_layernorm(mlp_output)
     return residual + mlp_output, experts

@@ -159,14 +159,12 @@ def with_replayed_routing(model: LmHeadModel, routed: NamedArray) -> LmHeadModel
     if token_axes[-1].name != Pos:  # the block flattens (batch, its position axis)
         per_layer = per_layer.rename({token_axes[-1].name: Pos})
     stack = model.transformer.layers
-    first = stack.unstacked()[0]
-    get = (lambda m: m.block_sparse_moe) if isinstance(first, MixtralDecoderLayer) else (lambda m: m.mlp)
     if hasattr(stack, "stacked"):  # one stacked layer: the scan slices the experts' `layers` axis per layer
-        replaced = ReplayedRouting(get(stack.stacked), per_layer)
-        return eqx.tree_at(lambda m: get(m.transformer.layers.stacked), model, replaced)
+        replaced = ReplayedRouting(sparse_block(stack.stacked), per_layer)
+        return eqx.tree_at(lambda m: sparse_block(m.transformer.layers.stacked), model, replaced)
     blocks = stack.blocks
     return eqx.tree_at(
-        lambda m: [get(b) for b in m.transformer.layers.blocks],
+        lambda m: [sparse_block(b) for b in m.transformer.layers.blocks],
         model,
-        [ReplayedRouting(get(b), per_layer[Layers.name, i]) for i, b in enumerate(blocks)],
+        [ReplayedRouting(sparse_block(b), per_layer[Layers.name, i]) for i, b in enumerate(blocks)],
     )
